@@ -1,0 +1,138 @@
+"""Console entry points: ``sweep-grid`` (and the other apps as they land).
+
+Each command first composes and validates its config outside Hydra's run
+(so that bad input gets one line and exit code 2, with no run directory and
+no compilation), then hands the command line to ``@hydra.main``, which
+composes again, creates the run directory and runs the job.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import numpy as np
+from hydra import initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from sweep.config.resolve import grid_options
+from sweep.config.schema import ConfigError
+from sweep.config.store import register_configs
+
+CONFIG_MODULE = "sweep.conf"
+register_configs()
+
+
+def _fail(command: str, e: ConfigError) -> None:
+    print(f"{command}: error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _preflight(command: str, app: str, argv: list[str], check) -> None:
+    """Composes and checks the config before Hydra creates a run directory.
+
+    Skipped when Hydra's own flags are given (``--help``, ``--cfg``, ``-m``):
+    those are Hydra's to handle.
+    """
+    if any(a.startswith("-") for a in argv):
+        return
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            check(app, argv)
+    except ConfigError as e:
+        _fail(command, e)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _overrides() -> list[str]:
+    return list(HydraConfig.get().overrides.task)
+
+
+def _progress_bar(console: Console):
+    """A progress callback that draws a bar once a job has several blocks."""
+    state = {}
+
+    def update(done: int, total: int) -> None:
+        if total <= 1:
+            return
+        if "bar" not in state:
+            bar = Progress("{task.description}", BarColumn(),
+                           "{task.completed}/{task.total} blocks",
+                           TimeElapsedColumn(), TimeRemainingColumn(),
+                           console=console, transient=True)
+            bar.start()
+            state["bar"] = bar
+            state["task"] = bar.add_task("evaluating", total=total)
+        state["bar"].update(state["task"], completed=done)
+        if done >= total:
+            state["bar"].stop()
+
+    return update
+
+
+def summary_table(ds) -> Table:
+    """Cheapest fitting point per hardware x model, and the largest concurrency."""
+    table = Table(title="cheapest point that fits, per hardware x model")
+    for col in ("hardware", "model", "TP", "conc.", "batching", "ITL (ms)",
+                "per user (tok/s)", "USD / 1M out", "max conc. fit"):
+        table.add_column(col, justify="left" if col in ("hardware", "model",
+                                                          "batching") else "right")
+    cost = ds["cost_per_mtok_out_usd"]
+    for h in ds.hardware.values:
+        for m in ds.model.values:
+            c = cost.sel(hardware=h, model=m).values
+            if np.all(np.isnan(c)):
+                table.add_row(h, m, "", "", "", "", "", "does not fit", "0")
+                continue
+            pos = np.unravel_index(np.nanargmin(c), c.shape)
+            sel = dict(zip(cost.sel(hardware=h, model=m).dims, pos))
+            pt = ds.sel(hardware=h, model=m).isel(sel)
+            table.add_row(
+                h, m, str(int(pt.tensor_parallel)), str(int(pt.concurrency)),
+                str(pt.batching.values), f"{float(pt.step_s) * 1e3:.2f}",
+                f"{float(pt.user_tokens_per_s):,.0f}",
+                f"{float(pt.cost_per_mtok_out_usd):.3f}",
+                f"{int(pt.max_concurrency_fit):,}",
+            )
+    return table
+
+
+def _grid_check(app: str, overrides: list[str]):
+    from sweep import grid
+
+    base, options = grid_options(app, overrides)
+    return grid.prepare(base, options)
+
+
+@hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="grid",
+            version_base="1.3")
+def _grid_app(cfg: DictConfig) -> None:
+    from sweep import grid, results
+
+    console = Console(stderr=True)
+    try:
+        job = _grid_check("grid", _overrides())
+    except ConfigError as e:
+        _fail("sweep-grid", e)
+    out = Path(job.app.out) if job.app.out else Path(
+        HydraConfig.get().runtime.output_dir) / "cube.zarr"
+    config_yaml = OmegaConf.to_yaml(cfg)
+    attrs = results.provenance(config_yaml, job.app.seed, _overrides())
+    console.print(f"sweep-grid: {job.points:,} points in {len(job.plan)} block(s) "
+                  f"-> {out}")
+    ds = grid.run(job, out, attrs, config_yaml, progress=_progress_bar(console))
+    Console().print(summary_table(ds))
+    console.print(f"cube written to {out}")
+
+
+def grid_main() -> None:
+    """``sweep-grid [hydra overrides]``: evaluate a grid, write ``cube.zarr``."""
+    _preflight("sweep-grid", "grid", sys.argv[1:], _grid_check)
+    _grid_app()

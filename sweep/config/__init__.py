@@ -1,0 +1,1 @@
+"""Config schemas, their registration, and loading validated configs."""

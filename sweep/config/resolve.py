@@ -1,0 +1,115 @@
+"""Composes and validates an app's config, and the option lists of a grid.
+
+A grid's hardware axis is ``grid.hardware`` when given; otherwise the
+``hardware`` chosen on the command line (``hardware=h200_sxm``, or any
+``hardware.<field>=`` override, which refers to the chosen one); otherwise
+every option of the group, user search paths included. The same holds for
+``model``; ``workload`` defaults to the chosen one. Each listed option is
+composed with the user's other overrides, so ``hardware.mbu=0.7`` applies to
+every listed GPU.
+
+Every failure becomes one ``ConfigError`` line naming the key, the value and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from sweep.config.schema import ConfigError
+
+SWEPT_GROUPS = ("hardware", "model", "workload")
+
+
+def group_options(group: str) -> list[str]:
+    """Options of a config group, without the ``base_*`` schemas."""
+    names = GlobalHydra.instance().config_loader().get_group_options(group)
+    return sorted(n for n in names if not n.startswith("base_"))
+
+
+def _one_line(e: BaseException) -> str:
+    cause = e.__cause__ or e.__context__
+    text = str(cause if isinstance(cause, OmegaConfBaseException) else e)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    key = next((ln for ln in lines if ln.startswith("full_key:")), "")
+    head = lines[0] if lines else type(e).__name__
+    return f"{head} ({key})" if key and key not in head else head
+
+
+def compose_object(app: str, overrides: list[str]):
+    """Composes ``app`` with ``overrides`` and returns the validated dataclasses."""
+    try:
+        cfg = compose(config_name=app, overrides=overrides)
+        return OmegaConf.to_object(cfg)
+    except MissingConfigException as e:
+        group, _, name = (e.missing_cfg_file or "").rpartition("/")
+        if group and e.options is not None:
+            opts = ", ".join(o for o in e.options if not o.startswith("base_"))
+            raise ConfigError(f"{group}={name}: unknown option; allowed: {opts}") from None
+        raise ConfigError(_one_line(e)) from None
+    except ConfigError:
+        raise
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+def _named_groups(overrides: list[str]) -> set[str]:
+    """Groups the command line chooses or edits (``g=...`` or ``g.field=...``)."""
+    named = set()
+    for o in OverridesParser.create().parse_overrides(overrides):
+        root = o.key_or_group.split(".")[0].split("/")[0]
+        if root in SWEPT_GROUPS:
+            named.add(root)
+    return named
+
+
+def grid_options(app: str, overrides: list[str]):
+    """The validated app config and the option objects of each swept group.
+
+    Returns:
+      ``(app_config, {group: [config objects]})``.
+    """
+    base = compose_object(app, overrides)
+    named = _named_groups(overrides)
+    names = {}
+    for group in SWEPT_GROUPS:
+        listed = list(getattr(base.grid, group))
+        if listed:
+            names[group] = listed
+        elif group in named or group == "workload":
+            names[group] = None  # the composed choice
+        else:
+            names[group] = group_options(group)
+    for group, listed in names.items():
+        if listed is not None and len(set(listed)) != len(listed):
+            raise ConfigError(f"grid.{group} = {listed}: options must be distinct")
+    # compose option i of every group together: max(len) compositions in all
+    kept = [o for o in overrides
+            if o.split("=")[0].lstrip("+~") not in (*SWEPT_GROUPS, "experiment")]
+    experiment = [o for o in overrides if o.split("=")[0].lstrip("+~") == "experiment"]
+    out = {g: [] for g in SWEPT_GROUPS}
+    count = max(len(v) if v is not None else 1 for v in names.values())
+    for i in range(count):
+        choose = [f"{g}={v[i]}" for g, v in names.items() if v is not None and i < len(v)]
+        if not choose:
+            break
+        try:
+            obj = compose_object(app, experiment + kept + choose)
+        except ConfigError as e:
+            msg = str(e)
+            for g, v in names.items():
+                if v is not None and i < len(v) and msg.startswith(f"{g}={v[i]}:"):
+                    msg = f"grid.{g} entry {msg}"
+            raise ConfigError(msg) from None
+        for g, v in names.items():
+            if v is not None and i < len(v):
+                out[g].append(getattr(obj, g))
+    for g, v in names.items():
+        if v is None:
+            out[g] = [getattr(base, g)]
+    return base, out

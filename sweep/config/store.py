@@ -1,0 +1,25 @@
+"""Registers every schema in Hydra's ConfigStore (one place, called once)."""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from sweep.config.schema import GridApp, axis_range, Grid, Hardware, Model, Workload
+
+_done = False
+
+
+def register_configs() -> None:
+    """Makes ``base_<group>`` schemas and the apps' base configs composable."""
+    global _done
+    if _done:
+        return
+    cs = ConfigStore.instance()
+    cs.store(group="hardware", name="base_hardware", node=Hardware)
+    cs.store(group="model", name="base_model", node=Model)
+    cs.store(group="workload", name="base_workload", node=Workload)
+    cs.store(group="grid", name="base_grid", node=Grid)
+    cs.store(name="base_grid_app", node=GridApp)
+    OmegaConf.register_new_resolver("range", axis_range, replace=True)
+    _done = True

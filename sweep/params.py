@@ -1,0 +1,125 @@
+"""Pytrees of physical parameters that every model function receives.
+
+The Hydra schemas (``sweep.config.schema``) describe what a user writes; these
+NamedTuples are what the JAX code sees: plain float leaves in SI units, so one
+function of one grid point can be ``vmap``-ped over stacked parameters. They
+are NamedTuples rather than ``eqx.Module`` because that is all they need to be:
+immutable pytrees with named fields and no extra dependency.
+
+Conversions from configs happen here and only here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sweep.config.schema import Hardware, Model
+
+BATCHING = ("request", "static", "continuous")
+"""The ``batching`` axis values; the model receives their index."""
+REQUEST, STATIC, CONTINUOUS = range(3)
+
+
+class HardwareParams(NamedTuple):
+    """One GPU type (all leaves float; shape ``()`` per point)."""
+
+    memory_bandwidth_bytes_per_s: jax.Array
+    peak_flops_per_s: jax.Array
+    memory_bytes: jax.Array
+    interconnect_bytes_per_s: jax.Array
+    usd_per_gpu_hour: jax.Array
+    mbu: jax.Array
+    mfu: jax.Array
+    step_overhead_s: jax.Array
+    gpu_memory_utilization: jax.Array
+
+
+class ModelParams(NamedTuple):
+    """One model's roofline-relevant architecture (all leaves float)."""
+
+    shared_params: jax.Array  # read every step (attention, embeddings, dense MLP)
+    expert_params: jax.Array  # routed-expert weights; 0 for a dense model
+    active_params: jax.Array  # parameters one token multiplies through
+    layers: jax.Array
+    q_heads: jax.Array
+    kv_heads: jax.Array
+    head_dim: jax.Array
+    hidden_size: jax.Array
+    experts_per_token_fraction: jax.Array  # k / E; 1 for a dense model
+    weight_dtype_bytes: jax.Array
+    kv_dtype_bytes: jax.Array
+
+
+def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwareParams:
+    """Converts a validated hardware config to float leaves."""
+    return HardwareParams(
+        memory_bandwidth_bytes_per_s=hw.memory_bandwidth_bytes_per_s,
+        peak_flops_per_s=hw.peak_flops_per_s,
+        memory_bytes=hw.memory_bytes,
+        interconnect_bytes_per_s=hw.interconnect_bytes_per_s,
+        usd_per_gpu_hour=hw.usd_per_gpu_hour,
+        mbu=hw.mbu,
+        mfu=hw.mfu,
+        step_overhead_s=hw.step_overhead_s,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
+
+
+def model_params(m: Model) -> ModelParams:
+    """Splits a model's parameters into always-read and routed-expert weights.
+
+    For a mixture of experts with ``E`` experts of which ``k`` serve a token,
+    ``active = shared + expert * k / E`` and ``params = shared + expert``, so
+    ``expert = (params - active) * E / (E - k)``.
+    """
+    if m.num_experts > m.experts_per_token:
+        expert = (m.params - m.active_params) * m.num_experts / (
+            m.num_experts - m.experts_per_token
+        )
+    else:
+        expert = 0.0
+    return ModelParams(
+        shared_params=m.params - expert,
+        expert_params=expert,
+        active_params=m.active_params,
+        layers=float(m.layers),
+        q_heads=float(m.q_heads),
+        kv_heads=float(m.kv_heads),
+        head_dim=float(m.head_dim),
+        hidden_size=float(m.hidden_size),
+        experts_per_token_fraction=m.experts_per_token / m.num_experts,
+        weight_dtype_bytes=float(m.weight_dtype_bytes),
+        kv_dtype_bytes=float(m.kv_dtype_bytes),
+    )
+
+
+def stack(trees: list, dtype=jnp.float32):
+    """Stacks a list of same-structure pytrees of numbers along a new axis 0."""
+    return jax.tree.map(
+        lambda *xs: jnp.asarray(np.array(xs, dtype=np.float64), dtype), *trees
+    )
+
+
+class WorkloadParams(NamedTuple):
+    """The length statistics the roofline needs from a workload."""
+
+    mean_prompt_tokens: jax.Array
+    mean_output_tokens: jax.Array
+    output_values: jax.Array  # shape=(K,), ascending support of output lengths
+    output_probs: jax.Array  # shape=(K,), their probabilities
+
+
+class GridPoint(NamedTuple):
+    """The serving settings of one grid point (each a scalar)."""
+
+    tensor_parallel: jax.Array
+    concurrency: jax.Array
+    token_budget: jax.Array
+    context_tokens: jax.Array
+    batching: jax.Array  # index into BATCHING, int32
+    long_prompt_tokens: jax.Array
+    traffic_tokens_per_day: jax.Array

@@ -1,0 +1,206 @@
+"""The roofline execution model: how long one scheduler step takes.
+
+Every function here is written for one grid point (scalar leaves) and is
+``vmap``-ped from outside. The rules are the SPEC's "execution model":
+
+* a step moves ``weights + KV already cached that the step attends to`` bytes
+  and does ``2 * active_params * tokens + attention`` FLOPs, where one new
+  token attending to ``k`` keys costs ``4 * layers * q_heads * head_dim * k``
+  (QK^T and PV, 2 FLOP per multiply-add);
+* its time is ``max(bytes / (bandwidth * mbu), flops / (peak * mfu))`` plus a
+  fixed overhead.
+
+Tensor parallelism over ``tp`` GPUs splits weights, KV cache and FLOPs evenly
+and adds two ring all-reduces of the step's activations per layer (after
+attention and after the MLP, as in Megatron-LM, Shoeybi et al. 2019,
+arXiv:1909.08053), each moving ``2 (tp - 1) / tp`` times the activation bytes
+over the interconnect. Communication is not overlapped with compute.
+
+A mixture of experts reads its shared weights every step and each routed
+expert when at least one token of the step is sent to it; with ``k`` of ``E``
+experts per token chosen uniformly, ``t`` tokens touch a fraction
+``1 - (1 - k/E)^t`` of the experts (the standard balls-into-bins estimate).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sweep.params import HardwareParams, ModelParams
+
+ACTIVATION_BYTES = 2.0
+"""Bytes per activation element in all-reduces (bf16 activations)."""
+ALLREDUCES_PER_LAYER = 2.0
+
+
+def weight_bytes(model: ModelParams):
+    """All weights resident on the replica, bytes."""
+    return (model.shared_params + model.expert_params) * model.weight_dtype_bytes
+
+
+def kv_bytes_per_token(model: ModelParams):
+    """K and V for every layer and KV head, bytes per cached token."""
+    return 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_dtype_bytes
+
+
+def attention_flops_per_key(model: ModelParams):
+    """FLOPs for one new token attending to one key (QK^T and PV)."""
+    return 4.0 * model.layers * model.q_heads * model.head_dim
+
+
+def weight_bytes_read(model: ModelParams, new_tokens):
+    """Weight bytes a step with ``new_tokens`` tokens reads from memory."""
+    f = model.experts_per_token_fraction
+    # double where: a dense model (f = 1) must not put log(0) in the gradient
+    routed = f < 1.0
+    safe_f = jnp.where(routed, f, 0.5)
+    touched = jnp.where(routed, -jnp.expm1(new_tokens * jnp.log1p(-safe_f)), 1.0)
+    return (model.shared_params + model.expert_params * touched) * (
+        model.weight_dtype_bytes
+    )
+
+
+def allreduce_s(hw: HardwareParams, model: ModelParams, tp, new_tokens):
+    """Time of the step's tensor-parallel all-reduces; 0 at ``tp = 1``."""
+    moved = (
+        2.0 * (tp - 1.0) / tp * new_tokens * model.hidden_size * ACTIVATION_BYTES
+    )
+    return ALLREDUCES_PER_LAYER * model.layers * moved / hw.interconnect_bytes_per_s
+
+
+def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
+           attention_keys):
+    """One step's wall time, seconds.
+
+    Args:
+      tp: GPUs in the tensor-parallel group.
+      new_tokens: tokens the step computes (decodes plus prefill chunk tokens).
+      kv_read_tokens: cached tokens whose KV the step reads (summed over sequences).
+      attention_keys: keys attended to, summed over all new tokens.
+    """
+    bytes_moved = weight_bytes_read(model, new_tokens) + kv_read_tokens * (
+        kv_bytes_per_token(model)
+    )
+    flops = (
+        2.0 * model.active_params * new_tokens
+        + attention_flops_per_key(model) * attention_keys
+    )
+    memory_s = bytes_moved / tp / (hw.memory_bandwidth_bytes_per_s * hw.mbu)
+    compute_s = flops / tp / (hw.peak_flops_per_s * hw.mfu)
+    return (
+        jnp.maximum(memory_s, compute_s)
+        + allreduce_s(hw, model, tp, new_tokens)
+        + hw.step_overhead_s
+    )
+
+
+def decode_step_s(hw, model, tp, sequences, context_tokens):
+    """Decode-only step of ``sequences`` running sequences at mean context."""
+    cached = sequences * context_tokens
+    return step_s(hw, model, tp, sequences, cached, cached)
+
+
+def chunk_attention_keys(chunk_tokens, cached_tokens):
+    """Keys a causal chunk of ``m`` new tokens after ``p`` cached ones attends to."""
+    return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1.0) / 2.0
+
+
+def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
+                 chunk_cached_tokens):
+    """A step of ``decodes`` decodes (summed context) plus one prefill chunk.
+
+    Args:
+      decode_context_tokens: context summed over the decoding sequences.
+      chunk_tokens: new prompt tokens in the chunk.
+      chunk_cached_tokens: prompt tokens of that request prefilled before.
+    """
+    return step_s(
+        hw,
+        model,
+        tp,
+        decodes + chunk_tokens,
+        decode_context_tokens + chunk_cached_tokens,
+        decode_context_tokens + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+    )
+
+
+def prefill_step_s(hw, model, tp, prompt_tokens):
+    """A whole prompt prefilled in one step with nothing cached."""
+    return mixed_step_s(hw, model, tp, 0.0, 0.0, prompt_tokens, 0.0)
+
+
+def _sum_linear(lo, hi, a, s):
+    """``sum_{i=lo}^{hi-1} (a + s i)`` for ``lo <= hi``."""
+    n = hi - lo
+    return n * a + s * n * (hi + lo - 1.0) / 2.0
+
+
+def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
+                    token_budget):
+    """A long prompt prefilled in ``token_budget`` chunks beside running decodes.
+
+    Chunk ``i`` (``i < k = floor(P / b)``) has ``b`` tokens after ``i b`` cached
+    ones; a last chunk of ``P - k b`` tokens follows when that is non-zero. Both
+    the memory and the compute time of full chunks grow linearly in ``i``, so
+    the sum of their maximum splits at one crossing index and is summed in
+    closed form, with no loop over chunks.
+
+    Returns:
+      ``(total_s, steps, worst_step_s)``: the prompt's prefill time, the number
+      of steps, and the longest of those steps (the worst ITL the decoding
+      users see).
+    """
+    b = token_budget
+    full = jnp.floor(prompt_tokens / b)
+    rest = prompt_tokens - full * b
+    ctx = decodes * context_tokens
+    kvb = kv_bytes_per_token(model)
+    new = decodes + b
+    mem_bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
+    flop_rate = tp * hw.peak_flops_per_s * hw.mfu
+    fpk = attention_flops_per_key(model)
+    # step i of the full chunks: memory a_m + s_m i, compute a_c + s_c i
+    a_m = (weight_bytes_read(model, new) + ctx * kvb) / mem_bw
+    s_m = b * kvb / mem_bw
+    a_c = (2.0 * model.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0)) / (
+        flop_rate
+    )
+    s_c = fpk * b * b / flop_rate
+    fixed = allreduce_s(hw, model, tp, new) + hw.step_overhead_s
+    # indices with memory >= compute form a suffix (s_m > s_c) or prefix
+    d0, ds = a_m - a_c, s_m - s_c
+    safe_ds = jnp.where(ds == 0.0, 1.0, ds)
+    cross = -d0 / safe_ds
+    suffix_start = jnp.clip(jnp.ceil(cross), 0.0, full)
+    prefix_end = jnp.clip(jnp.floor(cross) + 1.0, 0.0, full)
+    mem_lo = jnp.where(ds > 0, suffix_start, 0.0)
+    mem_hi = jnp.where(ds > 0, full, jnp.where(ds < 0, prefix_end, full))
+    mem_hi = jnp.where((ds == 0.0) & (d0 < 0.0), 0.0, mem_hi)
+    full_sum = (
+        _sum_linear(mem_lo, mem_hi, a_m, s_m)
+        + _sum_linear(0.0, mem_lo, a_c, s_c)
+        + _sum_linear(mem_hi, full, a_c, s_c)
+        + full * fixed
+    )
+    last_full = jnp.maximum(a_m + s_m * (full - 1.0), a_c + s_c * (full - 1.0)) + fixed
+    last_full = jnp.where(full > 0, last_full, 0.0)
+    partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, full * b)
+    partial = jnp.where(rest > 0, partial, 0.0)
+    steps = full + jnp.where(rest > 0, 1.0, 0.0)
+    return full_sum + partial, steps, jnp.maximum(last_full, partial)
+
+
+def kv_capacity_tokens(hw, model, tp):
+    """Tokens of KV cache that fit beside the weights on the TP group."""
+    usable = hw.memory_bytes * hw.gpu_memory_utilization * tp
+    return (usable - weight_bytes(model)) / kv_bytes_per_token(model)
+
+
+def kv_fits(hw, model, tp, sequences, context_tokens):
+    """Whether ``sequences`` sequences at ``context_tokens`` fit in memory."""
+    return sequences * context_tokens <= kv_capacity_tokens(hw, model, tp)
+
+
+def max_concurrency_fit(hw, model, tp, context_tokens):
+    """Largest number of sequences at ``context_tokens`` that fit (0 if none)."""
+    return jnp.maximum(jnp.floor(kv_capacity_tokens(hw, model, tp) / context_tokens), 0.0)
