@@ -80,23 +80,23 @@ def _progress_bar(console: Console):
 def summary_table(ds) -> Table:
     """Cheapest fitting point per hardware x model, and the largest concurrency."""
     table = Table(title="cheapest point that fits, per hardware x model")
-    for col in ("hardware", "model", "TP", "conc.", "batching", "ITL (ms)",
-                "per user (tok/s)", "USD / 1M out", "max conc. fit"):
-        table.add_column(col, justify="left" if col in ("hardware", "model",
-                                                          "batching") else "right")
+    for col in ("hardware", "model", "TP", "concurrency", "context (tok)", "batching",
+                "ITL (ms)", "per user (tok/s)", "USD / 1M out", "max conc. fit"):
+        left = col in ("hardware", "model", "batching")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
     cost = ds["cost_per_mtok_out_usd"]
     for h in ds.hardware.values:
         for m in ds.model.values:
             c = cost.sel(hardware=h, model=m).values
             if np.all(np.isnan(c)):
-                table.add_row(h, m, "", "", "", "", "", "does not fit", "0")
+                table.add_row(h, m, "", "", "", "", "", "", "does not fit", "0")
                 continue
             pos = np.unravel_index(np.nanargmin(c), c.shape)
             sel = dict(zip(cost.sel(hardware=h, model=m).dims, pos))
             pt = ds.sel(hardware=h, model=m).isel(sel)
             table.add_row(
                 h, m, str(int(pt.tensor_parallel)), str(int(pt.concurrency)),
-                str(pt.batching.values), f"{float(pt.step_s) * 1e3:.2f}",
+                f"{int(pt.context_tokens):,}", str(pt.batching.values), f"{float(pt.step_s) * 1e3:.2f}",
                 f"{float(pt.user_tokens_per_s):,.0f}",
                 f"{float(pt.cost_per_mtok_out_usd):.3f}",
                 f"{int(pt.max_concurrency_fit):,}",
@@ -128,7 +128,8 @@ def _grid_app(cfg: DictConfig) -> None:
     console.print(f"sweep-grid: {job.points:,} points in {len(job.plan)} block(s) "
                   f"-> {out}")
     ds = grid.run(job, out, attrs, config_yaml, progress=_progress_bar(console))
-    Console().print(summary_table(ds))
+    # a table is unreadable squeezed to 80 columns when stdout is a pipe
+    Console(width=max(Console().width, 132)).print(summary_table(ds))
     console.print(f"cube written to {out}")
 
 

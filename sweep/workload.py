@@ -119,7 +119,7 @@ def load_trace(trace: Trace) -> TraceData:
     bad = next((i for i, r in enumerate(rows) if len(r) != len(header)), None)
     if bad is not None:
         raise ConfigError(
-            f"workload.trace[{path.name}]: row {bad + 2} has {len(rows[bad])} fields, "
+            f"workload.trace[{path.name}]: line {bad + 2} has {len(rows[bad])} fields, "
             f"the header has {len(header)}"
         )
     col = {h: [r[i] for r in rows] for i, h in enumerate(header)}
@@ -128,8 +128,9 @@ def load_trace(trace: Trace) -> TraceData:
         key = f"workload.trace[{path.name}].{trace.timestamp_column}"
         arrival = _timestamps_s(col[trace.timestamp_column], trace.timestamp_unit, key)
         if np.any(np.diff(arrival) < 0):
-            i = int(np.argmax(np.diff(arrival) < 0)) + 1
-            raise ConfigError(f"{key}: timestamps decrease at row {i + 1}")
+            row = int(np.argmax(np.diff(arrival) < 0)) + 1
+            # file line: one header line, rows counted from 1
+            raise ConfigError(f"{key}: timestamps decrease at line {row + 2}")
     lengths = {}
     for c in (trace.prompt_column, trace.output_column):
         if c:

@@ -1,0 +1,366 @@
+"""The grid model without JAX: the baselines of ``grid_throughput.py``.
+
+Two re-implementations of exactly what ``sweep.evaluate.evaluate_block``
+computes (the roofline of ``sweep.roofline``, the cost rules of
+``sweep.cost`` and the metrics of ``sweep.point``), with the same formulas in
+the same order:
+
+* ``evaluate_block_numpy``: vectorized NumPy over the same flat points, in
+  float32 like the JAX path, with the same ``unravel_index`` + gather
+  structure and the same per-(workload, concurrency) static-utilisation table;
+* ``evaluate_points_python``: a per-point loop of plain Python floats and the
+  ``math`` module, the way a planning script without array code would be
+  written (float64, since Python floats are).
+
+``tests/test_numpy_baseline.py`` checks both against the JAX model, so the
+speed comparison is between programs that produce the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from sweep.cost import HOURS_PER_MONTH, SECONDS_PER_DAY
+from sweep.evaluate import GridInputs
+from sweep.params import CONTINUOUS, REQUEST, STATIC, GridPoint
+from sweep.roofline import ACTIVATION_BYTES, ALLREDUCES_PER_LAYER
+
+F32 = np.float32
+
+
+def to_numpy(inputs: GridInputs) -> GridInputs:
+    """The same stacked inputs with NumPy leaves (float32 / int32 as given)."""
+    return jax.tree.map(np.asarray, inputs)
+
+
+# --- roofline (sweep.roofline) ------------------------------------------------
+
+
+def _kv_bytes_per_token(m):
+    return 2.0 * m.layers * m.kv_heads * m.head_dim * m.kv_dtype_bytes
+
+
+def _attention_flops_per_key(m):
+    return 4.0 * m.layers * m.q_heads * m.head_dim
+
+
+def _weight_bytes_read(m, new_tokens):
+    f = m.experts_per_token_fraction
+    routed = f < 1.0
+    safe_f = np.where(routed, f, F32(0.5))
+    touched = np.where(routed, -np.expm1(new_tokens * np.log1p(-safe_f)), F32(1.0))
+    return (m.shared_params + m.expert_params * touched) * m.weight_dtype_bytes
+
+
+def _allreduce_s(hw, m, tp, new_tokens):
+    moved = 2.0 * (tp - 1.0) / tp * new_tokens * m.hidden_size * ACTIVATION_BYTES
+    return ALLREDUCES_PER_LAYER * m.layers * moved / hw.interconnect_bytes_per_s
+
+
+def _step_s(hw, m, tp, new_tokens, kv_read_tokens, attention_keys):
+    bytes_moved = _weight_bytes_read(m, new_tokens) + kv_read_tokens * (
+        _kv_bytes_per_token(m)
+    )
+    flops = (
+        2.0 * m.active_params * new_tokens
+        + _attention_flops_per_key(m) * attention_keys
+    )
+    memory_s = bytes_moved / tp / (hw.memory_bandwidth_bytes_per_s * hw.mbu)
+    compute_s = flops / tp / (hw.peak_flops_per_s * hw.mfu)
+    return (
+        np.maximum(memory_s, compute_s)
+        + _allreduce_s(hw, m, tp, new_tokens)
+        + hw.step_overhead_s
+    )
+
+
+def _chunk_attention_keys(chunk_tokens, cached_tokens):
+    return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1.0) / 2.0
+
+
+def _mixed_step_s(hw, m, tp, decodes, decode_context_tokens, chunk_tokens,
+                  chunk_cached_tokens):
+    return _step_s(
+        hw, m, tp,
+        decodes + chunk_tokens,
+        decode_context_tokens + chunk_cached_tokens,
+        decode_context_tokens + _chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+    )
+
+
+def _sum_linear(lo, hi, a, s):
+    n = hi - lo
+    return n * a + s * n * (hi + lo - 1.0) / 2.0
+
+
+def _chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, token_budget):
+    b = token_budget
+    full = np.floor(prompt_tokens / b)
+    rest = prompt_tokens - full * b
+    ctx = decodes * context_tokens
+    kvb = _kv_bytes_per_token(m)
+    new = decodes + b
+    mem_bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
+    flop_rate = tp * hw.peak_flops_per_s * hw.mfu
+    fpk = _attention_flops_per_key(m)
+    a_m = (_weight_bytes_read(m, new) + ctx * kvb) / mem_bw
+    s_m = b * kvb / mem_bw
+    a_c = (2.0 * m.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0)) / flop_rate
+    s_c = fpk * b * b / flop_rate
+    fixed = _allreduce_s(hw, m, tp, new) + hw.step_overhead_s
+    d0, ds = a_m - a_c, s_m - s_c
+    safe_ds = np.where(ds == 0.0, F32(1.0), ds)
+    cross = -d0 / safe_ds
+    suffix_start = np.clip(np.ceil(cross), F32(0.0), full)
+    prefix_end = np.clip(np.floor(cross) + 1.0, F32(0.0), full)
+    zero = np.zeros_like(full)
+    mem_lo = np.where(ds > 0, suffix_start, zero)
+    mem_hi = np.where(ds > 0, full, np.where(ds < 0, prefix_end, full))
+    mem_hi = np.where((ds == 0.0) & (d0 < 0.0), zero, mem_hi)
+    full_sum = (
+        _sum_linear(mem_lo, mem_hi, a_m, s_m)
+        + _sum_linear(zero, mem_lo, a_c, s_c)
+        + _sum_linear(mem_hi, full, a_c, s_c)
+        + full * fixed
+    )
+    last_full = np.maximum(a_m + s_m * (full - 1.0), a_c + s_c * (full - 1.0)) + fixed
+    last_full = np.where(full > 0, last_full, zero)
+    partial = _mixed_step_s(hw, m, tp, decodes, ctx, rest, full * b)
+    partial = np.where(rest > 0, partial, zero)
+    steps = full + np.where(rest > 0, F32(1.0), F32(0.0))
+    return full_sum + partial, steps, np.maximum(last_full, partial)
+
+
+def _kv_capacity_tokens(hw, m, tp):
+    usable = hw.memory_bytes * hw.gpu_memory_utilization * tp
+    weights = (m.shared_params + m.expert_params) * m.weight_dtype_bytes
+    return (usable - weights) / _kv_bytes_per_token(m)
+
+
+# --- cost (sweep.cost) and one point (sweep.point) ------------------------------
+
+
+def _cost_per_mtok_usd(usd_per_gpu_hour, gpus, tokens_per_s):
+    return usd_per_gpu_hour * gpus / (tokens_per_s * 3600.0) * 1e6
+
+
+def static_utilization_table(wl, concurrency) -> np.ndarray:
+    """``E[out] / E[max of B outputs]`` per (workload, concurrency) (``sweep.cost``)."""
+    values, probs = wl.output_values, wl.output_probs  # shape=(W, K)
+    cdf = np.cumsum(probs, axis=-1)
+    cdf = np.clip(cdf / cdf[:, -1:], F32(0.0), F32(1.0))
+    below = np.concatenate([np.zeros_like(cdf[:, :1]), cdf[:, :-1]], axis=-1)
+    mean = np.sum(values * probs, axis=-1) / np.sum(probs, axis=-1)
+    b = concurrency[None, :, None]
+    emax = np.sum(values[:, None, :] * (cdf[:, None, :] ** b - below[:, None, :] ** b),
+                  axis=-1)
+    return mean[:, None] / emax
+
+
+def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
+    """``sweep.point.evaluate_point`` on arrays of points (float32)."""
+    tp = pt.tensor_parallel
+    running = np.where(pt.batching == REQUEST, F32(1.0), pt.concurrency)
+    cached = running * pt.context_tokens
+    step = _step_s(hw, m, tp, running, cached, cached)
+    utilization = np.where(pt.batching == STATIC, static_utilization, F32(1.0))
+    output_rate = running / step * utilization
+    zero = np.zeros_like(step)
+    prefill = _mixed_step_s(hw, m, tp, zero, zero, wl.mean_prompt_tokens, zero)
+    prefill_rate = wl.mean_prompt_tokens / prefill
+    long_s, long_steps, long_worst = _chunked_prefill(
+        hw, m, tp, running, pt.context_tokens, pt.long_prompt_tokens, pt.token_budget
+    )
+    chunked = pt.batching == CONTINUOUS
+    nan = F32(np.nan)
+    capacity_per_day = output_rate * SECONDS_PER_DAY
+    replicas = np.maximum(np.ceil(pt.traffic_tokens_per_day / capacity_per_day),
+                          F32(1.0))
+    capacity = _kv_capacity_tokens(hw, m, tp)
+    fits = running * pt.context_tokens <= capacity
+    monthly_usd = replicas * hw.usd_per_gpu_hour * tp * HOURS_PER_MONTH
+    monthly_tokens = pt.traffic_tokens_per_day * HOURS_PER_MONTH / 24.0
+    metrics = {
+        "step_s": step,
+        "user_tokens_per_s": 1.0 / step,
+        "output_tokens_per_s": output_rate,
+        "slot_utilization": utilization,
+        "cost_per_mtok_out_usd": _cost_per_mtok_usd(hw.usd_per_gpu_hour, tp,
+                                                    output_rate),
+        "prefill_tokens_per_s": prefill_rate,
+        "cost_per_mtok_in_usd": _cost_per_mtok_usd(hw.usd_per_gpu_hour, tp,
+                                                   prefill_rate),
+        "long_prefill_s": np.where(chunked, long_s, nan),
+        "long_prefill_steps": np.where(chunked, long_steps, nan),
+        "long_prefill_worst_itl_s": np.where(chunked, long_worst, nan),
+        "replicas": replicas,
+        "effective_cost_per_mtok_out_usd": monthly_usd / monthly_tokens * 1e6,
+    }
+    metrics = {k: np.where(fits, v, nan) for k, v in metrics.items()}
+    metrics["kv_fits"] = fits
+    metrics["max_concurrency_fit"] = np.maximum(
+        np.floor(capacity / pt.context_tokens), F32(0.0)
+    )
+    return metrics
+
+
+def evaluate_block_numpy(inputs: GridInputs, start: int, *, shape: tuple[int, ...],
+                         size: int, utilization: np.ndarray | None = None) -> dict:
+    """NumPy twin of ``sweep.evaluate.evaluate_block`` (same padding, same order).
+
+    Args:
+      inputs: ``to_numpy`` of the JAX inputs.
+      utilization: the static-utilisation table; computed per call when None,
+        as the JAX block does.
+    """
+    total = math.prod(shape)
+    flat = np.minimum(start + np.arange(size, dtype=np.int32), total - 1)
+    idx = np.unravel_index(flat, shape)
+    if utilization is None:
+        utilization = static_utilization_table(inputs.workload,
+                                               inputs.axes.concurrency)
+    take = lambda tree, j: jax.tree.map(lambda x: x[j], tree)  # noqa: E731
+    pt = GridPoint(*(axis[idx[3 + k]] for k, axis in enumerate(inputs.axes)))
+    return evaluate_point_numpy(
+        take(inputs.hardware, idx[0]),
+        take(inputs.model, idx[1]),
+        take(inputs.workload, idx[2]),
+        pt,
+        utilization[idx[2], idx[4]],
+    )
+
+
+# --- plain Python, one point at a time ----------------------------------------
+
+
+def _py_step_s(hw, m, tp, new_tokens, kv_read_tokens, attention_keys):
+    f = m["experts_per_token_fraction"]
+    touched = -math.expm1(new_tokens * math.log1p(-f)) if f < 1.0 else 1.0
+    weights = (m["shared_params"] + m["expert_params"] * touched) * m[
+        "weight_dtype_bytes"]
+    kvb = 2.0 * m["layers"] * m["kv_heads"] * m["head_dim"] * m["kv_dtype_bytes"]
+    fpk = 4.0 * m["layers"] * m["q_heads"] * m["head_dim"]
+    memory_s = (weights + kv_read_tokens * kvb) / tp / (
+        hw["memory_bandwidth_bytes_per_s"] * hw["mbu"])
+    compute_s = (2.0 * m["active_params"] * new_tokens + fpk * attention_keys) / tp / (
+        hw["peak_flops_per_s"] * hw["mfu"])
+    allreduce = (ALLREDUCES_PER_LAYER * m["layers"] * 2.0 * (tp - 1.0) / tp
+                 * new_tokens * m["hidden_size"] * ACTIVATION_BYTES
+                 / hw["interconnect_bytes_per_s"])
+    return max(memory_s, compute_s) + allreduce + hw["step_overhead_s"]
+
+
+def _py_chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, budget):
+    """Chunk by chunk, as the SPEC describes it (no closed form)."""
+    ctx = decodes * context_tokens
+    total = worst = 0.0
+    steps = 0
+    done = 0.0
+    while done < prompt_tokens:
+        chunk = min(budget, prompt_tokens - done)
+        keys = ctx + chunk * done + chunk * (chunk + 1.0) / 2.0
+        s = _py_step_s(hw, m, tp, decodes + chunk, ctx + done, keys)
+        total += s
+        worst = max(worst, s)
+        steps += 1
+        done += chunk
+    return total, float(steps), worst
+
+
+def _py_point(hw, m, wl, pt, static_utilization):
+    tp = pt["tensor_parallel"]
+    running = 1.0 if pt["batching"] == REQUEST else pt["concurrency"]
+    ctx = pt["context_tokens"]
+    kvb = 2.0 * m["layers"] * m["kv_heads"] * m["head_dim"] * m["kv_dtype_bytes"]
+    weights = (m["shared_params"] + m["expert_params"]) * m["weight_dtype_bytes"]
+    capacity = (hw["memory_bytes"] * hw["gpu_memory_utilization"] * tp - weights) / kvb
+    out = {"kv_fits": running * ctx <= capacity,
+           "max_concurrency_fit": max(float(math.floor(capacity / ctx)), 0.0)}
+    nan = math.nan
+    if not out["kv_fits"]:
+        return {**{k: nan for k in PY_METRICS}, **out}
+    step = _py_step_s(hw, m, tp, running, running * ctx, running * ctx)
+    util = static_utilization if pt["batching"] == STATIC else 1.0
+    rate = running / step * util
+    prompt = wl["mean_prompt_tokens"]
+    prefill_rate = prompt / _py_step_s(hw, m, tp, prompt, 0.0,
+                                       prompt * (prompt + 1.0) / 2.0)
+    if pt["batching"] == CONTINUOUS:
+        long = _py_chunked_prefill(hw, m, tp, running, ctx, pt["long_prompt_tokens"],
+                                   pt["token_budget"])
+    else:
+        long = (nan, nan, nan)
+    price = hw["usd_per_gpu_hour"] * tp
+    traffic = pt["traffic_tokens_per_day"]
+    replicas = max(math.ceil(traffic / (rate * SECONDS_PER_DAY)), 1.0)
+    return {
+        "step_s": step,
+        "user_tokens_per_s": 1.0 / step,
+        "output_tokens_per_s": rate,
+        "slot_utilization": util,
+        "cost_per_mtok_out_usd": price / (rate * 3600.0) * 1e6,
+        "prefill_tokens_per_s": prefill_rate,
+        "cost_per_mtok_in_usd": price / (prefill_rate * 3600.0) * 1e6,
+        "long_prefill_s": long[0],
+        "long_prefill_steps": long[1],
+        "long_prefill_worst_itl_s": long[2],
+        "replicas": float(replicas),
+        "effective_cost_per_mtok_out_usd": replicas * price * 24.0 / traffic * 1e6,
+        **out,
+    }
+
+
+PY_METRICS = (
+    "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
+    "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
+    "long_prefill_s", "long_prefill_steps", "long_prefill_worst_itl_s", "replicas",
+    "effective_cost_per_mtok_out_usd",
+)
+
+
+def _py_static_utilization(values, probs, batch):
+    total = sum(probs)
+    mean = sum(v * p for v, p in zip(values, probs)) / total
+    emax, cdf, below = 0.0, 0.0, 0.0
+    for v, p in zip(values, probs):
+        cdf = min(cdf + p / total, 1.0)
+        emax += v * (cdf**batch - below**batch)
+        below = cdf
+    return mean / emax
+
+
+def evaluate_points_python(inputs: GridInputs, flat_indices, shape: tuple[int, ...]
+                           ) -> list[dict]:
+    """Metrics of the given flat (C-order) points, one at a time.
+
+    Args:
+      inputs: ``to_numpy`` of the JAX inputs.
+      flat_indices: iterable of ints in ``[0, prod(shape))``.
+    """
+    leaves = lambda tree, i: {  # noqa: E731
+        k: float(v[i]) if np.ndim(v) == 1 else [float(x) for x in v[i]]
+        for k, v in tree._asdict().items()
+    }
+    hw_list = [leaves(inputs.hardware, i) for i in range(shape[0])]
+    model_list = [leaves(inputs.model, i) for i in range(shape[1])]
+    wl_list = [leaves(inputs.workload, i) for i in range(shape[2])]
+    axes = [[float(x) for x in a] for a in inputs.axes]
+    utilization = {}
+    out = []
+    for flat in flat_indices:
+        idx, rest = [0] * len(shape), flat
+        for d in reversed(range(len(shape))):
+            rest, idx[d] = divmod(rest, shape[d])
+        pt = {n: axes[k][idx[3 + k]] for k, n in enumerate(GridPoint._fields)}
+        pt["batching"] = int(pt["batching"])
+        wl = wl_list[idx[2]]
+        key = (idx[2], idx[4])
+        if key not in utilization:
+            utilization[key] = _py_static_utilization(
+                wl["output_values"], wl["output_probs"], pt["concurrency"])
+        out.append(_py_point(hw_list[idx[0]], model_list[idx[1]], wl, pt,
+                             utilization[key]))
+    return out

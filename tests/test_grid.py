@@ -1,0 +1,145 @@
+"""The vmapped grid evaluation: equals a loop, compiles once, obeys the laws."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hydra import initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sweep import grid, roofline
+from sweep.config.resolve import grid_options
+from sweep.evaluate import DIMS, blocking, evaluate_block, iterate_blocks
+from sweep.params import BATCHING, GridPoint
+from sweep.point import evaluate_point
+
+SMALL = [
+    "grid=small", "grid.hardware=[h100_sxm,l40s]", "grid.model=[qwen3_8b,mixtral_8x7b]",
+    "grid.batching=[request,static,continuous]", "grid.chunk_points=50",
+]
+
+
+@pytest.fixture(scope="module")
+def job():
+    GlobalHydra.instance().clear()
+    with initialize_config_module("sweep.conf", version_base="1.3"):
+        app, options = grid_options("grid", SMALL)
+    GlobalHydra.instance().clear()
+    return grid.prepare(app, options)
+
+
+def test_blocks_cover_the_cube_once():
+    plan = blocking((2, 3, 5, 7), 40)
+    seen = np.zeros(plan.shape, int)
+    for b in range(len(plan)):
+        start, region = plan.block(b)
+        seen[region] += 1
+        assert start == np.ravel_multi_index([r.start for r in region], plan.shape)
+    assert (seen == 1).all()
+    assert plan.size <= 40
+
+
+def test_vmap_equals_python_loop_over_points(job):
+    got = {}
+    for _, region, values in iterate_blocks(job.inputs, job.plan):
+        for k, v in values.items():
+            got.setdefault(k, np.full(job.plan.shape, np.nan))[region] = v
+    take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+    rng = np.random.default_rng(0)
+    from sweep.cost import static_slot_utilization
+
+    for flat in rng.choice(job.points, size=12, replace=False):
+        idx = np.unravel_index(flat, job.plan.shape)
+        wl = take(job.inputs.workload, idx[2])
+        pt = GridPoint(*(axis[idx[3 + k]] for k, axis in enumerate(job.inputs.axes)))
+        util = static_slot_utilization(wl.output_values, wl.output_probs, pt.concurrency)
+        one = evaluate_point(take(job.inputs.hardware, idx[0]),
+                             take(job.inputs.model, idx[1]), wl, pt, util)
+        for k, v in one.items():
+            np.testing.assert_allclose(got[k][idx], np.asarray(v), rtol=1e-6,
+                                       equal_nan=True, err_msg=k)
+
+
+def test_second_call_compiles_nothing(job):
+    list(iterate_blocks(job.inputs, job.plan))
+    before = evaluate_block._cache_size()
+    list(iterate_blocks(job.inputs, job.plan))
+    assert evaluate_block._cache_size() == before
+    assert len(job.plan) > 1  # several blocks, one compiled shape
+
+
+def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job):
+    out = {}
+    for _, region, values in iterate_blocks(job.inputs, job.plan):
+        for k, v in values.items():
+            out.setdefault(k, np.zeros(job.plan.shape, v.dtype))[region] = v
+    fits = out["kv_fits"]
+    assert fits.any() and not fits.all()
+    assert np.isnan(out["step_s"][~fits]).all()
+    assert np.isfinite(out["step_s"][fits]).all()
+    assert np.isfinite(out["max_concurrency_fit"]).all()
+    # under continuous batching a point fits exactly up to max_concurrency_fit
+    axis = DIMS.index("batching")
+    cont = BATCHING.index("continuous")
+    shape = [1] * (len(DIMS) - 1)
+    shape[DIMS.index("concurrency")] = -1
+    conc = job.coords["concurrency"].reshape(shape)
+    np.testing.assert_array_equal(
+        fits.take(cont, axis=axis),
+        conc <= out["max_concurrency_fit"].take(cont, axis=axis))
+
+
+# --- property tests: one compiled shape, values drawn by hypothesis ----------
+
+_point = jax.jit(evaluate_point)
+
+
+def _params(job, bw_scale=1.0, flops_scale=1.0):
+    take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
+    hw = take(job.inputs.hardware, 0)
+    hw = hw._replace(memory_bandwidth_bytes_per_s=hw.memory_bandwidth_bytes_per_s
+                     * np.float32(bw_scale),
+                     peak_flops_per_s=hw.peak_flops_per_s * np.float32(flops_scale))
+    return hw, take(job.inputs.model, 0), take(job.inputs.workload, 0)
+
+
+def _pt(conc, ctx, budget=512.0, tp=1.0):
+    f = np.float32
+    return GridPoint(f(tp), f(conc), f(budget), f(ctx), np.int32(2), f(8192.0), f(1e8))
+
+
+concurrency = st.integers(1, 300)
+context = st.integers(1, 20_000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(conc=concurrency, ctx=context, scale=st.floats(1.0, 4.0))
+def test_more_bandwidth_or_flops_never_slows_a_step(job, conc, ctx, scale):
+    hw, model, wl = _params(job)
+    base = _point(hw, model, wl, _pt(conc, ctx), np.float32(1))
+    for bw, fl in ((scale, 1.0), (1.0, scale)):
+        hw2, _, _ = _params(job, bw, fl)
+        faster = _point(hw2, model, wl, _pt(conc, ctx), np.float32(1))
+        assert float(faster["step_s"]) <= float(base["step_s"]) or np.isnan(base["step_s"])
+        assert float(faster["long_prefill_s"]) <= float(base["long_prefill_s"]) or (
+            np.isnan(base["long_prefill_s"]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(conc=concurrency, ctx=context, more=st.integers(1, 64))
+def test_more_concurrency_or_context_never_lowers_step_time(job, conc, ctx, more):
+    hw, model, wl = _params(job)
+    s = lambda n, c: float(roofline.decode_step_s(hw, model, 1.0, float(n), float(c)))  # noqa: E731
+    assert s(conc + more, ctx) >= s(conc, ctx)
+    assert s(conc, ctx + more) >= s(conc, ctx)
+
+
+@settings(max_examples=40, deadline=None)
+@given(conc=st.integers(2, 2000), ctx=context, tp=st.sampled_from([1.0, 2.0, 4.0]))
+def test_a_point_that_fits_at_n_fits_at_n_minus_1(job, conc, ctx, tp):
+    hw, model, _ = _params(job)
+    if bool(roofline.kv_fits(hw, model, tp, float(conc), float(ctx))):
+        assert bool(roofline.kv_fits(hw, model, tp, float(conc - 1), float(ctx)))
