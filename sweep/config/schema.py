@@ -40,6 +40,17 @@ class LengthKind(Enum):
     trace = "trace"
 
 
+class ArrivalKind(Enum):
+    poisson = "poisson"
+    trace = "trace"
+
+
+class LatencyMethod(Enum):
+    none = "none"
+    simulate = "simulate"
+    surrogate = "surrogate"
+
+
 class Batching(Enum):
     request = "request"
     static = "static"
@@ -136,11 +147,22 @@ class Workload:
     prompt: LengthDist = field(default_factory=LengthDist)
     output: LengthDist = field(default_factory=LengthDist)
     trace: Trace | None = None
-    arrival_rate_per_s: float = 1.0
+    arrival: ArrivalKind = field(
+        default=ArrivalKind.poisson,
+        metadata={"help": "poisson at arrival_rate_per_s, or the trace's timestamps "
+                  "rescaled to arrival_rate_per_s"},
+    )
+    arrival_rate_per_s: float = field(
+        default=1.0, metadata={"help": "mean request rate (a grid axis may override)"}
+    )
 
     def __post_init__(self) -> None:
         p = f"workload[{self.name}]"
         _positive(self, p, "arrival_rate_per_s")
+        if self.arrival == ArrivalKind.trace:
+            _check(self.trace is not None and bool(self.trace.timestamp_column),
+                   f"{p}.arrival", "trace",
+                   "arrival=trace needs workload.trace.timestamp_column")
         for side in ("prompt", "output"):
             d: LengthDist = getattr(self, side)
             key = f"{p}.{side}"
@@ -217,6 +239,10 @@ class Grid:
     )
     long_prompt_tokens: Any = field(default_factory=lambda: [8192])
     traffic_tokens_per_day: Any = field(default_factory=lambda: [1e7, 1e9])
+    arrival_rate_per_s: Any = field(
+        default_factory=list,
+        metadata={"help": "request rates for p99 latency; empty: each workload's own"},
+    )
     gpu_memory_utilization: float = field(
         default=1.0,
         metadata={"help": "share of GPU memory for weights + KV (vLLM default 0.9)"},
@@ -242,11 +268,45 @@ class Grid:
                 self.traffic_tokens_per_day, "grid.traffic_tokens_per_day",
                 integer=False, low=1e-300),
         }
+        if len(self.arrival_rate_per_s) > 0:
+            self.axes["arrival_rate_per_s"] = _numeric_axis(
+                self.arrival_rate_per_s, "grid.arrival_rate_per_s", integer=False,
+                low=1e-9)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
         _check(0 < self.gpu_memory_utilization <= 1, "grid.gpu_memory_utilization",
                self.gpu_memory_utilization, "must be in (0, 1]")
         _check(self.chunk_points >= 1, "grid.chunk_points", self.chunk_points,
+               "must be >= 1")
+
+
+@dataclass
+class Slo:
+    name: str = MISSING
+    ttft_p99_s: float = field(default=MISSING, metadata={"help": "p99 TTFT limit"})
+    itl_p99_s: float = field(default=MISSING, metadata={"help": "p99 ITL limit"})
+
+    def __post_init__(self) -> None:
+        _positive(self, f"slo[{self.name}]", "ttft_p99_s", "itl_p99_s")
+
+
+@dataclass
+class Latency:
+    method: LatencyMethod = field(
+        default=LatencyMethod.none,
+        metadata={"help": "p99 latency from the simulator, the surrogate, or none"},
+    )
+    num_requests: int = field(
+        default=1000, metadata={"help": "requests simulated per configuration"}
+    )
+    chunk_configs: int = field(
+        default=256, metadata={"help": "configurations simulated per compiled call"}
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.num_requests >= 1, "latency.num_requests", self.num_requests,
+               "must be >= 1")
+        _check(self.chunk_configs >= 1, "latency.chunk_configs", self.chunk_configs,
                "must be >= 1")
 
 
@@ -258,6 +318,8 @@ class GridApp:
     model: Model = MISSING
     workload: Workload = MISSING
     grid: Grid = field(default_factory=Grid)
+    slo: Slo = MISSING
+    latency: Latency = field(default_factory=Latency)
     out: str | None = field(
         default=None, metadata={"help": "cube path; default <run dir>/cube.zarr"}
     )

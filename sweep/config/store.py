@@ -5,7 +5,16 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from sweep.config.schema import GridApp, axis_range, Grid, Hardware, Model, Workload
+from sweep.config.schema import (
+    Grid,
+    GridApp,
+    Hardware,
+    Latency,
+    Model,
+    Slo,
+    Workload,
+    axis_range,
+)
 
 _done = False
 
@@ -20,6 +29,8 @@ def register_configs() -> None:
     cs.store(group="model", name="base_model", node=Model)
     cs.store(group="workload", name="base_workload", node=Workload)
     cs.store(group="grid", name="base_grid", node=Grid)
+    cs.store(group="slo", name="base_slo", node=Slo)
+    cs.store(group="latency", name="base_latency", node=Latency)
     cs.store(name="base_grid_app", node=GridApp)
     OmegaConf.register_new_resolver("range", axis_range, replace=True)
     _done = True
