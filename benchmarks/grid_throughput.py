@@ -3,21 +3,25 @@
 Each grid is composed from the shipped Hydra configs (every hardware x every
 model, four tensor-parallel sizes, three batching modes, two traffic levels,
 and concurrency / token budget / context ranges sized to about 1M and 10M
-points), prepared with ``sweep.grid.prepare`` and evaluated three ways in one
-process:
+points), prepared with ``sweep.grid.prepare`` and its roofline part (every
+variable of ``sweep.results.VARIABLES``) evaluated four ways in one process:
 
-* JAX: ``sweep.evaluate.iterate_blocks`` (the sweep's own path: one compiled
-  ``evaluate_block`` per block of ``grid.chunk_points`` points, results pulled
-  to host NumPy arrays of the block's shape); compilation is timed apart;
-* NumPy: ``benchmarks/numpy_model.py``, the same formulas vectorized over the
-  same flat points, float32, cut into the same blocks;
+* JAX: ``sweep.evaluate.iterate_blocks``, the sweep's own path (one compiled
+  ``evaluate_region`` per block of ``grid.chunk_points`` points, results pulled
+  to host NumPy arrays of the region's shape); compilation is timed apart;
+* NumPy, flat: ``benchmarks/numpy_model.py``, the same formulas in float32
+  over the same blocks, each block's points as a flat list with every
+  parameter gathered per point;
+* NumPy, broadcasting: the same NumPy formulas on per-axis arrays that
+  broadcast, the NumPy counterpart of the nested ``vmap``;
 * plain Python: the same rules one point at a time with the ``math`` module,
-  measured on a subset of points spread over the grid and reported as a rate.
+  measured on a random subset of the points and reported as a rate.
 
-It also counts the bytes of the output cube and compares the rate at which the
-JAX path produces them with this machine's memory bandwidth (a NumPy copy and
-fill timed in the same process), and optionally times the full zarr write
-(``sweep.grid.run``) on its own line.
+The methods take turns, best of ``--repeats``, so a slowdown of a shared
+machine hits all of them. The script also counts the bytes of the output cube
+and compares the rate at which JAX produces them with this machine's memory
+bandwidth (a NumPy copy and fill timed in the same process), and optionally
+times the full zarr write (``sweep.grid.run``) on its own line.
 
 Usage::
 
@@ -48,7 +52,7 @@ import numpy_model  # noqa: E402
 from sweep import grid  # noqa: E402
 from sweep.config.resolve import grid_options  # noqa: E402
 from sweep.config.store import register_configs  # noqa: E402
-from sweep.evaluate import evaluate_block, iterate_blocks  # noqa: E402
+from sweep.evaluate import evaluate_region, iterate_blocks  # noqa: E402
 
 SIZES = {
     # 6 hardware x 7 models x 4 TP x 3 batching x 2 traffic = 1,008 per (c, b, ctx)
@@ -75,7 +79,8 @@ def machine() -> str:
         mem = f"{mem_kb / 2**20:.0f} GiB"
     except (OSError, StopIteration):
         mem = "unknown memory"
-    return (f"{cpu}, {os.cpu_count()} cores, {mem}; python {platform.python_version()}, "
+    return (f"{cpu}, {os.cpu_count()} cores, {mem}; "
+            f"python {platform.python_version()}, "
             f"jax {jax.__version__} ({jax.default_backend()}), numpy {np.__version__}")
 
 
@@ -104,88 +109,109 @@ def build_job(overrides: list[str]) -> grid.GridJob:
     return grid.prepare(base, options)
 
 
-def best_of(fn, repeats: int) -> float:
-    """Shortest wall time of ``repeats`` calls of ``fn``, seconds."""
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def run_jax(job: grid.GridJob) -> int:
+def run_jax(part: grid.Part) -> int:
     """Evaluates every block to host arrays; returns the bytes produced."""
     produced = 0
-    for _, _, values in iterate_blocks(job.inputs, job.plan):
+    for _, _, values in iterate_blocks(part.fn, part.axes, part.plan, part.tables,
+                                       part.table_dims):
         produced += sum(v.nbytes for v in values.values())
     return produced
 
 
-def run_numpy(job: grid.GridJob, inputs) -> None:
-    plan = job.plan
+def run_numpy(part: grid.Part, evaluate, axes, utilization) -> None:
+    """A NumPy baseline over the same blocks, cut to each region as JAX's are."""
+    plan = part.plan
     for b in range(len(plan)):
-        start, region = plan.block(b)
-        out = numpy_model.evaluate_block_numpy(inputs, start, shape=plan.shape,
-                                               size=plan.size)
-        region_shape = tuple(r.stop - r.start for r in region)
-        n = math.prod(region_shape)
+        region = plan.region(b)
+        out = evaluate(axes, utilization, [r.start for r in region],
+                       shape=plan.shape, chunks=plan.chunks)
+        cut = tuple(slice(0, r.stop - r.start) for r in region)
         for v in out.values():
-            v[:n].reshape(region_shape)
+            v[cut]
 
 
-def compile_s(job: grid.GridJob) -> float:
-    """Time to trace and compile ``evaluate_block`` for this job's block shape."""
+def compile_s(part: grid.Part) -> float:
+    """Time to trace and compile the part's block evaluation."""
+    plan = part.plan
+    starts = jnp.zeros(len(plan.shape), jnp.int32)
     t = time.perf_counter()
-    evaluate_block.lower(job.inputs, jnp.int32(0), shape=job.plan.shape,
-                         size=job.plan.size).compile()
+    evaluate_region.lower(part.fn, part.axes, part.tables, starts, shape=plan.shape,
+                          chunks=plan.chunks, table_dims=part.table_dims).compile()
     return time.perf_counter() - t
 
 
-def bench_size(label: str, args, bandwidth: tuple[float, float]) -> dict:
+def interleaved_best(methods: dict, repeats: int) -> dict[str, float]:
+    """Best wall time of each method, the methods taking turns.
+
+    Taking turns spreads any slowdown of a shared machine over all methods
+    instead of charging it to whichever ran at that moment.
+    """
+    best = dict.fromkeys(methods, math.inf)
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def bench_size(label: str, args, bandwidth: tuple[float, float]) -> None:
+    """Times every method on one grid size and prints the comparison."""
     overrides = SIZES[label] + [f"grid.chunk_points={args.chunk_points}"]
     job = build_job(overrides)
-    points, blocks = job.points, len(job.plan)
-    print(f"\n== {label}: {points:,} points, {blocks} block(s) of {job.plan.size:,} "
-          f"points, shape {job.plan.shape}")
+    part = job.parts[0]
+    plan = part.plan
+    points, blocks = job.points, len(plan)
+    print(f"\n== {label}: {points:,} points, {blocks} block(s) of shape {plan.chunks} "
+          f"in a cube of shape {plan.shape}")
     print("   overrides: " + " ".join(overrides))
-    c_s = compile_s(job)
+    jit_s = compile_s(part)
+    axes = numpy_model.to_numpy(part.axes)
+    (utilization,) = part.tables
+    methods = {
+        "jax": lambda: run_jax(part),
+        "numpy": lambda: run_numpy(part, numpy_model.evaluate_region_flat, axes,
+                                   utilization),
+        "numpy_broadcast": lambda: run_numpy(
+            part, numpy_model.evaluate_region_broadcast, axes, utilization),
+    }
     # the first call through jit compiles once more; keep it out of the timings
-    run_jax(job)
-    produced = run_jax(job)
-    jax_s = best_of(lambda: run_jax(job), args.repeats)
-    inputs = numpy_model.to_numpy(job.inputs)
-    numpy_s = best_of(lambda: run_numpy(job, inputs), max(1, args.repeats - 1))
+    produced = run_jax(part)
+    best = interleaved_best(methods, args.repeats)
     rng = np.random.default_rng(0)
     sample = np.sort(rng.choice(points, size=min(args.python_points, points),
                                 replace=False)).tolist()
     t = time.perf_counter()
-    numpy_model.evaluate_points_python(inputs, sample, job.plan.shape)
-    python_s = (time.perf_counter() - t) / len(sample) * points
-    jax_rate, numpy_rate, python_rate = points / jax_s, points / numpy_s, points / python_s
-    per_point = produced / points
+    numpy_model.evaluate_points_python(axes, sample, plan.shape)
+    best["python"] = (time.perf_counter() - t) / len(sample) * points
+    rate = {k: points / v for k, v in best.items()}
+    print(f"   compile evaluate_region: {jit_s:.2f} s (once per block shape, not in "
+          "the times below)")
+    rows = [
+        ("jax", "JAX sweep.evaluate.iterate_blocks -> host"),
+        ("numpy", "NumPy, flat points, per-point gathers"),
+        ("numpy_broadcast", "NumPy, broadcasting"),
+    ]
+    for key, text in rows:
+        print(f"   {text:45s} {best[key]:8.2f} s {rate[key] / 1e6:8.2f} M points/s")
+    text = f"Python loop, {len(sample):,} points, extrapolated"
+    print(f"   {text:45s} {best['python']:8.1f} s {rate['python'] / 1e3:8.2f} "
+          "k points/s")
+    print(f"   ratios: JAX / NumPy flat = {rate['jax'] / rate['numpy']:.2f}x, "
+          f"JAX / NumPy broadcasting = {rate['jax'] / rate['numpy_broadcast']:.2f}x, "
+          f"JAX / Python = {rate['jax'] / rate['python']:,.0f}x")
     copy_bw, fill_bw = bandwidth
-    print(f"   compile evaluate_block (once per block shape): {c_s:8.2f} s")
-    print(f"   JAX   evaluate + to host : {jax_s:8.2f} s  {jax_rate / 1e6:8.2f} M points/s")
-    print(f"   NumPy same formulas      : {numpy_s:8.2f} s  {numpy_rate / 1e6:8.2f} M points/s")
-    print(f"   Python loop (on {len(sample):,} points, extrapolated): {python_s:8.1f} s  "
-          f"{python_rate / 1e3:8.2f} k points/s")
-    print(f"   JAX / NumPy  = {jax_rate / numpy_rate:6.2f}x")
-    print(f"   JAX / Python = {jax_rate / python_rate:6.0f}x")
-    print(f"   output {produced / 1e9:.3f} GB ({per_point:.0f} B/point); JAX writes it at "
-          f"{produced / jax_s / 1e9:.2f} GB/s = {produced / jax_s / fill_bw:.1%} of "
-          f"fill bandwidth, {produced / jax_s / copy_bw:.1%} of copy bandwidth")
-    row = dict(label=label, points=points, blocks=blocks, compile_s=c_s, jax_s=jax_s,
-               numpy_s=numpy_s, python_s=python_s, python_n=len(sample),
-               bytes=produced)
+    print(f"   output cube {produced / 1e9:.3f} GB ({produced / points:.0f} B/point), "
+          f"produced by JAX at {produced / best['jax'] / 1e9:.2f} GB/s = "
+          f"{produced / best['jax'] / fill_bw:.0%} of fill, "
+          f"{produced / best['jax'] / copy_bw:.0%} of copy bandwidth")
     if args.zarr:
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
             grid.run(job, Path(tmp) / "cube.zarr", {}, "benchmark")
-            row["zarr_s"] = time.perf_counter() - t
-        print(f"   full sweep.grid.run to zarr (evaluate + write + consolidate): "
-              f"{row['zarr_s']:8.2f} s  {points / row['zarr_s'] / 1e6:8.2f} M points/s")
-    return row
+            zarr_s = time.perf_counter() - t
+        print(f"   sweep.grid.run to zarr (evaluate + write + consolidate): "
+              f"{zarr_s:8.2f} s {points / zarr_s / 1e6:8.2f} M points/s")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,18 +1,22 @@
 """The grid model without JAX: the baselines of ``grid_throughput.py``.
 
-Two re-implementations of exactly what ``sweep.evaluate.evaluate_block``
-computes (the roofline of ``sweep.roofline``, the cost rules of
-``sweep.cost`` and the metrics of ``sweep.point``), with the same formulas in
-the same order:
+Re-implementations of exactly what the sweep's roofline part computes (the
+roofline of ``sweep.roofline``, the cost rules of ``sweep.cost`` and the
+metrics of ``sweep.point``), with the same formulas in the same order, over
+the same blocks (``sweep.evaluate.Blocking``) and from the same inputs (the
+part's stacked axes and its static-utilisation table):
 
-* ``evaluate_block_numpy``: vectorized NumPy over the same flat points, in
-  float32 like the JAX path, with the same ``unravel_index`` + gather
-  structure and the same per-(workload, concurrency) static-utilisation table;
+* ``evaluate_region_flat``: vectorized NumPy in float32 over the block's points
+  as a flat list, every parameter gathered per point (``unravel_index`` +
+  indexing), the way a vectorized NumPy port of a point loop is written;
+* ``evaluate_region_broadcast``: the same NumPy formulas on per-axis arrays
+  that broadcast, so each sub-expression is computed at the rank of the axes
+  it depends on, as ``sweep.evaluate``'s nested ``vmap`` does;
 * ``evaluate_points_python``: a per-point loop of plain Python floats and the
-  ``math`` module, the way a planning script without array code would be
-  written (float64, since Python floats are).
+  ``math`` module (float64, since Python floats are), which also tabulates the
+  static utilisation itself and prefills the long prompt chunk by chunk.
 
-``tests/test_numpy_baseline.py`` checks both against the JAX model, so the
+``tests/test_numpy_baseline.py`` checks all three against the JAX cube, so the
 speed comparison is between programs that produce the same numbers.
 """
 
@@ -24,16 +28,18 @@ import jax
 import numpy as np
 
 from sweep.cost import HOURS_PER_MONTH, SECONDS_PER_DAY
-from sweep.evaluate import GridInputs
 from sweep.params import CONTINUOUS, REQUEST, STATIC, GridPoint
 from sweep.roofline import ACTIVATION_BYTES, ALLREDUCES_PER_LAYER
 
 F32 = np.float32
 
 
-def to_numpy(inputs: GridInputs) -> GridInputs:
-    """The same stacked inputs with NumPy leaves (float32 / int32 as given)."""
-    return jax.tree.map(np.asarray, inputs)
+WORKLOAD_AXIS, CONCURRENCY_AXIS = 2, 4  # the axes of the static-utilisation table
+
+
+def to_numpy(tree):
+    """The same pytree with NumPy leaves (dtypes kept)."""
+    return jax.tree.map(np.asarray, tree)
 
 
 # --- roofline (sweep.roofline) ------------------------------------------------
@@ -87,7 +93,8 @@ def _mixed_step_s(hw, m, tp, decodes, decode_context_tokens, chunk_tokens,
         hw, m, tp,
         decodes + chunk_tokens,
         decode_context_tokens + chunk_cached_tokens,
-        decode_context_tokens + _chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+        decode_context_tokens
+        + _chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
     )
 
 
@@ -147,19 +154,6 @@ def _cost_per_mtok_usd(usd_per_gpu_hour, gpus, tokens_per_s):
     return usd_per_gpu_hour * gpus / (tokens_per_s * 3600.0) * 1e6
 
 
-def static_utilization_table(wl, concurrency) -> np.ndarray:
-    """``E[out] / E[max of B outputs]`` per (workload, concurrency) (``sweep.cost``)."""
-    values, probs = wl.output_values, wl.output_probs  # shape=(W, K)
-    cdf = np.cumsum(probs, axis=-1)
-    cdf = np.clip(cdf / cdf[:, -1:], F32(0.0), F32(1.0))
-    below = np.concatenate([np.zeros_like(cdf[:, :1]), cdf[:, :-1]], axis=-1)
-    mean = np.sum(values * probs, axis=-1) / np.sum(probs, axis=-1)
-    b = concurrency[None, :, None]
-    emax = np.sum(values[:, None, :] * (cdf[:, None, :] ** b - below[:, None, :] ** b),
-                  axis=-1)
-    return mean[:, None] / emax
-
-
 def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     """``sweep.point.evaluate_point`` on arrays of points (float32)."""
     tp = pt.tensor_parallel
@@ -207,30 +201,64 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     return metrics
 
 
-def evaluate_block_numpy(inputs: GridInputs, start: int, *, shape: tuple[int, ...],
-                         size: int, utilization: np.ndarray | None = None) -> dict:
-    """NumPy twin of ``sweep.evaluate.evaluate_block`` (same padding, same order).
+def _region_indices(starts, shape, chunks) -> list[np.ndarray]:
+    """Each axis's indices in the block; past the cube's end, the last index."""
+    return [np.minimum(s + np.arange(c), n - 1)
+            for s, c, n in zip(starts, chunks, shape)]
+
+
+def _point_args(axes, index):
+    """``evaluate_point_numpy``'s parameters, axis ``d`` read by ``index(x, d)``."""
+    take = lambda tree, d: jax.tree.map(lambda x: index(x, d), tree)  # noqa: E731
+    # the point model reads only the mean prompt of a workload
+    wl = axes[WORKLOAD_AXIS]._replace(
+        mean_prompt_tokens=index(axes[WORKLOAD_AXIS].mean_prompt_tokens,
+                                 WORKLOAD_AXIS))
+    pt = GridPoint(*(index(axes[d], d) for d in range(3, len(axes))))
+    return take(axes[0], 0), take(axes[1], 1), wl, pt
+
+
+def evaluate_region_flat(axes: tuple, utilization: np.ndarray, starts, *,
+                         shape: tuple[int, ...], chunks: tuple[int, ...]) -> dict:
+    """The block's points as one flat list, every parameter gathered per point.
 
     Args:
-      inputs: ``to_numpy`` of the JAX inputs.
-      utilization: the static-utilisation table; computed per call when None,
-        as the JAX block does.
+      axes: ``to_numpy`` of the roofline part's axes (``sweep.point.DIMS`` order).
+      utilization: the part's static-utilisation table, workload x concurrency.
+      starts: the block's first index along each axis.
+
+    Returns:
+      A dict of arrays of shape ``chunks``.
     """
-    total = math.prod(shape)
-    flat = np.minimum(start + np.arange(size, dtype=np.int32), total - 1)
-    idx = np.unravel_index(flat, shape)
-    if utilization is None:
-        utilization = static_utilization_table(inputs.workload,
-                                               inputs.axes.concurrency)
-    take = lambda tree, j: jax.tree.map(lambda x: x[j], tree)  # noqa: E731
-    pt = GridPoint(*(axis[idx[3 + k]] for k, axis in enumerate(inputs.axes)))
-    return evaluate_point_numpy(
-        take(inputs.hardware, idx[0]),
-        take(inputs.model, idx[1]),
-        take(inputs.workload, idx[2]),
-        pt,
-        utilization[idx[2], idx[4]],
+    idx = _region_indices(starts, shape, chunks)
+    flat = np.unravel_index(np.arange(math.prod(chunks)), chunks)
+    point = [i[f] for i, f in zip(idx, flat)]
+    out = evaluate_point_numpy(
+        *_point_args(axes, lambda x, d: x[point[d]]),
+        utilization[point[WORKLOAD_AXIS], point[CONCURRENCY_AXIS]],
     )
+    return {k: v.reshape(chunks) for k, v in out.items()}
+
+
+def evaluate_region_broadcast(axes: tuple, utilization: np.ndarray, starts, *,
+                              shape: tuple[int, ...], chunks: tuple[int, ...]
+                              ) -> dict:
+    """The same block by broadcasting: each axis's values vary along it only.
+
+    Arguments as ``evaluate_region_flat``; the results are materialized at the
+    block's shape, as the JAX path's are.
+    """
+    dims = len(shape)
+    idx = _region_indices(starts, shape, chunks)
+
+    def along(x, d):
+        return x[idx[d]].reshape([-1 if i == d else 1 for i in range(dims)])
+
+    table = utilization[np.ix_(idx[WORKLOAD_AXIS], idx[CONCURRENCY_AXIS])].reshape(
+        [chunks[i] if i in (WORKLOAD_AXIS, CONCURRENCY_AXIS) else 1
+         for i in range(dims)])
+    out = evaluate_point_numpy(*_point_args(axes, along), table)
+    return {k: np.ascontiguousarray(np.broadcast_to(v, chunks)) for k, v in out.items()}
 
 
 # --- plain Python, one point at a time ----------------------------------------
@@ -332,29 +360,29 @@ def _py_static_utilization(values, probs, batch):
     return mean / emax
 
 
-def evaluate_points_python(inputs: GridInputs, flat_indices, shape: tuple[int, ...]
+def evaluate_points_python(axes: tuple, flat_indices, shape: tuple[int, ...]
                            ) -> list[dict]:
-    """Metrics of the given flat (C-order) points, one at a time.
+    """Metrics of the given flat (C-order) points of the cube, one at a time.
 
     Args:
-      inputs: ``to_numpy`` of the JAX inputs.
+      axes: ``to_numpy`` of the roofline part's axes.
       flat_indices: iterable of ints in ``[0, prod(shape))``.
     """
     leaves = lambda tree, i: {  # noqa: E731
         k: float(v[i]) if np.ndim(v) == 1 else [float(x) for x in v[i]]
         for k, v in tree._asdict().items()
     }
-    hw_list = [leaves(inputs.hardware, i) for i in range(shape[0])]
-    model_list = [leaves(inputs.model, i) for i in range(shape[1])]
-    wl_list = [leaves(inputs.workload, i) for i in range(shape[2])]
-    axes = [[float(x) for x in a] for a in inputs.axes]
+    hw_list = [leaves(axes[0], i) for i in range(shape[0])]
+    model_list = [leaves(axes[1], i) for i in range(shape[1])]
+    wl_list = [leaves(axes[2], i) for i in range(shape[2])]
+    point_axes = [[float(x) for x in a] for a in axes[3:]]
     utilization = {}
     out = []
     for flat in flat_indices:
         idx, rest = [0] * len(shape), flat
         for d in reversed(range(len(shape))):
             rest, idx[d] = divmod(rest, shape[d])
-        pt = {n: axes[k][idx[3 + k]] for k, n in enumerate(GridPoint._fields)}
+        pt = {n: point_axes[k][idx[3 + k]] for k, n in enumerate(GridPoint._fields)}
         pt["batching"] = int(pt["batching"])
         wl = wl_list[idx[2]]
         key = (idx[2], idx[4])

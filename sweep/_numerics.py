@@ -68,19 +68,13 @@ def slack(one_minus_rho, scale=0.01, floor=1e-3):
     return softplus(one_minus_rho, scale) + floor / (1.0 + over)
 
 
-def monotone_root(g, lo, hi, iters=40):
-    """The root of a function that crosses zero once, upward, on ``[lo, hi]``.
+def bisect(g, lo, hi, iters):
+    """Where an increasing ``g`` crosses zero in ``[lo, hi]`` (``hi`` if it does not).
 
-    Bisection (under ``stop_gradient``) finds it; one Newton step from there
-    carries the implicit-function gradient ``-dg/dtheta / dg/dx`` to whatever
-    ``g`` closes over. Returns ``hi`` when ``g(hi) <= 0`` (no crossing).
-
-    Args:
-      g: scalar -> scalar, increasing through its root.
-      lo, hi: scalars bracketing the root.
-      iters: bisection halvings (static).
+    Forward only: everything is under ``stop_gradient``; differentiate the
+    result with ``implicit_step``.
     """
-    lo_sg, hi_sg = jax.lax.stop_gradient(lo), jax.lax.stop_gradient(hi)
+    lo, hi = jax.lax.stop_gradient(lo), jax.lax.stop_gradient(hi)
 
     def body(_, bounds):
         a, b = bounds
@@ -88,35 +82,43 @@ def monotone_root(g, lo, hi, iters=40):
         up = jax.lax.stop_gradient(g(mid)) > 0
         return jnp.where(up, a, mid), jnp.where(up, mid, b)
 
-    a, b = jax.lax.fori_loop(0, iters, body, (lo_sg, hi_sg))
-    x0 = jax.lax.stop_gradient(0.5 * (a + b))
-    value, slope = jax.jvp(g, (x0,), (jnp.ones_like(x0),))
-    step = safe_div(value, jax.lax.stop_gradient(slope))
-    root = x0 - (step - jax.lax.stop_gradient(step))
-    crossed = jax.lax.stop_gradient(g(hi_sg)) > 0
-    return jnp.where(crossed, root, hi)
+    a, b = jax.lax.fori_loop(0, iters, body, (lo, hi))
+    return jax.lax.stop_gradient(0.5 * (a + b))
 
 
-def quantile(cdf, level, lo, hi, iters=48):
-    """The ``level`` quantile of a smooth CDF on ``[lo, hi]`` (``0 < lo``).
+def implicit_step(value, slope):
+    """Zero in value; in gradient, the implicit-function term ``-dg / g'``.
 
-    Bisection in ``log t`` under ``stop_gradient``, then one implicit Newton
-    step, ``q - (F(q) - level) / F'(q)``, so that the gradient is the implicit
-    one, ``-dF/dtheta / f(q)``, with no gradient through the iterations.
+    For a root ``x0`` of ``g(x; theta)`` found without gradients, ``x0 +
+    implicit_step(g(x0; theta), g'(x0))`` has the value ``x0`` and the
+    derivative ``-(dg/dtheta) / g'``: one Newton step whose value part (zero at
+    a converged root) is dropped.
     """
-    log_lo = jnp.log(jax.lax.stop_gradient(lo))
-    log_hi = jnp.log(jax.lax.stop_gradient(hi))
+    step = safe_div(value, jax.lax.stop_gradient(slope), 1e-20)
+    return -(step - jax.lax.stop_gradient(step))
+
+
+def quantile(cdf, levels, lo, hi, iters=32):
+    """Quantiles of a smooth CDF on ``[lo, hi]`` (``0 < lo``), several at once.
+
+    Bisection in ``log t`` without gradients, then ``implicit_step`` so that
+    the gradient is ``-dF/dtheta / f(q)``.
+
+    Args:
+      cdf: maps times of shape ``levels.shape`` to probabilities, elementwise.
+      levels: probabilities, shape ``(L,)`` (static values).
+    """
+    levels = jnp.asarray(levels)
+    log_lo = jnp.log(jax.lax.stop_gradient(lo)) + jnp.zeros_like(levels)
+    log_hi = jnp.log(jax.lax.stop_gradient(hi)) + jnp.zeros_like(levels)
 
     def body(_, bounds):
         a, b = bounds
         mid = 0.5 * (a + b)
-        up = jax.lax.stop_gradient(cdf(jnp.exp(mid))) >= level
+        up = jax.lax.stop_gradient(cdf(jnp.exp(mid))) >= levels
         return jnp.where(up, a, mid), jnp.where(up, mid, b)
 
     a, b = jax.lax.fori_loop(0, iters, body, (log_lo, log_hi))
     q0 = jax.lax.stop_gradient(jnp.exp(0.5 * (a + b)))
     value, density = jax.jvp(cdf, (q0,), (jnp.ones_like(q0),))
-    # the value part of the Newton step is dropped (bisection is already
-    # converged); only its derivative, the implicit gradient, is kept
-    step = safe_div(value - level, jax.lax.stop_gradient(density), 1e-20)
-    return q0 - (step - jax.lax.stop_gradient(step))
+    return q0 + implicit_step(value - levels, density)

@@ -89,6 +89,15 @@ def config_value(ds: xr.Dataset, key: str):
     return find(yaml.safe_load(text)) if text else None
 
 
+def cube_slo(ds: xr.Dataset) -> dict[str, float]:
+    """The p99 limits of the SLO the cube was swept with (its config's ``slo``)."""
+    text = ds.attrs.get("config_yaml")
+    slo = (yaml.safe_load(text) or {}).get("slo") if text else None
+    if not isinstance(slo, dict):
+        return {}
+    return {k: float(slo[k]) for k in SLO_FIELDS if slo.get(k) is not None}
+
+
 def _pick(ds: xr.Dataset, dims: Sequence[str], pos: np.ndarray, has: np.ndarray,
           keep: list[str]) -> xr.Dataset:
     """The points at flat positions ``pos`` (over ``dims``) of every ``keep`` cell.

@@ -125,8 +125,8 @@ def _grid_app(cfg: DictConfig) -> None:
         HydraConfig.get().runtime.output_dir) / "cube.zarr"
     config_yaml = OmegaConf.to_yaml(cfg)
     attrs = results.provenance(config_yaml, job.app.seed, _overrides())
-    console.print(f"sweep-grid: {job.points:,} points in {len(job.plan)} block(s) "
-                  f"-> {out}")
+    blocks = sum(len(p.plan) for p in job.parts)
+    console.print(f"sweep-grid: {job.points:,} points in {blocks} block(s) -> {out}")
     ds = grid.run(job, out, attrs, config_yaml, progress=_progress_bar(console))
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     Console(width=max(Console().width, 132)).print(summary_table(ds))

@@ -1,23 +1,27 @@
 """A grid sweep job: validated configs -> stacked inputs + coords -> a cube.
 
-``prepare`` does everything that can fail on bad input (trace loading, the
-cross-group checks) without compiling anything; ``run`` evaluates the blocks,
-writes them, and returns the finished cube.
+A cube is made of *parts*, each a point function evaluated over the product of
+some of the cube's axes: the roofline metrics over ``point.DIMS``, and (with
+``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS``. ``prepare``
+does everything that can fail on bad input (trace loading, the cross-group
+checks) without compiling anything; ``run`` evaluates the missing blocks of
+every part, writes them, and returns the finished cube.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
-from sweep import results
-from sweep.config.schema import ConfigError, GridApp, Hardware, Model, Workload
-from sweep.evaluate import DIMS, Blocking, GridInputs, blocking, iterate_blocks
+from sweep import p99, results
+from sweep.config.schema import ConfigError, GridApp, Hardware, LatencyMethod, Model
+from sweep.evaluate import Blocking, blocking, iterate_blocks
 from sweep.params import (
     BATCHING,
     GridPoint,
@@ -26,8 +30,24 @@ from sweep.params import (
     model_params,
     stack,
 )
+from sweep.point import DIMS, grid_point
 from sweep.roofline import weight_bytes
-from sweep.workload import workload_tables
+from sweep.workload import WorkloadTables, workload_tables
+
+
+@dataclass
+class Part:
+    """One point function over the product of some of the cube's axes."""
+
+    name: str
+    dims: tuple[str, ...]
+    fn: Callable
+    axes: tuple
+    plan: Blocking
+    tables: tuple = ()
+    table_dims: tuple = ()
+    variables: tuple[str, ...] = tuple(results.ROOFLINE_VARIABLES)
+    attrs: dict = field(default_factory=dict)  # added to each of its variables
 
 
 @dataclass
@@ -36,13 +56,12 @@ class GridJob:
 
     app: GridApp
     coords: dict[str, np.ndarray]
-    inputs: GridInputs
-    plan: Blocking
+    parts: list[Part]
     extra: dict[str, xr.DataArray]
 
     @property
     def points(self) -> int:
-        return math.prod(self.plan.shape)
+        return math.prod(self.parts[0].plan.shape)
 
 
 def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> None:
@@ -52,10 +71,8 @@ def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> 
     ctx = min(app.grid.axes["context_tokens"])
     best = max(hardware, key=lambda h: h.memory_bytes)
     for m in models:
-        mp = model_params(m)
-        need = (mp.shared_params + mp.expert_params) * m.weight_dtype_bytes + ctx * (
-            2 * m.layers * m.kv_heads * m.head_dim * m.kv_dtype_bytes
-        )
+        kvb = 2 * m.layers * m.kv_heads * m.head_dim * m.kv_dtype_bytes
+        need = float(weight_bytes(model_params(m))) + ctx * kvb
         have = best.memory_bytes * util * tp_max
         if need > have:
             raise ConfigError(
@@ -67,47 +84,54 @@ def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> 
             )
 
 
+def _static_utilization(tables: list[WorkloadTables], concurrency) -> np.ndarray:
+    """``E[out] / E[max of B outputs]`` per workload x concurrency, float64.
+
+    Exact for the tabulated distribution: ``P(max <= x) = F(x)^B``.
+    """
+    out = np.empty((len(tables), len(concurrency)))
+    for w, t in enumerate(tables):
+        cdf = np.clip(np.cumsum(t.output_probs), 0.0, 1.0)
+        below = np.concatenate([[0.0], cdf[:-1]])
+        for c, b in enumerate(concurrency):
+            out[w, c] = t.mean_output_tokens / (t.output_values @ (cdf**b - below**b))
+    return out
+
+
+def _padded(tables: list[WorkloadTables]) -> list[WorkloadParams]:
+    """Output-length tables padded to one length (zero-probability repeats)."""
+    k = max(len(t.output_values) for t in tables)
+    out = []
+    for t in tables:
+        pad = k - len(t.output_values)
+        out.append(WorkloadParams(
+            t.mean_prompt_tokens, t.mean_output_tokens,
+            np.concatenate([t.output_values, np.full(pad, t.output_values[-1])]),
+            np.concatenate([t.output_probs, np.zeros(pad)])))
+    return out
+
+
 def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     """Builds stacked inputs and coordinates; raises ``ConfigError`` on bad input."""
     hardware: list[Hardware] = options["hardware"]
     models: list[Model] = options["model"]
-    workloads: list[Workload] = options["workload"]
+    workloads = options["workload"]
     _check_fits(app, hardware, models)
     tables = [workload_tables(w) for w in workloads]
-    k = max(len(t.output_values) for t in tables)
-
-    def padded(v, p):
-        pad = k - len(v)
-        return np.concatenate([v, np.full(pad, v[-1])]), np.concatenate(
-            [p, np.zeros(pad)])
-
-    wl = []
-    for t in tables:
-        ov, op = padded(t.output_values, t.output_probs)
-        wl.append(WorkloadParams(t.mean_prompt_tokens, t.mean_output_tokens, ov, op))
     axes = app.grid.axes
     batching = [b.value for b in app.grid.batching]
-    if len(set(batching)) != len(batching):
-        raise ConfigError(f"grid.batching = {batching}: values must be distinct")
-    point_axes = GridPoint(
-        tensor_parallel=np.array(axes["tensor_parallel"]),
-        concurrency=np.array(axes["concurrency"]),
-        token_budget=np.array(axes["token_budget"]),
-        context_tokens=np.array(axes["context_tokens"]),
-        batching=np.array([BATCHING.index(b) for b in batching]),
-        long_prompt_tokens=np.array(axes["long_prompt_tokens"]),
-        traffic_tokens_per_day=np.array(axes["traffic_tokens_per_day"]),
-    )
-    import jax.numpy as jnp
-
-    inputs = GridInputs(
-        hardware=stack([hardware_params(h, app.grid.gpu_memory_utilization)
-                        for h in hardware]),
-        model=stack([model_params(m) for m in models]),
-        workload=stack(wl),
-        axes=GridPoint(*(jnp.asarray(a, jnp.int32 if n == "batching" else jnp.float32)
-                         for n, a in zip(GridPoint._fields, point_axes))),
-    )
+    for d, names in (("hardware", [h.name for h in hardware]),
+                     ("model", [m.name for m in models]),
+                     ("workload", [w.name for w in workloads]), ("batching", batching)):
+        if len(set(names)) != len(names):
+            raise ConfigError(f"grid.{d} = {names}: values must be distinct")
+    hw_axis = stack([hardware_params(h, app.grid.gpu_memory_utilization)
+                     for h in hardware])
+    model_axis = stack([model_params(m) for m in models])
+    batching_axis = np.array([BATCHING.index(b) for b in batching], np.int32)
+    point_axes = {n: np.asarray(axes[n], np.float32) for n in GridPoint._fields
+                  if n != "batching"}
+    point_axes["batching"] = batching_axis
     coords = {
         "hardware": np.array([h.name for h in hardware]),
         "model": np.array([m.name for m in models]),
@@ -115,14 +139,22 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         **{n: np.asarray(axes[n]) for n in GridPoint._fields if n != "batching"},
         "batching": np.array(batching),
     }
-    coords = {d: coords[d] for d in DIMS}
     for d in ("tensor_parallel", "concurrency", "token_budget", "context_tokens",
               "long_prompt_tokens"):
         coords[d] = coords[d].astype(np.int64)
-    for d in ("hardware", "model", "workload"):
-        if len(set(coords[d])) != len(coords[d]):
-            raise ConfigError(f"grid.{d} = {list(coords[d])}: names must be distinct")
+    coords = {d: coords[d] for d in DIMS}
+    roofline_axes = (hw_axis, model_axis, stack(_padded(tables)),
+                     *(point_axes[n] for n in DIMS[3:]))
+    util = _static_utilization(tables, axes["concurrency"]).astype(np.float32)
     shape = tuple(len(v) for v in coords.values())
+    parts = [Part("roofline", DIMS, grid_point, roofline_axes,
+                  blocking(shape, app.grid.chunk_points), tables=(util,),
+                  table_dims=((DIMS.index("workload"), DIMS.index("concurrency")),))]
+    if app.latency.method != LatencyMethod.none:
+        part, rate_coord = p99.part(app, workloads, tables, hw_axis, model_axis,
+                                    point_axes, coords)
+        coords["arrival_rate_per_s"] = rate_coord
+        parts.append(part)
     extra = {
         "usd_per_gpu_hour": xr.DataArray(
             [h.usd_per_gpu_hour for h in hardware], dims="hardware",
@@ -141,32 +173,37 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
             [t.mean_output_tokens for t in tables], dims="workload",
             attrs={"units": "tokens", "long_name": "mean output length"}),
     }
-    return GridJob(app, coords, inputs, blocking(shape, app.grid.chunk_points), extra)
+    return GridJob(app, coords, parts, extra)
 
 
 def fingerprint(config_yaml: str, job: GridJob) -> str:
     """Identifies a sweep for resuming: same config and blocking, same blocks."""
-    text = config_yaml + repr(job.plan)
+    text = config_yaml + repr([(p.name, p.plan) for p in job.parts])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def run(job: GridJob, out: Path, attrs: dict, config_yaml: str,
+def run(job: GridJob, out, attrs: dict, config_yaml: str,
         progress=None) -> xr.Dataset:
     """Evaluates and writes every missing block; returns the opened cube.
 
     Args:
+      out: the cube's path.
       progress: optional callable ``(done_blocks, total_blocks)``.
     """
+    out = Path(out)
     fp = fingerprint(config_yaml, job)
-    ds = results.template(job.coords, job.plan.chunks, attrs, job.extra)
+    ds = results.template(job.coords, job.parts, attrs, job.extra)
     done = results.start_store(out, ds, fp)
-    total = len(job.plan)
+    total = sum(len(p.plan) for p in job.parts)
     if progress:
         progress(len(done), total)
-    dims = tuple(job.coords)
-    for b, region, values in iterate_blocks(job.inputs, job.plan, skip=set(done)):
-        results.write_block(out, dims, region, values, fp, done, b)
-        if progress:
-            progress(len(done), total)
+    for part in job.parts:
+        skip = {int(k.split(":")[1]) for k in done if k.startswith(part.name + ":")}
+        for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
+                                                part.tables, part.table_dims, skip):
+            results.write_block(out, part.dims, region, values, fp, done,
+                                f"{part.name}:{b}")
+            if progress:
+                progress(len(done), total)
     results.finish_store(out)
     return results.open_cube(out)

@@ -11,7 +11,10 @@ stated way (``view``):
   cube has it;
 * the deployment choices the chart does not show (tensor parallelism, token
   budget, concurrency) are reduced to the cheapest point in USD per 1M output
-  tokens among those that fit, ties going to the first coordinate value.
+  tokens among those that fit, ties going to the first coordinate value;
+  except that the ITL and interference charts keep one tensor-parallel size
+  per hardware x model (that of its cheapest point, ``fix_tp``), so that a
+  curve does not jump between sizes.
 
 Figures are built on ``matplotlib.figure.Figure`` directly, so drawing touches
 no global pyplot state and needs no display.
@@ -29,7 +32,14 @@ from matplotlib import colormaps
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+from matplotlib.patches import Rectangle
+from matplotlib.ticker import (
+    FixedLocator,
+    FuncFormatter,
+    LogLocator,
+    NullFormatter,
+    NullLocator,
+)
 
 import sweep.accessor  # noqa: F401  (registers ds.sweep)
 from sweep.accessor import CONFIG_DIMS, SCENARIO_DIMS
@@ -71,6 +81,22 @@ def view(ds: xr.Dataset, keep: tuple[str, ...]) -> xr.Dataset:
     tp = out["best_tensor_parallel"] if "best_tensor_parallel" in out else (
         out["tensor_parallel"] if "tensor_parallel" in out.coords else 1)
     return out.assign({PER_GPU: per_gpu(out["output_tokens_per_s"], tp)})
+
+
+def fix_tp(ds: xr.Dataset) -> xr.Dataset:
+    """Per hardware x model, the tensor-parallel size of its cheapest point only.
+
+    A curve over concurrency at one TP reads better than one that jumps
+    between TPs; pairs that fit nowhere keep the first TP.
+    """
+    if "tensor_parallel" not in ds.dims:
+        return ds
+    fixed, _ = scenario(ds)
+    over = [d for d in CONFIG_DIMS if d in fixed.dims]
+    best = fixed.sweep.cheapest(over, COST)["best_tensor_parallel"]
+    best = best.fillna(ds["tensor_parallel"].values[0]).astype(
+        ds["tensor_parallel"].dtype)
+    return ds.sel(tensor_parallel=best.reset_coords(drop=True))
 
 
 def per_gpu(rate: xr.DataArray, tp) -> xr.DataArray:
@@ -120,13 +146,19 @@ def _log2_ticks(ax, values, axis: str = "x") -> None:
 
 
 def _log(ax, axis: str = "y") -> None:
-    """Log axis labelled with plain numbers (minor ticks too within a decade)."""
+    """Log axis with plain-number ticks, denser when the range is short."""
     getattr(ax, f"set_{axis}scale")("log")
-    target = ax.yaxis if axis == "y" else ax.xaxis
-    plain = FuncFormatter(lambda v, _: f"{v:g}")
-    target.set_major_formatter(plain)
-    lo, hi = getattr(ax, f"get_{axis}lim")()
-    target.set_minor_formatter(plain if hi / lo < 12 else NullFormatter())
+    _plain_log_ticks(ax.yaxis if axis == "y" else ax.xaxis,
+                     *getattr(ax, f"get_{axis}lim")())
+
+
+def _plain_log_ticks(target, lo: float, hi: float) -> None:
+    decades = np.log10(hi / lo)
+    subs = (1.0,) if decades > 2.5 else (1.0, 2.0, 5.0) if decades > 0.7 else (
+        np.arange(1.0, 10.0))
+    target.set_major_locator(LogLocator(10, subs=subs))
+    target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_formatter(NullFormatter())
 
 
 def _empty(ax, text: str = "no point fits") -> None:
@@ -141,7 +173,7 @@ def _hw_legend(fig: Figure, colors: dict[str, tuple], extra=()) -> None:
 
 
 def cost_vs_concurrency(ds: xr.Dataset) -> Figure:
-    """USD per 1M output tokens vs concurrency, a line per hardware, a panel per model."""
+    """USD per 1M output tokens vs concurrency: a line per hardware, panel per model."""
     v = view(ds, ("concurrency",))
     colors = _hw_colors(v)
     models = [str(m) for m in v["model"].values]
@@ -168,13 +200,14 @@ def cost_vs_concurrency(ds: xr.Dataset) -> Figure:
 
 def itl_throughput_vs_concurrency(ds: xr.Dataset) -> Figure:
     """ITL (decode step; p99 dashed when the cube has it) and tokens/s/GPU."""
-    v = view(ds, ("concurrency",))
+    v = view(fix_tp(ds), ("concurrency",))
     colors = _hw_colors(v)
     models = [str(m) for m in v["model"].values]
     has_p99 = "itl_p99_s" in v
     fig, axes = _panels(2 * len(models), 2, 4.8, 3.0,
                         "ITL and throughput vs concurrency",
-                        "cheapest tensor-parallel size that fits; " + _notes(ds))
+                        "per hardware x model, the tensor-parallel size of its "
+                        "cheapest point; " + _notes(ds))
     extra = [Line2D([], [], color="0.3", ls="--", label="p99 ITL")] if has_p99 else []
     for i, m in enumerate(models):
         ax_itl, ax_tput = axes[2 * i], axes[2 * i + 1]
@@ -203,16 +236,14 @@ def feasible_region(ds: xr.Dataset, limits: dict[str, float]) -> tuple[xr.DataAr
                                                                          str]:
     """The mask a heatmap's boundary is drawn around, and what it means.
 
-    Explicit limits (or the cube's SLO) through ``ds.sweep.feasible_mask``;
-    else the cube's own ``slo_met`` when it has one; else ``kv_fits``.
+    ``ds.sweep.feasible_mask`` with the given limits; with none, the cube's
+    own ``slo_met`` is added when it has one.
     """
-    if limits:
-        mask = ds.sweep.feasible_mask(**limits)
-        return mask, mask.attrs["feasible"]
-    if "slo_met" in ds:
-        return ds["kv_fits"].astype(bool) & ds["slo_met"].astype(bool), \
-            "kv_fits & slo_met"
-    return ds["kv_fits"].astype(bool), "kv_fits"
+    mask = ds.sweep.feasible_mask(**limits)
+    what = mask.attrs["feasible"]
+    if not limits and "slo_met" in ds:
+        mask, what = mask & ds["slo_met"].astype(bool), f"{what} & slo_met"
+    return mask, what
 
 
 def cost_heatmap(ds: xr.Dataset, hardware: str, model: str,
@@ -236,7 +267,7 @@ def cost_heatmap(ds: xr.Dataset, hardware: str, model: str,
         im = ax.imshow(np.ma.masked_invalid(c), origin="lower", aspect="auto",
                        cmap=cmap, norm=norm)
         bar = fig.colorbar(im, ax=ax, label=label(ds[COST]))
-        bar.ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        _plain_log_ticks(bar.ax.yaxis, norm.vmin, norm.vmax)
     else:
         ax.imshow(np.zeros_like(c), origin="lower", aspect="auto", cmap="Greys",
                   vmin=0, vmax=4)
@@ -247,6 +278,10 @@ def cost_heatmap(ds: xr.Dataset, hardware: str, model: str,
                 ax.text(j, i, f"{val:.3g}", ha="center", va="center", fontsize=7,
                         color="white" if norm(val) < 0.5 else "black")
     inside = region.values.astype(bool)
+    for (i, j), ok in np.ndenumerate(inside):
+        if not ok:
+            ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//",
+                                   edgecolor="0.55", lw=0))
     _boundary(ax, inside)
     ax.set_xticks(range(cost.sizes["concurrency"]),
                   [_fmt(v) for v in cost["concurrency"].values])
@@ -256,9 +291,12 @@ def cost_heatmap(ds: xr.Dataset, hardware: str, model: str,
     ax.set_ylabel(label(ds["token_budget"]))
     text = (f"boundary of {what}" if inside.any() and not inside.all()
             else f"{'every' if inside.all() else 'no'} cell: {what}")
-    handles = [Line2D([], [], color="red", lw=2.5, label=text)]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12),
-              frameon=False, fontsize=7)
+    handles = [Line2D([], [], color="red", lw=2.5,
+                      label="\n".join(textwrap.wrap(text, 100))),
+               Rectangle((0, 0), 1, 1, fill=False, hatch="//", edgecolor="0.55",
+                         lw=0, label="hatched: not feasible")]
+    fig.legend(handles=handles, loc="outside lower center", frameon=False,
+               fontsize=7)
     _title(fig, f"USD per 1M output tokens: {hardware}, {model}",
            "cheapest tensor-parallel size per cell; grey = does not fit; "
            + "; ".join(notes))
@@ -277,7 +315,7 @@ def _boundary(ax, region: np.ndarray) -> None:
 
 
 def pareto_front(ds: xr.Dataset) -> Figure:
-    """Tokens/s/GPU vs tokens/s/user: every fitting point, and the front per hardware."""
+    """Tokens/s/GPU vs tokens/s/user: every fitting point, the front per hardware."""
     fixed, notes = scenario(ds)
     tp = fixed["tensor_parallel"] if "tensor_parallel" in fixed.coords else 1
     fixed = fixed.assign({PER_GPU: per_gpu(fixed["output_tokens_per_s"], tp)})
@@ -311,14 +349,11 @@ def pareto_front(ds: xr.Dataset) -> Figure:
 
 
 def prefill_interference(ds: xr.Dataset, hardware: str, model: str) -> Figure:
-    """Long-prompt prefill time and worst ITL vs token budget, a line per concurrency."""
-    pair = ds.sel(hardware=[hardware], model=[model])
+    """Long-prompt prefill time and worst ITL vs token budget, per concurrency."""
+    pair = fix_tp(ds.sel(hardware=[hardware], model=[model]))
     tp_note = ""
-    if "tensor_parallel" in pair.dims:
-        # one TP for every line: mixing sizes would mix prefill speeds
-        best = view(pair, ())["best_tensor_parallel"].values.item()
-        tp = best if np.isfinite(best) else pair["tensor_parallel"].values[0]
-        pair = pair.sel(tensor_parallel=[tp])
+    if "tensor_parallel" in pair.coords:
+        tp = pair["tensor_parallel"].values.item()
         tp_note = f"tensor_parallel = {tp:g} (the cheapest point's); "
     v = view(pair, ("concurrency", "token_budget")).squeeze(["hardware", "model"],
                                                             drop=True)

@@ -1,6 +1,7 @@
 """Every grid-sweep metric of one grid point, from the roofline and cost rules.
 
-One pure function of scalar pytrees; ``sweep.evaluate`` vmaps it. Points whose
+One pure function of scalar pytrees; ``sweep.evaluate`` vmaps it over the
+cube's axes (``grid_point`` takes one argument per axis). Points whose
 KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
 get NaN for every other metric (SPEC: infeasible is data, not an exception).
 """
@@ -11,6 +12,20 @@ import jax.numpy as jnp
 
 from sweep import cost, roofline
 from sweep.params import CONTINUOUS, REQUEST, STATIC, GridPoint, WorkloadParams
+
+DIMS = (
+    "hardware",
+    "model",
+    "workload",
+    "tensor_parallel",
+    "concurrency",
+    "token_budget",
+    "context_tokens",
+    "batching",
+    "long_prompt_tokens",
+    "traffic_tokens_per_day",
+)
+"""The roofline cube's axes, in order."""
 
 
 def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilization):
@@ -62,3 +77,12 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         hw, model, tp, pt.context_tokens
     )
     return metrics
+
+
+def grid_point(hw, model, wl: WorkloadParams, tensor_parallel, concurrency,
+               token_budget, context_tokens, batching, long_prompt_tokens,
+               traffic_tokens_per_day, static_utilization):
+    """``evaluate_point`` with one argument per cube axis (the order of ``DIMS``)."""
+    pt = GridPoint(tensor_parallel, concurrency, token_budget, context_tokens,
+                   batching, long_prompt_tokens, traffic_tokens_per_day)
+    return evaluate_point(hw, model, wl, pt, static_utilization)

@@ -21,7 +21,7 @@ import numpy as np
 import xarray as xr
 
 from sweep import plots
-from sweep.accessor import CONFIG_DIMS, SLO_FIELDS, config_value, load_slo
+from sweep.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, load_slo
 from sweep.results import open_cube
 
 # what the summary table and every chart's reduction rely on
@@ -66,10 +66,7 @@ def slo_limits(ds: xr.Dataset, args: argparse.Namespace) -> tuple[dict, str]:
                 limits[name] = getattr(args, name)
         if not limits:
             source = "the cube's config"
-            for name in SLO_FIELDS:
-                value = config_value(ds, name)
-                if value is not None:
-                    limits[name] = float(value)
+            limits = cube_slo(ds)
         ds.sweep.feasible_mask(**limits)  # checks the limits against the cube
     except ValueError as e:
         raise ReportError(f"{source}: {e}") from e
@@ -92,8 +89,9 @@ def summary(ds: xr.Dataset, limits: dict) -> tuple[str, xr.Dataset]:
     cols += [("user_tokens_per_s", "tokens/s/user", "{:,.0f}"),
              (plots.PER_GPU, "tokens/s/GPU", "{:,.0f}"),
              ("cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}")]
-    cols += [(v, h, f) for v, h, f in (("cost_per_mtok_in_usd", "USD / 1M in", "{:.3f}"),
-                                       ("replicas", "replicas", "{:g}")) if v in best]
+    optional = (("cost_per_mtok_in_usd", "USD / 1M in", "{:.3f}"),
+                ("replicas", "replicas", "{:g}"))
+    cols += [(v, h, f) for v, h, f in optional if v in best]
     rows = []
     for h in best["hardware"].values:
         for m in best["model"].values:
@@ -192,7 +190,8 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
            f"- fixed: {'; '.join(notes) or 'nothing'}",
            "- deployment choices not on a chart's axes: the cheapest point (USD per "
            "1M output tokens) among those that fit; ties go to the first value",
-           f"- feasible means: {criterion} (limits from {limits_from})",
+           f"- feasible means: {criterion}"
+           + (f" (p99 limits from {limits_from})" if limits else ""),
            f"- single-panel charts show {h} x {m} (the cheapest feasible pair"
            f"{', as asked' if args.hardware or args.model else ''})", "",
            "## Cheapest feasible configuration per hardware x model", "", table, "",

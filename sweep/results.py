@@ -17,11 +17,10 @@ import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 
-import dask.array as da
 import numpy as np
 import xarray as xr
 
-VARIABLES: dict[str, tuple[str, str]] = {
+ROOFLINE_VARIABLES: dict[str, tuple[str, str]] = {
     # name: (units, long_name)
     "step_s": ("s", "decode step time (ITL)"),
     "user_tokens_per_s": ("tokens/s", "per-user decode rate"),
@@ -40,6 +39,24 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "max_concurrency_fit": ("sequences", "largest concurrency that fits"),
 }
 
+P99_VARIABLES: dict[str, tuple[str, str]] = {
+    "ttft_p50_s": ("s", "p50 time to first token"),
+    "ttft_p99_s": ("s", "p99 time to first token"),
+    "itl_p50_s": ("s", "p50 inter-token latency"),
+    "itl_p99_s": ("s", "p99 inter-token latency"),
+    "e2e_p99_s": ("s", "p99 end-to-end latency"),
+    "achieved_output_tokens_per_s": ("tokens/s", "achieved output rate"),
+    "goodput_req_per_s": ("requests/s", "requests meeting the SLO per second"),
+    "slo_met": ("1", "p99 TTFT and ITL within the SLO"),
+    "latency_status": ("1", "latency model status flags (0 = ok)"),
+}
+
+VARIABLES = {**ROOFLINE_VARIABLES, **P99_VARIABLES}
+"""Every data variable a cube may hold: ``(units, long_name)``."""
+
+BOOLEAN = ("kv_fits", "slo_met")
+INTEGER = ("latency_status",)
+
 COORDS: dict[str, tuple[str, str]] = {
     "hardware": ("", "hardware"),
     "model": ("", "model"),
@@ -51,6 +68,7 @@ COORDS: dict[str, tuple[str, str]] = {
     "batching": ("", "batching"),
     "long_prompt_tokens": ("tokens", "long prompt length"),
     "traffic_tokens_per_day": ("tokens/day", "output traffic"),
+    "arrival_rate_per_s": ("requests/s", "arrival rate"),
 }
 
 
@@ -77,16 +95,25 @@ def provenance(config_yaml: str, seed: int, overrides: list[str]) -> dict[str, s
     }
 
 
-def template(coords: dict[str, np.ndarray], chunks: tuple[int, ...],
-             attrs: dict, extra: dict[str, xr.DataArray] | None = None) -> xr.Dataset:
-    """An unwritten cube: coordinates, attributes and lazily-zero variables."""
-    dims = tuple(coords)
-    shape = tuple(len(v) for v in coords.values())
+def template(coords: dict[str, np.ndarray], parts, attrs: dict,
+             extra: dict[str, xr.DataArray] | None = None) -> xr.Dataset:
+    """An unwritten cube: coordinates, attributes and lazily-zero variables.
+
+    Args:
+      parts: the job's parts; each contributes its variables on its dims,
+        chunked like its blocks.
+    """
+    import dask.array as da  # only writers need dask; keep `import sweep` light
+
     data_vars = {}
-    for name in VARIABLES:
-        dtype = bool if name == "kv_fits" else np.float32
-        data_vars[name] = (dims, da.zeros(shape, dtype=dtype, chunks=chunks),
-                           _attrs(name, VARIABLES))
+    for part in parts:
+        shape = tuple(len(coords[d]) for d in part.dims)
+        for name in part.variables:
+            dtype = bool if name in BOOLEAN else (
+                np.int32 if name in INTEGER else np.float32)
+            data_vars[name] = (part.dims,
+                               da.zeros(shape, dtype=dtype, chunks=part.plan.chunks),
+                               {**_attrs(name, VARIABLES), **part.attrs})
     ds = xr.Dataset(
         data_vars,
         coords={d: (d, v, _attrs(d, COORDS)) for d, v in coords.items()},
@@ -107,11 +134,11 @@ def progress_path(out: Path) -> Path:
     return out.with_name(out.name + ".progress.json")
 
 
-def start_store(out: Path, ds: xr.Dataset, fingerprint: str) -> set[int]:
+def start_store(out: Path, ds: xr.Dataset, fingerprint: str) -> set[str]:
     """Creates (or reopens, for the same config) the partial store.
 
     Returns:
-      The ids of the blocks already written.
+      The keys of the blocks already written (``"<part>:<block>"``).
     """
     tmp = partial_path(out)
     progress = progress_path(out)
@@ -126,21 +153,21 @@ def start_store(out: Path, ds: xr.Dataset, fingerprint: str) -> set[int]:
     return set()
 
 
-def _write_progress(out: Path, fingerprint: str, done: set[int]) -> None:
+def _write_progress(out: Path, fingerprint: str, done: set[str]) -> None:
     staged = progress_path(out).with_suffix(".new")
     staged.write_text(json.dumps({"fingerprint": fingerprint, "done": sorted(done)}))
     os.replace(staged, progress_path(out))
 
 
 def write_block(out: Path, dims: tuple[str, ...], region: tuple[slice, ...],
-                values: dict[str, np.ndarray], fingerprint: str, done: set[int],
-                block_id: int) -> None:
+                values: dict[str, np.ndarray], fingerprint: str, done: set[str],
+                block_key: str) -> None:
     """Writes one evaluated block and records it as finished."""
     tmp = partial_path(out)
     ds = xr.Dataset({k: (dims, v) for k, v in values.items()})
     ds.to_zarr(tmp, region=dict(zip(dims, region)), consolidated=False,
               zarr_format=2)
-    done.add(block_id)
+    done.add(block_key)
     _write_progress(out, fingerprint, done)
 
 

@@ -25,7 +25,7 @@ def test_interrupted_sweep_resumes_without_recomputing(hydra_ctx, tmp_path):
     job = _job()
     out = tmp_path / "cube.zarr"
     attrs = {"config_yaml": "x"}
-    assert len(job.plan) > 2
+    assert len(job.parts[0].plan) > 2
     seen = []
 
     def stop_after_two(done, total):
@@ -41,7 +41,7 @@ def test_interrupted_sweep_resumes_without_recomputing(hydra_ctx, tmp_path):
     resumed = []
     ds = grid.run(job, out, attrs, "x", progress=lambda d, t: resumed.append(d))
     assert resumed[0] == 2  # the two finished blocks are kept, not recomputed
-    assert len(resumed) == len(job.plan) - 2 + 1
+    assert len(resumed) == len(job.parts[0].plan) - 2 + 1
     fresh = grid.run(job, tmp_path / "fresh.zarr", attrs, "x")
     xr.testing.assert_identical(ds.load(), fresh.load())
     assert not results.partial_path(out).exists()

@@ -1,0 +1,130 @@
+"""Configurations simulated per second: ``jit(vmap(simulate))`` vs baselines.
+
+The seed workload (H100 SXM, Qwen3-8B bf16, 1,500-token prompts, outputs
+100/300/800/2,000, Poisson arrivals at 3 req/s, from the shipped Hydra
+configs) is simulated for ``--configs`` continuous-batching configurations
+(concurrency and token budget varied) of ``--requests`` requests each, all in
+one compiled call. Baselines run in the same process on a few of the same
+configurations:
+
+* the plain-Python step-by-step reference (``tests/reference_scheduler.py``);
+* Vidur (PyPI ``vidur``), when it is installed and runs offline.
+
+Run ``python benchmarks/simulate_throughput.py --configs 64 --requests 200``
+for a quick check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hydra import initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+
+from sweep.arrivals import sample_requests
+from sweep.config.resolve import grid_options
+from sweep.config.store import register_configs
+from sweep.params import CONTINUOUS, hardware_params, model_params
+from sweep.simulate import simulate
+from sweep.workload import workload_tables
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from reference_scheduler import simulate_reference  # noqa: E402
+
+CONCURRENCY = (8, 16, 32, 64, 128, 256)
+TOKEN_BUDGET = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def seed_inputs():
+    """Hardware, model and workload tables of the shipped seed experiment."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module("sweep.conf", version_base="1.3"):
+        app, options = grid_options("grid", ["experiment=seed"])
+    GlobalHydra.instance().clear()
+    hw = hardware_params(options["hardware"][0], app.grid.gpu_memory_utilization)
+    model = model_params(options["model"][0])
+    workload = options["workload"][0]
+    return hw, model, workload_tables(workload), workload.arrival_rate_per_s
+
+
+def grid(configs: int):
+    """``configs`` (concurrency, token budget) pairs cycling over both axes."""
+    pairs = [(c, b) for c in CONCURRENCY for b in TOKEN_BUDGET]
+    idx = np.arange(configs) % len(pairs)
+    conc = np.array([pairs[i][0] for i in idx], np.float32)
+    budget = np.array([pairs[i][1] for i in idx], np.float32)
+    return conc, budget
+
+
+def run_jax(hw, model, requests, conc, budget):
+    f = jax.jit(jax.vmap(
+        partial(simulate, max_slots=int(conc.max())),
+        in_axes=(None, None, None, 0, 0, None, None)))
+    args = (jax.tree.map(jnp.float32, hw), jax.tree.map(jnp.float32, model), 1.0,
+            jnp.asarray(conc), jnp.asarray(budget), requests, CONTINUOUS)
+    t0 = time.perf_counter()
+    compiled = f.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(compiled(*args))
+    return out, compile_s, time.perf_counter() - t0
+
+
+def run_reference(hw, model, requests, conc, budget, count):
+    arr, p, o = (np.asarray(x, np.float64) for x in requests)
+    t0 = time.perf_counter()
+    results = [simulate_reference(hw, model, 1.0, conc[i], budget[i], arr, p, o)
+               for i in range(count)]
+    return results, (time.perf_counter() - t0) / count
+
+
+def vidur_status() -> str:
+    if importlib.util.find_spec("vidur") is None:
+        return "not installed"
+    return "installed (not driven by this script; see benchmarks/README.md)"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", type=int, default=1024)
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--reference-configs", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    hw, model, tables, rate = seed_inputs()
+    requests = sample_requests(jax.random.key(a.seed), tables, a.requests, rate)
+    conc, budget = grid(a.configs)
+    out, compile_s, run_s = run_jax(hw, model, requests, conc, budget)
+    jax_rate = a.configs / run_s
+    print(f"jax   : {a.configs} configs x {a.requests} requests in {run_s:.2f} s "
+          f"(compile {compile_s:.1f} s) = {jax_rate:.1f} configs/s "
+          f"= {jax_rate * a.requests / 1000:.1f} config-kreq/s")
+    print(f"        loop turns: max {int(out.iterations.max())}, "
+          f"mean {float(out.iterations.mean()):.0f}; scheduler steps: mean "
+          f"{float(out.steps.mean()):.0f}; status != 0: {int((out.status != 0).sum())}")
+
+    n_ref = min(a.reference_configs, a.configs)
+    ref, ref_s = run_reference(hw, model, requests, conc, budget, n_ref)
+    print(f"python: {ref_s:.2f} s per config ({n_ref} configs, one step per turn) "
+          f"-> jax is {ref_s * jax_rate:.0f}x faster")
+    for i, r in enumerate(ref):
+        print(f"        config {i} (concurrency {conc[i]:.0f}, budget {budget[i]:.0f}): "
+              f"steps {r.steps} vs {int(out.steps[i])}, p99 TTFT "
+              f"{np.percentile(r.ttft_s, 99):.4f} vs {float(out.ttft_p99_s[i]):.4f} s, "
+              f"p99 ITL {np.percentile(r.itl_s, 99):.5f} vs "
+              f"{float(out.itl_p99_s[i]):.5f} s")
+    print(f"vidur : {vidur_status()}")
+
+
+if __name__ == "__main__":
+    main()

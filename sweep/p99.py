@@ -1,0 +1,116 @@
+"""The p99 part of a grid cube: simulator or surrogate over the latency axes.
+
+p99 latency depends on the hardware, model, workload, tensor parallelism,
+concurrency, token budget, batching mode and arrival rate, not on the
+roofline-only axes (context, long prompt, traffic): its variables live on
+``DIMS`` only, and xarray broadcasts them against the rest of the cube.
+
+* ``latency=simulate``: ``sweep.simulate`` runs every configuration over
+  ``latency.num_requests`` requests. Streams are sampled once per workload x
+  rate from the run's seed; every configuration of a workload sees the same
+  requests (common random numbers), the same arrivals compressed for a higher
+  rate, so configurations and rates are compared on equal terms.
+* ``latency=surrogate``: ``sweep.latency.surrogate``, closed forms for
+  continuous batching; static and request-at-a-time points are NaN there.
+
+``slo_met`` compares p99 TTFT and ITL with the ``slo`` group; each variable's
+``method`` attribute says which model produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sweep import roofline
+from sweep.arrivals import sample_requests
+from sweep.config.schema import ArrivalKind, GridApp, LatencyMethod
+from sweep.evaluate import blocking
+from sweep.latency import latency_workload, surrogate
+from sweep.params import CONTINUOUS, stack
+from sweep.results import P99_VARIABLES
+from sweep.simulate import simulate
+from sweep.workload import load_trace
+
+DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
+        "token_budget", "batching", "arrival_rate_per_s")
+
+
+def _summary(r, slo, kv_ok, ok_status):
+    met = (r["ttft_p99_s"] <= slo[0]) & (r["itl_p99_s"] <= slo[1])
+    out = {k: jnp.where(kv_ok, r[k], jnp.nan) for k in (
+        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
+        "goodput_req_per_s")}
+    out["achieved_output_tokens_per_s"] = jnp.where(kv_ok, r["output_tokens_per_s"],
+                                                    jnp.nan)
+    out["slo_met"] = met & kv_ok
+    out["latency_status"] = jnp.asarray(ok_status, jnp.int32)
+    return out
+
+
+@dataclass(frozen=True)
+class SimulatePoint:
+    """One configuration through the simulator (hashable: a static jit argument)."""
+
+    max_slots: int
+
+    def __call__(self, hw, model, _workload, tp, concurrency, token_budget, batching,
+                 _rate, requests, slo):
+        r = simulate(hw, model, tp, concurrency, token_budget, requests, batching,
+                     slo[0], slo[1], max_slots=self.max_slots)._asdict()
+        kv_ok = roofline.kv_capacity_tokens(hw, model, tp) >= 1.0
+        return _summary(r, slo, kv_ok, r["status"])
+
+
+def surrogate_point(hw, model, lw, tp, concurrency, token_budget, batching, rate, slo):
+    """One configuration through the surrogate (continuous batching only)."""
+    r = surrogate(hw, model, lw, tp, concurrency, token_budget, rate)
+    ok = (roofline.kv_capacity_tokens(hw, model, tp) >= 1.0) & (batching == CONTINUOUS)
+    return _summary(r, slo, ok, r["status"])
+
+
+def _rates(app: GridApp, workloads) -> np.ndarray:
+    if "arrival_rate_per_s" in app.grid.axes:
+        return np.asarray(app.grid.axes["arrival_rate_per_s"])
+    return np.unique([w.arrival_rate_per_s for w in workloads])
+
+
+def part(app: GridApp, workloads, tables, hw_axis, model_axis, point_axes, coords):
+    """The p99 ``Part`` of a grid job and the arrival-rate coordinate."""
+    from sweep.grid import Part
+
+    rates = _rates(app, workloads)
+    slo = np.array([app.slo.ttft_p99_s, app.slo.itl_p99_s], np.float32)
+    shape = tuple(len(coords[d]) for d in DIMS[:-1]) + (len(rates),)
+    plan = blocking(shape, app.latency.chunk_configs)
+    common = (hw_axis, model_axis)
+    knobs = (point_axes["tensor_parallel"], point_axes["concurrency"],
+             point_axes["token_budget"], point_axes["batching"])
+    method = app.latency.method
+    if method == LatencyMethod.simulate:
+        keys = jax.random.split(jax.random.key(app.seed), len(workloads))
+        streams = []
+        for w, t, k in zip(workloads, tables, keys):
+            trace = None
+            if w.arrival == ArrivalKind.trace:
+                trace = load_trace(w.trace).arrival_s
+            streams.append([sample_requests(k, t, app.latency.num_requests, r, trace)
+                            for r in rates])
+        requests = jax.tree.map(lambda *x: jnp.stack(x),
+                                *[jax.tree.map(lambda *x: jnp.stack(x), *s)
+                                  for s in streams])
+        fn = SimulatePoint(int(max(app.grid.axes["concurrency"])))
+        axes = (*common, np.zeros(len(workloads), np.float32), *knobs,
+                rates.astype(np.float32))
+        tables_ = (requests, slo)
+        table_dims = ((DIMS.index("workload"), DIMS.index("arrival_rate_per_s")), ())
+    else:
+        axes = (*common, stack([latency_workload(t) for t in tables]), *knobs,
+                rates.astype(np.float32))
+        fn, tables_, table_dims = surrogate_point, (slo,), ((),)
+    return Part("p99", DIMS, fn, axes, plan, tables=tables_, table_dims=table_dims,
+                variables=tuple(P99_VARIABLES),
+                attrs={"method": method.value}), rates

@@ -1,0 +1,349 @@
+"""The optax search: cheapest replicas x concurrency x token budget under an SLO.
+
+For each discrete candidate (hardware x model x tensor parallelism) the search
+chooses three numbers: the concurrency ``c`` (vLLM ``--max-num-seqs``), the
+token budget ``b`` (``--max-num-batched-tokens``) and the number of replicas
+``r``; the workload's arrival rate ``lam`` is split evenly over the replicas
+(random splitting of a Poisson stream is Poisson, at ``lam / r``). Cost per 1M
+output tokens is ``r * tp * usd_per_gpu_hour / (lam * E[O] * 3600) * 1e6``
+(``sweep.cost.cost_per_mtok_usd``): it depends on ``r`` only, and ``c`` and
+``b`` decide at how few replicas the SLO still holds.
+
+**Relaxation.** ``theta = (log c, log b, log r)`` is continuous and kept in a
+box by ``optax.projections.projection_box`` after every update. The objective
+is
+
+    log r + w * sum_k s * softplus(log(p99_k / target_k) / s)
+
+over ``k`` in {TTFT, ITL}, with the p99s from the analytic surrogate
+(``sweep.latency.surrogate``), which is smooth in ``c``, ``b`` and the rate.
+Both terms are in log units, so one weight ``w`` serves every workload and
+price: at the optimum the penalty's slope balances the cost's slope of 1.
+This is a smooth exterior barrier rather than an augmented Lagrangian: the
+rounding stage below re-establishes exact feasibility, so the continuous
+answer only has to land in the right basin, and a barrier needs no
+multiplier updates inside the scan. Its temperature ``s`` is annealed
+geometrically from ``penalty_scale_start`` to ``penalty_scale_end``
+(continuation: a wide barrier first, so that far-infeasible starts feel a
+gradient, a sharp one at the end). The learning rate follows a cosine decay
+(``optax.cosine_decay_schedule``).
+
+**Integer stage.** The final ``c`` and ``b`` are rounded down and up on a
+geometric lattice (``levels_per_octave`` values per doubling,
+``round(min * 2**(k / L))``), the four neighbours kept, ``b`` raised to ``c``
+where lower (vLLM requires ``max_num_batched_tokens >= max_num_seqs``), and for
+each the fewest integer replicas meeting both targets with the surrogate is
+found by bisection on ``[1, replicas_max]`` (the p99s fall as replicas are
+added: less load per replica). A neighbour infeasible even at
+``replicas_max`` records its p99s there: the best the candidate reaches, used
+to name the binding constraint of an infeasible SLO.
+
+**One compiled call.** The steps run in ``lax.scan``, ``vmap``-ped over random
+restarts and over the stacked candidates. The integer stage runs as further
+steps of the *same* scan (the step's query point is the iterate during the
+search, a lattice neighbour afterwards), so the surrogate and its gradient
+are traced once: on a CPU, compiling the surrogate dominates the run time.
+
+Reference: Nocedal & Wright, *Numerical Optimization* (2nd ed., 2006),
+ch. 17 (penalty and continuation methods).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sweep._numerics import softplus
+from sweep.latency import OK, LatencyWorkload, surrogate
+from sweep.params import HardwareParams, ModelParams
+
+NEIGHBOURS = 4
+"""Lattice neighbours of a continuous answer: (c down/up) x (b down/up)."""
+
+METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
+           "utilization")
+"""Surrogate outputs kept for every evaluated integer configuration."""
+
+
+class Candidates(NamedTuple):
+    """The discrete choices, stacked along axis 0 (leaves of shape ``(C,)``)."""
+
+    hw: HardwareParams
+    model: ModelParams
+    workload: LatencyWorkload  # leaves (C,) or (C, J)
+    tp: jax.Array  # tensor-parallel GPUs per replica
+    arrival_rate_per_s: jax.Array  # the whole workload's rate, over all replicas
+    ttft_target_s: jax.Array  # surrogate target for p99 TTFT (<= the SLO)
+    itl_target_s: jax.Array  # surrogate target for p99 ITL (<= the SLO)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Static search settings (hashable: one compiled search per value)."""
+
+    optimizer: str = "adam"
+    learning_rate: float = 0.05
+    final_learning_rate_fraction: float = 0.1
+    steps: int = 150
+    concurrency_min: int = 1
+    concurrency_max: int = 1024
+    token_budget_min: int = 256
+    token_budget_max: int = 16384
+    levels_per_octave: int = 4
+    replicas_max: int = 256
+    penalty_weight: float = 10.0
+    penalty_scale_start: float = 0.3
+    penalty_scale_end: float = 0.01
+
+    @property
+    def concurrency_values(self) -> np.ndarray:
+        return lattice(self.concurrency_min, self.concurrency_max,
+                       self.levels_per_octave)
+
+    @property
+    def token_budget_values(self) -> np.ndarray:
+        return lattice(self.token_budget_min, self.token_budget_max,
+                       self.levels_per_octave)
+
+    @property
+    def bisect_steps(self) -> int:
+        """Halvings that take ``[0, replicas_max]`` to one integer."""
+        return max(1, math.ceil(math.log2(self.replicas_max)))
+
+    @property
+    def integer_steps(self) -> int:
+        """Scan steps of the integer stage (evaluations per restart)."""
+        return NEIGHBOURS * (1 + self.bisect_steps)
+
+    @property
+    def lower(self) -> np.ndarray:
+        """Box of ``theta = (log c, log b, log r)``, lower corner."""
+        return np.log([self.concurrency_values[0], self.token_budget_values[0], 1.0])
+
+    @property
+    def upper(self) -> np.ndarray:
+        return np.log([self.concurrency_values[-1], self.token_budget_values[-1],
+                       float(self.replicas_max)])
+
+
+def lattice(vmin: float, vmax: float, levels_per_octave: int) -> np.ndarray:
+    """``round(vmin * 2**(k / L))`` for ``k = 0 .. K``, the last ``<= vmax``.
+
+    Small values repeat (``round(2**0.25) = 1``); that is harmless for
+    neighbours and ``np.unique`` gives the distinct ones.
+    """
+    top = math.floor(levels_per_octave * math.log2(vmax / vmin) + 1e-9)
+    return np.round(vmin * 2.0 ** (np.arange(top + 1) / levels_per_octave))
+
+
+class SearchResult(NamedTuple):
+    """Per candidate ``C``, restart ``R`` and lattice neighbour ``N = 4`` (NumPy)."""
+
+    theta: np.ndarray  # (C, R, 3) final continuous (log c, log b, log r)
+    objective: np.ndarray  # (C, R, steps) objective along the search
+    max_abs_grad: np.ndarray  # (C, R) largest gradient entry seen in the search
+    nonfinite_steps: np.ndarray  # (C, R) search steps whose gradient was not finite
+    feasible: np.ndarray  # (C, R, N) bool: meets both targets at <= replicas_max
+    concurrency: np.ndarray  # (C, R, N)
+    token_budget: np.ndarray  # (C, R, N)
+    replicas: np.ndarray  # (C, R, N) fewest meeting the targets (replicas_max if none)
+    metrics: dict[str, np.ndarray]  # METRICS at those replicas, each (C, R, N)
+    reach: dict[str, np.ndarray]  # ttft/itl p99 at replicas_max, each (C, R, N)
+    evaluations: int  # surrogate value-and-gradient evaluations in all
+
+
+def objective(theta, cand: Candidates, penalty_scale, penalty_weight):
+    """Relaxed cost of one candidate at ``theta = (log c, log b, log r)``.
+
+    Returns:
+      ``(value, surrogate outputs)``; the value is ``log r`` plus the SLO
+      penalty (the cost's constant factor does not move the optimum).
+    """
+    c, b, r = jnp.exp(theta[0]), jnp.exp(theta[1]), jnp.exp(theta[2])
+    out = surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
+                    cand.arrival_rate_per_s / r)
+
+    def over(p99, target):
+        # log of the ratio, floored so that a zero p99 cannot reach log(0)
+        return jnp.log(jnp.maximum(p99, 1e-12) / target)
+
+    penalty = (softplus(over(out["ttft_p99_s"], cand.ttft_target_s), penalty_scale)
+               + softplus(over(out["itl_p99_s"], cand.itl_target_s), penalty_scale))
+    return theta[2] + penalty_weight * penalty, out
+
+
+def make_optimizer(settings: Settings) -> optax.GradientTransformation:
+    """The configured optax alias with a cosine-decayed learning rate."""
+    alias = getattr(optax, settings.optimizer)
+    schedule = optax.cosine_decay_schedule(
+        settings.learning_rate, settings.steps,
+        alpha=settings.final_learning_rate_fraction)
+    return alias(learning_rate=schedule)
+
+
+class _Carry(NamedTuple):
+    theta: jax.Array  # (3,)
+    opt_state: optax.OptState
+    lo: jax.Array  # int32, bisection: largest replicas known to miss
+    hi: jax.Array  # int32, bisection: fewest replicas known to meet
+    feasible: jax.Array  # (N,) bool
+    replicas: jax.Array  # (N,) int32
+    concurrency: jax.Array  # (N,)
+    token_budget: jax.Array  # (N,)
+    metrics: dict  # METRICS -> (N,)
+    reach: dict  # "ttft_p99_s", "itl_p99_s" -> (N,)
+    max_abs_grad: jax.Array
+    nonfinite_steps: jax.Array  # int32
+
+
+def _index(u, vmin, levels):
+    """Continuous lattice index of ``exp(u)``."""
+    return (u - jnp.log(vmin)) * levels / jnp.log(2.0)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(settings: Settings):
+    """The jitted search over ``(C, R)`` lanes for these static settings."""
+    opt = make_optimizer(settings)
+    f32 = jnp.float32
+    c_tab = np.asarray(settings.concurrency_values, np.float32)
+    b_tab = np.asarray(settings.token_budget_values, np.float32)
+    lower = np.asarray(settings.lower, np.float32)
+    upper = np.asarray(settings.upper, np.float32)
+    steps, per = settings.steps, 1 + settings.bisect_steps
+    total = steps + settings.integer_steps
+    ratio = settings.penalty_scale_end / settings.penalty_scale_start
+    scale = settings.penalty_scale_start * ratio ** (
+        np.minimum(np.arange(total), steps - 1) / max(steps - 1, 1))
+    r_max = settings.replicas_max
+    levels = float(settings.levels_per_octave)
+
+    def run_lane(cand: Candidates, init):
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+        def body(carry: _Carry, xs):
+            k, s = xs
+            searching = k < steps
+            k2 = jnp.maximum(k - steps, 0)
+            n, j = k2 // per, k2 % per
+            kc = _index(carry.theta[0], float(c_tab[0]), levels)
+            kb = _index(carry.theta[1], float(b_tab[0]), levels)
+            ci = jnp.clip(jnp.where(n % 2 == 1, jnp.ceil(kc), jnp.floor(kc)),
+                          0, len(c_tab) - 1).astype(jnp.int32)
+            bi = jnp.clip(jnp.where(n // 2 == 1, jnp.ceil(kb), jnp.floor(kb)),
+                          0, len(b_tab) - 1).astype(jnp.int32)
+            c_val = jnp.asarray(c_tab)[ci]
+            b_val = jnp.maximum(jnp.asarray(b_tab)[bi], c_val)
+            first = j == 0
+            mid = (carry.lo + carry.hi) // 2
+            r_query = jnp.where(first, r_max, jnp.maximum(mid, 1))
+            query = jnp.where(searching, carry.theta,
+                              jnp.log(jnp.stack([c_val, b_val,
+                                                 r_query.astype(f32)])))
+            (value, out), grad = grad_fn(query, cand, s, settings.penalty_weight)
+
+            # search step; a non-finite gradient is counted and skipped
+            finite = jnp.all(jnp.isfinite(grad))
+            grad = jnp.where(finite, grad, 0.0)
+            updates, opt_state = opt.update(grad, carry.opt_state, carry.theta)
+            theta = optax.projections.projection_box(
+                optax.apply_updates(carry.theta, updates), lower, upper)
+
+            # integer step: bisection on the replicas of neighbour n
+            meets = ((out["ttft_p99_s"] <= cand.ttft_target_s)
+                     & (out["itl_p99_s"] <= cand.itl_target_s)
+                     & (out["status"] == OK))
+            open_ = carry.hi - carry.lo > 1
+            lo = jnp.where(first, 0, jnp.where(open_ & ~meets, mid, carry.lo))
+            hi = jnp.where(first, r_max, jnp.where(open_ & meets, mid, carry.hi))
+            keep = ~searching & jnp.where(first, meets, open_ & meets)
+            top = ~searching & first
+
+            def put(arr, new, when):
+                return arr.at[n].set(jnp.where(when, new, arr[n]))
+
+            def pick(a, b):
+                return jnp.where(searching, a, b)
+
+            carry = _Carry(
+                theta=pick(theta, carry.theta),
+                opt_state=jax.tree.map(pick, opt_state, carry.opt_state),
+                lo=pick(carry.lo, lo),
+                hi=pick(carry.hi, hi),
+                feasible=put(carry.feasible, meets, top),
+                replicas=put(carry.replicas, r_query, keep),
+                concurrency=put(carry.concurrency, c_val, ~searching),
+                token_budget=put(carry.token_budget, b_val, ~searching),
+                metrics={m: put(carry.metrics[m], out[m], keep) for m in METRICS},
+                reach={m: put(carry.reach[m], out[m], top) for m in carry.reach},
+                max_abs_grad=pick(jnp.maximum(carry.max_abs_grad,
+                                              jnp.max(jnp.abs(grad))),
+                                  carry.max_abs_grad),
+                nonfinite_steps=carry.nonfinite_steps
+                + (searching & ~finite).astype(jnp.int32),
+            )
+            return carry, value
+
+        nan = jnp.full((NEIGHBOURS,), jnp.nan, f32)
+        carry = _Carry(
+            theta=init, opt_state=opt.init(init),
+            lo=jnp.int32(0), hi=jnp.int32(r_max),
+            feasible=jnp.zeros(NEIGHBOURS, bool),
+            replicas=jnp.full(NEIGHBOURS, r_max, jnp.int32),
+            concurrency=nan, token_budget=nan,
+            metrics={m: nan for m in METRICS},
+            reach={m: nan for m in ("ttft_p99_s", "itl_p99_s")},
+            max_abs_grad=jnp.float32(0.0), nonfinite_steps=jnp.int32(0),
+        )
+        xs = (jnp.arange(total), jnp.asarray(scale, f32))
+        carry, values = jax.lax.scan(body, carry, xs)
+        return carry, values[:steps]
+
+    return jax.jit(jax.vmap(jax.vmap(run_lane, in_axes=(None, 0)), in_axes=(0, 0)))
+
+
+def initial_theta(key, settings: Settings, num_candidates: int,
+                  restarts: int) -> jax.Array:
+    """Starting points ``(C, R, 3)``: restart 0 at the box centre, the rest uniform.
+
+    Args:
+      key: PRNG key of the random restarts.
+    """
+    lower = jnp.asarray(settings.lower, jnp.float32)
+    upper = jnp.asarray(settings.upper, jnp.float32)
+    u = jax.random.uniform(key, (num_candidates, restarts, 3), jnp.float32)
+    theta = lower + (upper - lower) * u
+    return theta.at[:, 0].set(0.5 * (lower + upper))
+
+
+def search(candidates: Candidates, init, settings: Settings) -> SearchResult:
+    """Runs the search for every candidate and restart in one compiled call.
+
+    Args:
+      candidates: stacked ``Candidates`` (leaves ``(C, ...)``).
+      init: starting ``theta``, shape ``(C, R, 3)`` (``initial_theta``).
+      settings: static settings; each distinct value compiles once.
+    """
+    init = jnp.asarray(init, jnp.float32)
+    carry, values = _compiled(settings)(candidates, init)
+    num_c, num_r = init.shape[:2]
+    return SearchResult(
+        theta=np.asarray(carry.theta),
+        objective=np.asarray(values),
+        max_abs_grad=np.asarray(carry.max_abs_grad),
+        nonfinite_steps=np.asarray(carry.nonfinite_steps),
+        feasible=np.asarray(carry.feasible),
+        concurrency=np.asarray(carry.concurrency),
+        token_budget=np.asarray(carry.token_budget),
+        replicas=np.asarray(carry.replicas),
+        metrics={m: np.asarray(v) for m, v in carry.metrics.items()},
+        reach={m: np.asarray(v) for m, v in carry.reach.items()},
+        evaluations=num_c * num_r * (settings.steps + settings.integer_steps),
+    )

@@ -1,0 +1,223 @@
+"""Plain-Python reference of the serving scheduler: one loop turn per step.
+
+The ground truth for ``sweep.simulate``. It follows the SPEC's "p99 latency"
+rules literally, in float64, with none of the simulator's shortcuts (no runs
+of steps, no histograms), plus the simulator's documented choices:
+
+* continuous batching: FCFS admission while fewer than ``concurrency`` run and
+  the running requests' KV (prompt + generated so far) plus the new prompt
+  fit; each step decodes every prefilled request, then gives the rest of the
+  token budget to unfinished prompts in admission order. If at a step's start
+  the running KV exceeds the capacity (decodes grew it), the newest running
+  request is preempted by recompute (vLLM's policy): it goes to the front of
+  the waiting queue (last preempted first) and, when readmitted, prefills its
+  prompt plus its generated tokens again; the step that finishes that prefill
+  emits its next token.
+* static batching: a batch of up to ``concurrency`` arrived requests is
+  admitted only when nothing runs, reserving ``sum(prompt) + size * max(output)``
+  KV tokens; its prompts are prefilled (chunked under the budget), the whole
+  batch's first tokens come with the step that finishes its last prompt, then
+  every member decodes (finished ones as padding) until the longest output
+  ends. Request-at-a-time is static batching with batches of one.
+* a request that does not fit the KV capacity even alone is admitted when
+  nothing else runs (and flagged).
+
+Step times come from a small float64 copy of the roofline formulas
+(``step_time_s``), written out here rather than imported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+REQUEST, STATIC, CONTINUOUS = range(3)
+
+
+def _f(x) -> float:
+    return float(np.asarray(x, dtype=np.float64))
+
+
+def step_time_s(hw, model, tp, new_tokens, kv_read_tokens, attention_keys) -> float:
+    """The roofline step time in float64 (SPEC "execution model")."""
+    tp = _f(tp)
+    frac = _f(model.experts_per_token_fraction)
+    touched = 1.0 if frac >= 1.0 else -math.expm1(new_tokens * math.log1p(-frac))
+    weights = (_f(model.shared_params) + _f(model.expert_params) * touched) * _f(
+        model.weight_dtype_bytes)
+    kvb = (2.0 * _f(model.layers) * _f(model.kv_heads) * _f(model.head_dim)
+           * _f(model.kv_dtype_bytes))
+    flops = (2.0 * _f(model.active_params) * new_tokens
+             + 4.0 * _f(model.layers) * _f(model.q_heads) * _f(model.head_dim)
+             * attention_keys)
+    memory_s = (weights + kv_read_tokens * kvb) / tp / (
+        _f(hw.memory_bandwidth_bytes_per_s) * _f(hw.mbu))
+    compute_s = flops / tp / (_f(hw.peak_flops_per_s) * _f(hw.mfu))
+    allreduce_s = (2.0 * _f(model.layers) * 2.0 * (tp - 1.0) / tp * new_tokens
+                   * _f(model.hidden_size) * 2.0 / _f(hw.interconnect_bytes_per_s))
+    return max(memory_s, compute_s) + allreduce_s + _f(hw.step_overhead_s)
+
+
+def kv_capacity_tokens(hw, model, tp) -> int:
+    """Whole KV tokens that fit beside the weights on the TP group."""
+    kvb = (2.0 * _f(model.layers) * _f(model.kv_heads) * _f(model.head_dim)
+           * _f(model.kv_dtype_bytes))
+    weights = (_f(model.shared_params) + _f(model.expert_params)) * _f(
+        model.weight_dtype_bytes)
+    usable = _f(hw.memory_bytes) * _f(hw.gpu_memory_utilization) * _f(tp)
+    return math.floor((usable - weights) / kvb)
+
+
+@dataclass
+class _Req:
+    index: int
+    arrival_s: float
+    prompt: int
+    output: int
+    emitted: int = 0  # tokens sent to the user
+    generated: int = 0  # tokens in the KV cache beyond the prompt (padding too)
+    need: int = 0  # tokens this prefill must compute (prompt + emitted)
+    prefilled: int = 0
+    decoding: bool = False
+    finished: bool = False
+    ttft_s: float = math.nan
+    e2e_s: float = math.nan
+    last_token_s: float = math.nan
+    gaps: list = field(default_factory=list)
+
+
+@dataclass
+class ReferenceResult:
+    """Per-request outcomes and run totals (float64)."""
+
+    ttft_s: np.ndarray
+    e2e_s: np.ndarray
+    max_gap_s: np.ndarray  # largest inter-token gap of each request (0 if none)
+    itl_s: np.ndarray  # every inter-token gap of every request
+    steps: int
+    preemptions: int
+    duration_s: float
+    oversize: bool
+
+
+def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
+                       prompt_tokens, output_tokens, batching=CONTINUOUS
+                       ) -> ReferenceResult:
+    """Runs the scheduler one step at a time until every request has finished."""
+    cap = kv_capacity_tokens(hw, model, tp)
+    conc = 1 if batching == REQUEST else int(concurrency)
+    continuous = batching == CONTINUOUS
+    budget = int(token_budget)
+    order = np.argsort(np.asarray(arrival_s, dtype=np.float64), kind="stable")
+    reqs = [_Req(int(i), float(arrival_s[i]), int(prompt_tokens[i]),
+                 int(output_tokens[i])) for i in order]
+    for r in reqs:
+        r.need = r.prompt
+    waiting = list(reqs)  # new requests, FCFS
+    preempted: list[_Req] = []  # the last preempted is readmitted first
+    running: list[_Req] = []  # admission order
+    t, steps, preemptions, oversize = 0.0, 0, 0, False
+    batch_open = False
+    remaining = len(reqs)
+
+    def kv_tokens():
+        return sum(r.prompt + r.generated for r in running)
+
+    while remaining:
+        if continuous:
+            while kv_tokens() > cap and len(running) > 1:
+                victim = running.pop()
+                victim.need = victim.prompt + victim.emitted
+                victim.prefilled, victim.decoding = 0, False
+                victim.generated = victim.emitted
+                preempted.append(victim)
+                preemptions += 1
+        if not running and not preempted and waiting[0].arrival_s > t:
+            t = waiting[0].arrival_s  # nothing to do: jump to the next arrival
+        if not running:
+            batch_open = True
+            batch_prompt, batch_output = 0, 0
+        while (continuous or batch_open) and len(running) < conc:
+            head = preempted[-1] if preempted else (waiting[0] if waiting else None)
+            if head is None or head.arrival_s > t:
+                break
+            if continuous:
+                fits = kv_tokens() + head.need <= cap
+            else:
+                fits = (batch_prompt + head.prompt + (len(running) + 1)
+                        * max(batch_output, head.output) <= cap)
+            if not fits and running:
+                break
+            oversize |= not fits
+            (preempted.pop() if preempted else waiting.pop(0))
+            running.append(head)
+            if not continuous:
+                batch_prompt += head.prompt
+                batch_output = max(batch_output, head.output)
+        batch_open = False
+
+        decodes = [r for r in running if r.decoding]
+        left = max(budget - len(decodes), 0)
+        chunks = []  # (request, tokens, cached tokens)
+        for r in running:
+            if not r.decoding and r.prefilled < r.need and left > 0:
+                take = min(r.need - r.prefilled, left)
+                chunks.append((r, take, r.prefilled))
+                left -= take
+        contexts = [r.prompt + r.generated for r in decodes]
+        new = len(decodes) + sum(m for _, m, _ in chunks)
+        kv_read = sum(contexts) + sum(p for _, _, p in chunks)
+        keys = sum(contexts) + sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks)
+        t += step_time_s(hw, model, tp, new, kv_read, keys)
+        steps += 1
+
+        def emit(r):
+            if r.emitted == 0:
+                r.ttft_s = t - r.arrival_s
+            else:
+                r.gaps.append(t - r.last_token_s)
+            r.emitted += 1
+            r.last_token_s = t
+            if r.emitted == r.output:
+                r.finished = True
+                r.e2e_s = t - r.arrival_s
+
+        for r in decodes:
+            r.generated += 1
+            if not r.finished:
+                emit(r)
+        for r, m, _ in chunks:
+            r.prefilled += m
+        if continuous:
+            for r, _, _ in chunks:
+                if r.prefilled == r.need:
+                    r.decoding = True
+                    emit(r)
+                    r.generated = r.emitted
+        elif chunks and all(r.decoding or r.prefilled == r.need for r in running):
+            for r in running:
+                if not r.decoding:
+                    r.decoding = True
+                    emit(r)
+                    r.generated = r.emitted
+        done = [r for r in running if r.finished]
+        if continuous:
+            running = [r for r in running if not r.finished]
+            remaining -= len(done)
+        elif all(r.finished for r in running):
+            remaining -= len(running)
+            running = []
+
+    by_index = sorted(reqs, key=lambda r: r.index)
+    return ReferenceResult(
+        ttft_s=np.array([r.ttft_s for r in by_index]),
+        e2e_s=np.array([r.e2e_s for r in by_index]),
+        max_gap_s=np.array([max(r.gaps, default=0.0) for r in by_index]),
+        itl_s=np.array([g for r in by_index for g in r.gaps]),
+        steps=steps,
+        preemptions=preemptions,
+        duration_s=t,
+        oversize=oversize,
+    )

@@ -1,0 +1,151 @@
+"""``sweep-report``: every chart drawn from a real cube, bad input refused cleanly."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+from matplotlib.image import imread
+from test_accessor import cube_path  # noqa: F401  (the shared session cube)
+
+import sweep
+from sweep import plots
+from sweep.report import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def report(argv: list[str]) -> None:
+    main([str(a) for a in argv])
+
+
+def fail(argv, capsys) -> str:
+    """Runs the report expecting exit code 2; returns its one stderr line."""
+    with pytest.raises(SystemExit) as e:
+        report(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sweep-report: error: ")
+    return err
+
+
+def save(ds: xr.Dataset, path: Path) -> Path:
+    ds = ds.copy()
+    for v in ds.variables.values():
+        v.encoding = {}
+    ds.to_zarr(path, mode="w", zarr_format=2, consolidated=True)
+    return path
+
+
+def check_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG
+    assert imread(path).std() > 0  # not blank
+
+
+@pytest.fixture(scope="module")
+def default_report(cube_path) -> Path:  # noqa: F811
+    """The report written where it goes by default: report/ beside the cube."""
+    report([cube_path])
+    return cube_path.parent / "report"
+
+
+def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
+    for chart in plots.CHARTS:
+        check_png(default_report / chart.file)
+    md = (default_report / "report.md").read_text()
+    for chart in plots.CHARTS:
+        assert f"]({chart.file})" in md
+    assert "Skipped charts" not in md
+    ds = sweep.open_cube(cube_path)
+    assert f"`{ds.attrs['sweep_version']}`" in md
+    assert ds.attrs["hydra_overrides"] in md
+    # the summary row of each hardware, cheapest first; flags of the best point
+    rows = [ln for ln in md.splitlines() if ln.startswith("| h100_sxm | qwen3_8b")
+            or ln.startswith("| l40s | qwen3_8b")]
+    assert len(rows) == 2
+    assert "vLLM flags for the cheapest point" in md and "--max-num-seqs" in md
+    # the cube's own SLO (interactive) applies, through the documented proxies
+    assert "step_s (decode step as ITL proxy" in md
+    leftovers = [p.name for p in default_report.parent.iterdir()
+                 if p.name.startswith(".report")]
+    assert leftovers == []
+
+
+def test_summary_row_is_the_cheapest_feasible_point(default_report, cube_path):  # noqa: F811
+    ds = sweep.open_cube(cube_path).load()
+    limits = sweep.accessor.cube_slo(ds)
+    fixed = ds.sweep.feasible(**limits).sel(batching="continuous")
+    cost = fixed["cost_per_mtok_out_usd"].sel(hardware="l40s").values
+    md = (default_report / "report.md").read_text()
+    row = next(ln for ln in md.splitlines() if ln.startswith("| l40s |"))
+    assert f"| {np.nanmin(cost):.3f} |" in row
+
+
+def test_p99_cube_missing_variables_and_replacement(cube_path, tmp_path):  # noqa: F811
+    ds = sweep.open_cube(cube_path).load()
+    attrs = {"units": "s", "long_name": "p99 ITL"}
+    p99 = ds.assign(itl_p99_s=(ds.step_s * 1.5).assign_attrs(attrs),
+                    slo_met=ds.step_s < 0.01)
+    p99 = p99.drop_vars(["long_prefill_s", "long_prefill_worst_itl_s"])
+    path = save(p99, tmp_path / "p99.zarr")
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    report([path, "--out", out, "--itl-p99-s", "0.03", "--hardware", "l40s"])
+    assert not (out / "stale.txt").exists()  # the old report is replaced whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p99.zarr", "rep"]
+    md = (out / "report.md").read_text()
+    assert "- Chunked-prefill interference: the cube lacks long_prefill_s, " \
+           "long_prefill_worst_itl_s" in md
+    assert not (out / "prefill_interference.png").exists()
+    for chart in plots.CHARTS[:4]:
+        check_png(out / chart.file)
+    assert "ITL p99 (ms)" in md and "proxy" not in md
+    assert "itl_p99_s <= 0.03 s (p99 limits from command line)" in md
+    assert "show l40s x qwen3_8b" in md
+    # without limits the heatmap's boundary is the cube's own slo_met
+    mask, what = plots.feasible_region(p99, {})
+    assert what == "kv_fits & token_budget >= concurrency & slo_met"
+    assert not mask.values[~p99.slo_met.values].any()
+
+
+def test_heatmap_boundary_is_drawn():
+    # a 2 x 3 region: the boundary has one vertical and one horizontal segment
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    plots._boundary(ax, np.array([[True, True, False], [True, True, True]]))
+    segments = sorted(tuple(map(tuple, ln.get_xydata())) for ln in ax.lines)
+    assert segments == [((1.5, -0.5), (1.5, 0.5)), ((1.5, 0.5), (2.5, 0.5))]
+
+
+def test_not_a_cube(tmp_path, capsys):
+    err = fail([tmp_path / "missing.zarr"], capsys)
+    assert "is not a result cube" in err and "missing.zarr" in err
+    (tmp_path / "empty.zarr").mkdir()
+    assert "is not a result cube" in fail([tmp_path / "empty.zarr"], capsys)
+    assert not (tmp_path / "report").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["empty.zarr"]
+
+
+def test_bad_input_keeps_the_old_report(cube_path, tmp_path, capsys):  # noqa: F811
+    ds = sweep.open_cube(cube_path).load()
+    path = save(ds.drop_vars(["cost_per_mtok_out_usd", "kv_fits"]),
+                tmp_path / "thin.zarr")
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "report.md").write_text("old")
+    err = fail([path, "--out", out], capsys)
+    assert "lacks cost_per_mtok_out_usd, kv_fits" in err
+    assert (out / "report.md").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "thin.zarr"]
+    assert "no conf/slo/nope.yaml" in fail([cube_path, "--out", out, "--slo", "nope"],
+                                           capsys)
+    assert "--hardware a100: not in the cube" in fail(
+        [cube_path, "--out", out, "--hardware", "a100"], capsys)
+    assert "must be a finite number > 0" in fail(
+        [cube_path, "--out", out, "--ttft-p99-s", "0"], capsys)
+    shutil.rmtree(out)
