@@ -201,4 +201,8 @@ def open_cube(path: str | os.PathLike, *, chunks: str | dict | None = "auto"
         raise FileNotFoundError(f"no cube at {p}{hint}")
     if p.suffix in (".nc", ".nc4", ".netcdf"):
         return xr.open_dataset(p, chunks=chunks)
-    return xr.open_zarr(p, chunks=chunks)
+    try:
+        return xr.open_zarr(p, chunks=chunks)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{p} is not a result cube: no readable zarr store there "
+                         f"({type(e).__name__})") from None

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import jax
 import pytest
 from hydra import initialize_config_module
@@ -26,3 +30,19 @@ def hydra_ctx():
 @pytest.fixture
 def key():
     return jax.random.key(0)
+
+
+CUBE_GRID = ["grid=small", "grid.hardware=[h100_sxm,l40s]", "model=qwen3_8b",
+             "grid.concurrency=[1,8,64,512]", "grid.token_budget=[256,2048]"]
+
+
+@pytest.fixture(scope="session")
+def cube_path(tmp_path_factory) -> Path:
+    """A 64-point cube written by the installed ``sweep-grid`` (once a session)."""
+    root = tmp_path_factory.mktemp("sweep_cube")
+    out = root / "c.zarr"
+    exe = shutil.which("sweep-grid")
+    assert exe, "sweep-grid is not installed (pip install -e .)"
+    subprocess.run([exe, *CUBE_GRID, f"out={out}"], cwd=root, check=True,
+                   capture_output=True, timeout=300)
+    return out

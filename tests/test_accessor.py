@@ -8,10 +8,6 @@ arrays, or by hand.
 from __future__ import annotations
 
 import importlib.resources
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -20,26 +16,7 @@ import xarray as xr
 
 import sweep
 
-REPO = Path(__file__).resolve().parents[1]
-GRID = ["grid=small", "grid.hardware=[h100_sxm,l40s]", "model=qwen3_8b",
-        "grid.concurrency=[1,8,64,512]", "grid.token_budget=[256,2048]"]
 COST = "cost_per_mtok_out_usd"
-
-
-@pytest.fixture(scope="session")
-def cube_path(tmp_path_factory) -> Path:
-    """A 64-point cube written by ``sweep-grid`` (built once, shared by modules)."""
-    root = tmp_path_factory.getbasetemp() / "sweep_cube"
-    out = root / "c.zarr"
-    if not out.exists():
-        root.mkdir(exist_ok=True)
-        # this checkout's code, whatever else is installed
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        subprocess.run(
-            [sys.executable, "-c", "from sweep.cli import grid_main; grid_main()",
-             *GRID, f"out={out}", f"hydra.run.dir={root / 'run'}"],
-            cwd=root, env=env, check=True, capture_output=True, timeout=300)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,9 @@ import subprocess
 import numpy as np
 import pytest
 import xarray as xr
+from test_roofline import SEED_TABLE
 
 import sweep
-
-from test_roofline import SEED_TABLE
 
 SEED_ARGS = [
     "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import xarray as xr
 from matplotlib.image import imread
-from test_accessor import cube_path  # noqa: F401  (the shared session cube)
 
 import sweep
 from sweep import plots

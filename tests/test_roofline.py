@@ -6,11 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from sweep import cost, roofline
-from sweep.config.resolve import compose_object
-from sweep.params import hardware_params, model_params
-
 from helpers import (
     FLOPS,
     KVB,
@@ -23,6 +18,10 @@ from helpers import (
     expected_max_enumerated,
     step,
 )
+
+from sweep import cost, roofline
+from sweep.config.resolve import compose_object
+from sweep.params import hardware_params, model_params
 
 # float32 model vs float64 hand numbers: 1e-5 covers float32 rounding of
 # sums of ~1e10-sized terms with margin
