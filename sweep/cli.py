@@ -78,29 +78,46 @@ def _progress_bar(console: Console):
 
 
 def summary_table(ds) -> Table:
-    """Cheapest fitting point per hardware x model, and the largest concurrency."""
-    table = Table(title="cheapest point that fits, per hardware x model")
-    for col in ("hardware", "model", "TP", "concurrency", "context (tok)", "batching",
-                "ITL (ms)", "per user (tok/s)", "USD / 1M out", "max conc. fit"):
+    """Cheapest fitting point per hardware x model, and the largest concurrency.
+
+    When the cube has p99 metrics, the cheapest point that also meets the SLO,
+    with its p99 TTFT and ITL.
+    """
+    cost = ds["cost_per_mtok_out_usd"]
+    slo = "slo_met" in ds
+    if slo:
+        cost = cost.where(ds["slo_met"])
+    title = ("cheapest point meeting the p99 SLO" if slo else
+             "cheapest point that fits") + ", per hardware x model"
+    table = Table(title=title)
+    cols = ["hardware", "model", "TP", "conc.", "context tok", "batching",
+            "ITL ms", "tok/s/user", "USD/1M out", "max conc."]
+    if slo:
+        cols[6:6] = ["budget tok", "req/s", "p99 TTFT s", "p99 ITL ms"]
+    for col in cols:
         left = col in ("hardware", "model", "batching")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
-    cost = ds["cost_per_mtok_out_usd"]
     for h in ds.hardware.values:
         for m in ds.model.values:
-            c = cost.sel(hardware=h, model=m).values
-            if np.all(np.isnan(c)):
-                table.add_row(h, m, "", "", "", "", "", "", "does not fit", "0")
+            c = cost.sel(hardware=h, model=m)
+            if bool(np.isnan(c.values).all()):
+                table.add_row(h, m, *[""] * (len(cols) - 4),
+                              "meets no SLO" if slo else "does not fit", "")
                 continue
-            pos = np.unravel_index(np.nanargmin(c), c.shape)
-            sel = dict(zip(cost.sel(hardware=h, model=m).dims, pos))
-            pt = ds.sel(hardware=h, model=m).isel(sel)
-            table.add_row(
-                h, m, str(int(pt.tensor_parallel)), str(int(pt.concurrency)),
-                f"{int(pt.context_tokens):,}", str(pt.batching.values), f"{float(pt.step_s) * 1e3:.2f}",
-                f"{float(pt.user_tokens_per_s):,.0f}",
-                f"{float(pt.cost_per_mtok_out_usd):.3f}",
-                f"{int(pt.max_concurrency_fit):,}",
-            )
+            pos = np.unravel_index(np.nanargmin(c.values), c.shape)
+            pt = ds.sel(hardware=h, model=m).isel(dict(zip(c.dims, pos)))
+            row = [h, m, str(int(pt.tensor_parallel)), str(int(pt.concurrency)),
+                   f"{int(pt.context_tokens):,}", str(pt.batching.values),
+                   f"{float(pt.step_s) * 1e3:.2f}",
+                   f"{float(pt.user_tokens_per_s):,.0f}",
+                   f"{float(pt.cost_per_mtok_out_usd):.3f}",
+                   f"{int(pt.max_concurrency_fit):,}"]
+            if slo:
+                row[6:6] = [f"{int(pt.token_budget):,}",
+                            f"{float(pt.arrival_rate_per_s):g}",
+                            f"{float(pt.ttft_p99_s):.3f}",
+                            f"{float(pt.itl_p99_s) * 1e3:.2f}"]
+            table.add_row(*row)
     return table
 
 
@@ -129,7 +146,9 @@ def _grid_app(cfg: DictConfig) -> None:
     console.print(f"sweep-grid: {job.points:,} points in {blocks} block(s) -> {out}")
     ds = grid.run(job, out, attrs, config_yaml, progress=_progress_bar(console))
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
-    Console(width=max(Console().width, 132)).print(summary_table(ds))
+    Console(width=max(Console().width, 200)).print(summary_table(ds))
+    console.print("USD/1M out: at full load (every slot busy); "
+                  "effective_cost_per_mtok_out_usd in the cube prices the traffic")
     console.print(f"cube written to {out}")
 
 
