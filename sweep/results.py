@@ -74,10 +74,12 @@ COORDS: dict[str, tuple[str, str]] = {
 
 def _attrs(name: str, table: dict[str, tuple[str, str]]) -> dict[str, str]:
     units, long_name = table[name]
-    return {"units": units, "long_name": long_name} if units else {"long_name": long_name}
+    attrs = {"units": units} if units else {}
+    return {**attrs, "long_name": long_name}
 
 
-def provenance(config_yaml: str, seed: int, overrides: list[str]) -> dict[str, str | int]:
+def provenance(config_yaml: str, seed: int, overrides: list[str]
+               ) -> dict[str, str | int]:
     """Global attributes every cube carries (strings and numbers only)."""
     import jax
 

@@ -203,4 +203,5 @@ def kv_fits(hw, model, tp, sequences, context_tokens):
 
 def max_concurrency_fit(hw, model, tp, context_tokens):
     """Largest number of sequences at ``context_tokens`` that fit (0 if none)."""
-    return jnp.maximum(jnp.floor(kv_capacity_tokens(hw, model, tp) / context_tokens), 0.0)
+    fit = jnp.floor(kv_capacity_tokens(hw, model, tp) / context_tokens)
+    return jnp.maximum(fit, 0.0)

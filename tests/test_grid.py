@@ -64,7 +64,8 @@ def test_vmap_equals_python_loop_over_points(job):
         hw, model, wl, *rest = (take(a, i) for a, i in zip(part.axes, idx))
         pt = GridPoint(*rest)
         # the slot utilisation recomputed in float32 JAX, not taken from the table
-        util = static_slot_utilization(wl.output_values, wl.output_probs, pt.concurrency)
+        util = static_slot_utilization(wl.output_values, wl.output_probs,
+                                       pt.concurrency)
         one = evaluate_point(hw, model, wl, pt, util)
         for k, v in one.items():
             np.testing.assert_allclose(got[k][idx], np.asarray(v), rtol=2e-6,
@@ -130,7 +131,8 @@ def test_more_bandwidth_or_flops_never_slows_a_step(job, conc, ctx, scale):
     for bw, fl in ((scale, 1.0), (1.0, scale)):
         hw2, _, _ = _params(job, bw, fl)
         faster = _point(hw2, model, wl, _pt(conc, ctx), np.float32(1))
-        assert float(faster["step_s"]) <= float(base["step_s"]) or np.isnan(base["step_s"])
+        assert float(faster["step_s"]) <= float(base["step_s"]) or (
+            np.isnan(base["step_s"]))
         assert float(faster["long_prefill_s"]) <= float(base["long_prefill_s"]) or (
             np.isnan(base["long_prefill_s"]))
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_cli import run
 
 import sweep
-
-from test_cli import run
 
 BASE = ["hardware=h100_sxm", "model=qwen3_8b", "grid.tensor_parallel=[1]",
         "grid.context_tokens=[1500]", "grid.traffic_tokens_per_day=[1e8]"]

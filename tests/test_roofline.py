@@ -21,7 +21,16 @@ from helpers import (
 
 from sweep import cost, roofline
 from sweep.config.resolve import compose_object
-from sweep.params import hardware_params, model_params
+from sweep.params import (
+    CONTINUOUS,
+    REQUEST,
+    STATIC,
+    GridPoint,
+    WorkloadParams,
+    hardware_params,
+    model_params,
+)
+from sweep.point import evaluate_point
 
 # float32 model vs float64 hand numbers: 1e-5 covers float32 rounding of
 # sums of ~1e10-sized terms with margin
@@ -129,9 +138,22 @@ def test_static_batching_cost_is_continuous_over_utilization(seed):
     got = float(cost.static_slot_utilization(jnp.array(values), jnp.array(probs),
                                              float(b)))
     np.testing.assert_allclose(got, util, rtol=RTOL)
+    wl = WorkloadParams(jnp.float32(1500), jnp.float32(360), jnp.array(values),
+                        jnp.array(probs))
+
+    def cost_at(batching):
+        pt = GridPoint(*map(jnp.float32, (1, b, 512, 1500)), jnp.int32(batching),
+                       jnp.float32(8192), jnp.float32(1e8))
+        return float(evaluate_point(hw, model, wl, pt, jnp.float32(got))[
+            "cost_per_mtok_out_usd"])
+
+    # static batching pays the continuous price over the slot utilisation
     continuous = cost_per_mtok(b / decode(b, 1500))
-    np.testing.assert_allclose(continuous / util, cost_per_mtok(b / decode(b, 1500) * util),
-                               rtol=1e-12)
+    np.testing.assert_allclose(cost_at(CONTINUOUS), continuous, rtol=RTOL)
+    np.testing.assert_allclose(cost_at(STATIC), continuous / util, rtol=RTOL)
+    # request-at-a-time is one sequence at a time, whatever the concurrency
+    np.testing.assert_allclose(cost_at(REQUEST), cost_per_mtok(1 / decode(1, 1500)),
+                               rtol=RTOL)
 
 
 def test_kv_capacity_and_fit(seed):
@@ -139,7 +161,8 @@ def test_kv_capacity_and_fit(seed):
     capacity = (MEM - W) / KVB
     np.testing.assert_allclose(float(roofline.kv_capacity_tokens(hw, model, 1.0)),
                                capacity, rtol=RTOL)
-    assert float(roofline.max_concurrency_fit(hw, model, 1.0, 1500.0)) == capacity // 1500
+    fit = float(roofline.max_concurrency_fit(hw, model, 1.0, 1500.0))
+    assert fit == capacity // 1500 == 287
     assert bool(roofline.kv_fits(hw, model, 1.0, 287.0, 1500.0))
     assert not bool(roofline.kv_fits(hw, model, 1.0, 288.0, 1500.0))
 

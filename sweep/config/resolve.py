@@ -50,7 +50,8 @@ def compose_object(app: str, overrides: list[str]):
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         if group and e.options is not None:
             opts = ", ".join(o for o in e.options if not o.startswith("base_"))
-            raise ConfigError(f"{group}={name}: unknown option; allowed: {opts}") from None
+            raise ConfigError(
+                f"{group}={name}: unknown option; allowed: {opts}") from None
         raise ConfigError(_one_line(e)) from None
     except ConfigError:
         raise
@@ -95,7 +96,8 @@ def grid_options(app: str, overrides: list[str]):
     out = {g: [] for g in SWEPT_GROUPS}
     count = max(len(v) if v is not None else 1 for v in names.values())
     for i in range(count):
-        choose = [f"{g}={v[i]}" for g, v in names.items() if v is not None and i < len(v)]
+        choose = [f"{g}={v[i]}" for g, v in names.items()
+                  if v is not None and i < len(v)]
         if not choose:
             break
         try:

@@ -253,8 +253,8 @@ class Grid:
 
     def __post_init__(self) -> None:
         self.axes = {
-            "tensor_parallel": _numeric_axis(self.tensor_parallel,
-                                             "grid.tensor_parallel", integer=True, low=1),
+            "tensor_parallel": _numeric_axis(
+                self.tensor_parallel, "grid.tensor_parallel", integer=True, low=1),
             "concurrency": _numeric_axis(self.concurrency, "grid.concurrency",
                                          integer=True, low=1),
             "token_budget": _numeric_axis(self.token_budget, "grid.token_budget",
@@ -322,5 +322,93 @@ class GridApp:
     latency: Latency = field(default_factory=Latency)
     out: str | None = field(
         default=None, metadata={"help": "cube path; default <run dir>/cube.zarr"}
+    )
+    seed: int = 0
+
+
+@dataclass
+class Search:
+    """The ``sweep-optimize`` search space and optimizer (``conf/search/``)."""
+
+    hardware: list[str] = field(
+        default_factory=list,
+        metadata={"help": "hardware options; empty: the one chosen on the command "
+                  "line (hardware=...), or every shipped option"},
+    )
+    model: list[str] = field(
+        default_factory=list,
+        metadata={"help": "model variants to compare; empty: the chosen `model`"},
+    )
+    tensor_parallel: Any = field(default_factory=lambda: [1, 2, 4, 8])
+    optimizer: str = field(default="adam", metadata={"help": "an optax alias name"})
+    optimizer_options: dict[str, float] = field(
+        default_factory=lambda: {"b2": 0.9},
+        metadata={"help": "keyword arguments of the optax alias"},
+    )
+    learning_rate: float = 0.1
+    final_learning_rate_fraction: float = field(
+        default=0.1, metadata={"help": "cosine decay to this share of the rate"})
+    steps: int = field(default=150, metadata={"help": "optimizer steps (lax.scan)"})
+    restarts: int = field(default=4, metadata={"help": "random starts per candidate"})
+    concurrency_min: int = 1
+    concurrency_max: int = 1024
+    token_budget_min: int = 256
+    token_budget_max: int = 16384
+    levels_per_octave: int = field(
+        default=4, metadata={"help": "integer lattice of concurrency and budget"})
+    replicas_max: int = 256
+    penalty_weight: float = 10.0
+    penalty_scale_start: float = 0.3
+    penalty_scale_end: float = 0.01
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "share of GPU memory for weights + KV "
+                               "(vLLM's default 0.9)"})
+    verify_top: int = field(
+        default=3, metadata={"help": "cheapest candidates simulated per round"})
+    verify_requests: int = field(
+        default=1000, metadata={"help": "requests per simulated replica"})
+    rounds: int = field(
+        default=4, metadata={"help": "search + simulate rounds (tightening)"})
+    tighten_margin: float = field(
+        default=0.97, metadata={"help": "extra factor on a tightened target"})
+
+    def __post_init__(self) -> None:
+        self.tp_values = _numeric_axis(self.tensor_parallel, "search.tensor_parallel",
+                                       integer=True, low=1)
+        for name in ("steps", "restarts", "concurrency_min", "token_budget_min",
+                     "levels_per_octave", "replicas_max", "verify_top", "rounds"):
+            _check(getattr(self, name) >= 1, f"search.{name}", getattr(self, name),
+                   "must be >= 1")
+        _check(self.concurrency_max >= self.concurrency_min, "search.concurrency_max",
+               self.concurrency_max, f"must be >= concurrency_min "
+               f"({self.concurrency_min})")
+        _check(self.token_budget_max >= self.token_budget_min,
+               "search.token_budget_max", self.token_budget_max,
+               f"must be >= token_budget_min ({self.token_budget_min})")
+        _check(self.verify_requests >= 10, "search.verify_requests",
+               self.verify_requests, "must be >= 10")
+        _positive(self, "search", "learning_rate", "penalty_weight",
+                  "penalty_scale_start", "penalty_scale_end")
+        for name in ("final_learning_rate_fraction", "gpu_memory_utilization",
+                     "tighten_margin"):
+            v = getattr(self, name)
+            _check(0 < v <= 1, f"search.{name}", v, "must be in (0, 1]")
+        for group in ("hardware", "model"):
+            listed = list(getattr(self, group))
+            _check(len(set(listed)) == len(listed), f"search.{group}", listed,
+                   "options must be distinct")
+
+
+@dataclass
+class OptimizeApp:
+    """Top config of ``sweep-optimize``."""
+
+    hardware: Hardware = MISSING
+    model: Model = MISSING
+    workload: Workload = MISSING
+    slo: Slo = MISSING
+    search: Search = field(default_factory=Search)
+    out: str | None = field(
+        default=None, metadata={"help": "dataset path; default <run dir>/optimize.zarr"}
     )
     seed: int = 0
