@@ -52,7 +52,10 @@ def _preflight(command: str, app: str, argv: list[str], check) -> None:
 
 
 def _overrides() -> list[str]:
-    return list(HydraConfig.get().overrides.task)
+    """The command line's overrides, with the search path (a ``hydra.`` key)."""
+    overrides = HydraConfig.get().overrides
+    searchpath = [o for o in overrides.hydra if o.startswith("hydra.searchpath=")]
+    return [*searchpath, *overrides.task]
 
 
 def _progress_bar(console: Console):

@@ -128,3 +128,23 @@ def test_grid_lists_several_hardware_in_one_run(tmp_path):
     assert float(step.sel(hardware="h200_sxm").min()) < float(
         step.sel(hardware="h100_sxm").min())
     assert np.isfinite(step.values).all()
+
+
+def test_user_configs_through_hydra_searchpath(tmp_path):
+    folder = tmp_path / "my_conf" / "hardware"
+    folder.mkdir(parents=True)
+    (folder / "my_gpu.yaml").write_text(
+        "defaults:\n  - base_hardware\n  - _self_\nname: my_gpu\n"
+        "memory_bandwidth_bytes_per_s: 6.7e+12\npeak_flops_per_s: 1.978e+15\n"
+        "memory_bytes: 8.0e+10\ninterconnect_bytes_per_s: 4.5e+11\n"
+        "usd_per_gpu_hour: 4.29\n")
+    searchpath = f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]"
+    proc = run([searchpath, "hardware=my_gpu", "model=qwen3_8b", "grid=small",
+                "out=mine.zarr"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "mine.zarr")
+    assert list(ds.hardware.values) == ["my_gpu"]
+    # twice the H100's bandwidth: a memory-bound decode step takes half the time
+    one = ds.step_s.sel(batching="continuous", concurrency=1, tensor_parallel=1)
+    np.testing.assert_allclose(float(one.isel(token_budget=0).squeeze()),
+                               (16.38e9 + 1500 * 147_456) / 6.7e12, rtol=1e-5)

@@ -26,9 +26,10 @@ from sweep.config.schema import ConfigError
 SWEPT_GROUPS = ("hardware", "model", "workload")
 
 
-def group_options(group: str) -> list[str]:
-    """Options of a config group, without the ``base_*`` schemas."""
-    names = GlobalHydra.instance().config_loader().get_group_options(group)
+def group_options(group: str, app: str, overrides: list[str]) -> list[str]:
+    """Options of a config group (user search paths included), less ``base_*``."""
+    names = GlobalHydra.instance().config_loader().get_group_options(
+        group, config_name=app, overrides=overrides)
     return sorted(n for n in names if not n.startswith("base_"))
 
 
@@ -85,7 +86,7 @@ def grid_options(app: str, overrides: list[str]):
         elif group in named or group == "workload":
             names[group] = None  # the composed choice
         else:
-            names[group] = group_options(group)
+            names[group] = group_options(group, app, overrides)
     for group, listed in names.items():
         if listed is not None and len(set(listed)) != len(listed):
             raise ConfigError(f"grid.{group} = {listed}: options must be distinct")
