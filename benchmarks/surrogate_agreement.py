@@ -7,10 +7,10 @@ arrivals from ``sweep.arrivals.sample_requests``) and through
 the surrogate's p99 TTFT and p99 ITL (and p50s) against the simulator: median
 and worst, split by the surrogate's utilisation (< 0.9 and >= 0.9).
 
-Arrival rates are chosen per configuration as fractions of the capacity the
-surrogate estimates for it, so that every configuration is probed from light
-load to saturation (the simulator is the judge; the surrogate only places the
-probes).
+Arrival rates are chosen per configuration so that the surrogate's utilisation
+takes the values in ``LOAD``: every configuration is probed from light load to
+near saturation (the simulator is the judge; the surrogate only places the
+probes, and the split by utilisation uses the surrogate's own estimate).
 
 Usage: python benchmarks/surrogate_agreement.py [--requests 1000] [--quick]
        [--csv out.csv]
@@ -47,8 +47,8 @@ DEPLOYMENTS = [  # (hardware, model, tensor_parallel)
 WORKLOADS = ["seed_chat", "azure_conv_2023", "rag_long_prompt"]
 CONCURRENCY = [16, 64, 256]
 TOKEN_BUDGET = [512, 2048, 8192]
-LOAD = [0.15, 0.4, 0.65, 0.8, 0.9, 1.0]
-"""Arrival rates as fractions of the surrogate's capacity estimate."""
+LOAD = [0.1, 0.3, 0.5, 0.7, 0.85, 0.95]
+"""Target utilisations (the surrogate's) at which each configuration is probed."""
 GPU_MEMORY_UTILIZATION = 0.9
 
 
@@ -64,9 +64,21 @@ def _configs():
     return hw, mo, wl
 
 
-def _capacity(hw, model, lw, tp, conc, budget):
-    """The admitted rate at a heavy overload: the surrogate's capacity."""
-    return surrogate(hw, model, lw, tp, conc, budget, 1e4)["goodput_req_per_s"]
+def _rates_at(sur, args, targets, iters=24):
+    """Per configuration, the arrival rates at which the surrogate's utilisation
+    equals each target (bisection on log rate, all configurations at once)."""
+    n = args[-1].shape[0]
+    lo = np.full((n, len(targets)), np.log(1e-3))
+    hi = np.full((n, len(targets)), np.log(1e3))
+    rep = [jax.tree.map(lambda a: jnp.repeat(a, len(targets), axis=0), x)
+           for x in args]
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        u = np.asarray(sur(*rep, jnp.asarray(np.exp(mid).ravel(), jnp.float32))[
+            "utilization"]).reshape(lo.shape)
+        up = u >= np.asarray(targets)[None]
+        lo, hi = np.where(up, lo, mid), np.where(up, mid, hi)
+    return np.exp(0.5 * (lo + hi))
 
 
 def run(num_requests: int, quick: bool, seed: int = 0):
@@ -79,7 +91,6 @@ def run(num_requests: int, quick: bool, seed: int = 0):
     sim = jax.jit(jax.vmap(partial(simulate, max_slots=max_slots),
                            in_axes=(0, 0, 0, 0, 0, 0)))
     sur = jax.jit(jax.vmap(surrogate))
-    cap = jax.jit(jax.vmap(_capacity))
     for wname in WORKLOADS:
         tables = workload_tables(wl_cfg[wname])
         lw = latency_workload(tables)
@@ -91,13 +102,12 @@ def run(num_requests: int, quick: bool, seed: int = 0):
         cc = jnp.asarray([c for (_, c, _) in pts], jnp.float32)
         bb = jnp.asarray([b for (_, _, b) in pts], jnp.float32)
         lws = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(pts),) + x.shape), lw)
-        capacity = np.asarray(cap(hw, mo, lws, tp, cc, bb))
         n = len(pts) * len(LOAD)
 
         def rep(x):
             return jax.tree.map(lambda a: jnp.repeat(a, len(LOAD), axis=0), x)
 
-        rate = jnp.asarray((capacity[:, None] * np.array(LOAD)[None]).ravel(),
+        rate = jnp.asarray(_rates_at(sur, (hw, mo, lws, tp, cc, bb), LOAD).ravel(),
                            jnp.float32)
         keys = jax.random.split(jax.random.key(seed), n)
         reqs = jax.vmap(lambda k, r: sample_requests(k, tables, num_requests, r))(
@@ -138,7 +148,8 @@ def _report(rows, sim_s, sur_s, num_requests):
     for name, mask in (("utilization < 0.9", (util < 0.9) & ok),
                        ("utilization >= 0.9", (util >= 0.9) & ok)):
         print(f"\n{name}: {mask.sum()} configurations")
-        print(f"  {'metric':12s} {'median':>8s} {'p90':>8s} {'worst':>9s} {'<=15%':>7s}")
+        head = ("metric", "median", "p90", "worst", "<=15%")
+        print("  {:12s} {:>8s} {:>8s} {:>9s} {:>7s}".format(*head))
         for k in metrics:
             sim = np.array([r[f"sim_{k}"] for r in rows])[mask]
             sur = np.array([r[f"sur_{k}"] for r in rows])[mask]

@@ -37,13 +37,17 @@ def softplus(x, scale=1.0):
 
 
 def smooth_min(a, b, scale):
-    """A smooth ``min(a, b)``, below it by at most ``scale * log 2``."""
-    return a - softplus(a - b, scale)
+    """A smooth ``min(a, b)``, below it by at most ``scale * log 2``.
+
+    Written as ``min(a, b) - softplus(-|a - b|)``, which equals
+    ``a - softplus(a - b)`` but does not cancel when ``a >> b``.
+    """
+    return jnp.minimum(a, b) - softplus(-jnp.abs(a - b), scale)
 
 
 def smooth_max(a, b, scale):
     """A smooth ``max(a, b)``, above it by at most ``scale * log 2``."""
-    return a + softplus(b - a, scale)
+    return jnp.maximum(a, b) + softplus(-jnp.abs(a - b), scale)
 
 
 def ste_ceil(x):
@@ -56,15 +60,18 @@ def ste_ceil(x):
     return x + jax.lax.stop_gradient(jnp.ceil(x) - x)
 
 
-def slack(one_minus_rho, scale=0.01, floor=1e-3):
+def slack(one_minus_rho, scale=0.01, floor=1e-3, max_over=9.0):
     """``1 - rho`` for an unsaturated queue, smoothly kept positive beyond it.
 
-    Below saturation it is ``softplus`` of ``1 - rho`` (within ``scale * log 2``
-    of it); at and past ``rho = 1`` it decays like ``floor / (1 + rho - 1)``,
+    Below saturation it is ``softplus`` of ``1 - rho`` plus at most ``floor``
+    (within ``scale * log 2 + floor`` of ``1 - rho``); at and past ``rho = 1``
+    it decays like ``floor / (1 + rho - 1)``,
     so ``1 / slack`` keeps growing with the overload, finitely: an SLO simply
-    fails instead of the gradient turning into NaN or zero.
+    fails instead of the gradient turning into NaN. The growth stops at
+    ``rho = 1 + max_over`` (``1 / slack = (1 + max_over) / floor``), which keeps
+    the waits that follow from it within float32 range.
     """
-    over = softplus(-one_minus_rho, scale)
+    over = smooth_min(softplus(-one_minus_rho, scale), max_over, scale)
     return softplus(one_minus_rho, scale) + floor / (1.0 + over)
 
 

@@ -23,33 +23,39 @@ prefill server's utilisation ``rho_p``, which solves
 ``rho_p = lam ((1 - rho_p) E[X_alone] + rho_p E[X_full])`` in closed form
 (an M/G/1 server of prefill work, Kleinrock 1975, *Queueing Systems I*, ch. 5).
 Steps per second are ``lam E[k] + (1 - rho_p) / t_decode(n)``, and Little's
-law for decode tokens gives ``n = lam E[O - 1] / steps_per_s``; it is solved
-by bisection with an implicit-function gradient
-(``_numerics.monotone_root``). Slots are limited by the concurrency and the
-KV cache (``capacity / mean KV tokens per running request``, smooth minimum);
-when ``lam`` times the residence exceeds them, the admitted rate is
-``slots / residence`` (the throughput of a saturated closed system).
+law for decode tokens gives ``n = lam E[O - 1] / steps_per_s``, capped by the
+slots; it is solved by bisection, and its gradient is the implicit-function one
+(``_numerics.bisect`` / ``implicit_step``), carried to the rest of the state by
+its first-order expansion around the root. Slots are limited by the concurrency
+and the KV cache (``capacity / mean KV tokens per running request``, a smooth
+minimum). The slot utilisation is ``lam * residence / slots`` (Little), the
+reported ``utilization`` the larger of it and ``rho_p``; the achieved rate is
+the offered one up to ``slots / (prefill + decode time)`` and the prefill
+server's full-step rate.
 
 **Waiting.** Before admission, an M/G/c queue with ``c`` = slots: the
-probability of waiting and the mean wait by Sakasegawa's approximation
-``P(W > 0) ~ rho^(sqrt(2 (c + 1)) - 1)`` (Sakasegawa 1977, Ann. Inst. Stat.
-Math. 29, 67-75) with the Allen-Cunneen factor ``(1 + cs^2) / 2`` (Allen
-1990, *Probability, Statistics and Queueing Theory*; Whitt 1993, "Approximations
-for the GI/G/m queue", Prod. Oper. Manag. 2, 114-161). For the prefill
-server, the Pollaczek-Khinchine mean ``lam E[X^2] / (2 (1 - rho_p))``. Each
-wait is an atom at zero plus an exponential tail with the matching mean (the
-standard exponential approximation of the waiting-time tail, e.g. Tijms 2003,
-*A First Course in Stochastic Models*, sec. 5.4); the two are merged into one
-atom-plus-exponential with the summed mean. ``1 - rho`` is kept positive by
-``_numerics.slack``, so past saturation waits are large but finite and still
-grow with the load.
+probability of waiting is Erlang C, continued to real ``c`` through the
+incomplete gamma function (Jagerman 1974, Bell Syst. Tech. J. 53, 525-551),
+and the wait beyond is exponential with the Allen-Cunneen mean
+``(1 + cs^2) / 2 * residence / (c (1 - rho))`` (Allen 1990, *Probability,
+Statistics and Queueing Theory*; Whitt 1993, "Approximations for the GI/G/m
+queue", Prod. Oper. Manag. 2, 114-161). For the prefill server, the
+Pollaczek-Khinchine mean ``lam E[X^2] / (2 (1 - rho_p))``: an arrival finds it
+busy with probability ``rho_p``, then waits the residual of the prompt in
+service (density ``P(X > x) / E[X]``, exact in light traffic) plus an
+exponential carrying the rest of the P-K mean (the exponential tail of the
+M/G/1 wait, Tijms 2003, *A First Course in Stochastic Models*, sec. 2.5). The
+two waits are merged into one atom at zero plus that shape, with the summed
+mean. ``1 - rho`` is kept positive by ``_numerics.slack``, so past saturation
+waits are large but finite and still grow with the load.
 
-**TTFT** = wait + the residual of the step in progress (uniform over a decode
-step, Poisson arrivals see time averages: Wolff 1982) + the prompt's own
-prefill. Its CDF is a mixture over prompt bands of a logistic kernel (the
-within-band spread and the residual) and of the same shifted by the
-exponential wait; p50 and p99 are found by bisection on that CDF with one
-implicit Newton step for the gradient (``_numerics.quantile``).
+**TTFT** = wait + the residual of the decode step in progress (uniform over
+it; Poisson arrivals see time averages, Wolff 1982, Oper. Res. 30, 223-231) +
+the prompt's own prefill beside ``n`` decodes. Its CDF is a mixture over
+prompt bands of a logistic kernel (the within-band spread and the residual)
+and of the wait's CDF shifted by the prefill, in closed form; p50 and p99 are
+found by bisection on that CDF with one implicit Newton step for the gradient
+(``_numerics.quantile``).
 
 **ITL.** A decoding request sees the other decodes as Poisson with mean
 ``n`` (the M/G/infinity occupancy, insensitive to the service law), capped at
@@ -60,12 +66,15 @@ steps: a chunk of a prompt of each band (weighted by its chunk count) or,
 under a prefill queue, a full-budget step. p50/p99 as for TTFT.
 
 **E2E** = TTFT + (O - 1) mean ITL, mixed over output bands (the sum of many
-gaps is close to its mean).
+gaps is close to its mean), with TTFT taken as the lognormal through its p50
+and p99.
 
 Not modelled: preemption on KV overflow (the mean KV footprint is kept under
 the capacity instead), the correlation between consecutive steps' batch sizes,
-and the finite horizon of a simulation (past saturation a simulator's p99
-TTFT grows with the number of requests; here it is a large finite number).
+prompts that straddle two steps behind a queue, and the finite horizon of a
+simulation (past saturation a simulator's p99 TTFT grows with the number of
+requests; here it is a large finite number, growing with the overload up to
+``rho = 10``).
 """
 
 from __future__ import annotations
@@ -193,8 +202,8 @@ def _prefill(hw, model, tp, wl, decodes, token_budget, prompt_tokens):
     # a full step mixes prompts: per token, the prefix KV it reads
     # (P / (2 b) - 1/2 for fluid chunks of b) and the keys it attends to
     p = wl.prompt_tokens
-    kv_per_token = safe_div(
-        wl.band_probs @ (p * softplus(p / (2.0 * b) - 0.5, 0.05)), wl.mean_prompt_tokens)
+    kv_per_token = safe_div(wl.band_probs @ (p * softplus(p / (2.0 * b) - 0.5, 0.05)),
+                            wl.mean_prompt_tokens)
     keys_per_token = (wl.mean_prompt_sq_tokens + wl.mean_prompt_tokens) / (
         2.0 * wl.mean_prompt_tokens)
     full = roofline.step_s(hw, model, tp, decodes + b,
@@ -272,8 +281,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
       ``itl_p99_s``, ``e2e_p99_s``, ``output_tokens_per_s`` and
-      ``goodput_req_per_s`` (achieved: the offered rate, divided by the
-      utilisation past saturation), ``utilization`` (the larger of the slot
+      ``goodput_req_per_s`` (achieved: the offered rate up to the capacity of
+      the slots and of the prefill server), ``utilization`` (the larger of the slot
       and prefill-server utilisations; >= 1 is saturated), ``slot_utilization``,
       ``prefill_utilization``, ``mean_itl_s``, ``mean_running`` and ``status``
       (int32 index into ``STATUS``).
@@ -305,7 +314,13 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     slot_util = lam * st.residence_s / slots
     utilization = jnp.maximum(slot_util, st.prefill_util)
-    rate = lam / smooth_max(utilization, 1.0, 0.01)
+    # achieved rate: the offered one, up to what the slots (without waiting)
+    # and the prefill server (filled steps) sustain
+    slot_capacity = slots / (w @ st.service_s + mean_decodes * st.step_s)
+    prefill_capacity = st.pre.budget_tokens / (
+        wl.mean_prompt_tokens * st.pre.full_step_s)
+    capacity = smooth_min(slot_capacity, prefill_capacity, 1e-3 * slot_capacity)
+    rate = smooth_min(lam, capacity, 1e-3 * capacity)
     running = lam * st.residence_s
 
     # admission queue: M/G/c with the Erlang-C waiting probability (continuous
@@ -327,10 +342,13 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     def wait_cdf(s):
         """``P(W <= s | W > 0)``: residual of the prompt in service + exponential."""
-        s = softplus(s, 1e-3 * residual_mean + 1e-9)
-        u = smooth_min(s[..., None], st.service_s, 1e-3 * st.service_s + 1e-12)
-        conv = u - tail_s * (jnp.exp(-(s[..., None] - u) / tail_s) - jnp.exp(
-            -s[..., None] / tail_s))
+        s = softplus(s, 1e-3 * residual_mean + 1e-9)  # shape=(L, J)
+        service = st.service_s[None, None, :]
+        u = smooth_min(s[..., None], service, 1e-3 * service + 1e-12)
+        # u - tail (e^-(s-u)/tail - e^-s/tail), written without cancellation
+        # when the tail is long
+        left = -jnp.expm1(-(s[..., None] - u) / tail_s)
+        conv = u * left + tail_s * (1.0 - left) * (jnp.expm1(-u / tail_s) + u / tail_s)
         residual_then_tail = safe_div(conv @ w, mean_service)
         tail_only = -jnp.expm1(-s / tail_s)
         return in_service * residual_then_tail + (1.0 - in_service) * tail_only
@@ -348,9 +366,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     scale = _LOGISTIC_PER_STD * spread
 
     def ttft_cdf(t):
-        t = t[..., None]
-        direct = _logistic_cdf(t, x, scale)
-        return ((1.0 - p_wait) * direct + p_wait * wait_cdf(t - x)) @ w
+        t = t[:, None]
+        direct = _logistic_cdf(t, x[None, :], scale[None, :])
+        return ((1.0 - p_wait) * direct + p_wait * wait_cdf(t - x[None, :])) @ w
 
     ttft_lo = 0.25 * jnp.min(x)
     ttft_hi = jnp.max(x + 40.0 * scale) + jnp.max(st.service_s) + 30.0 * tail_s
@@ -393,9 +411,10 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     mixed = st.prefill_steps_per_s / st.steps_per_s
 
     def itl_cdf(t):
-        tt = t[..., None]
-        decode_part = _logistic_cdf(tt, dec, dec_scale) @ w
-        chunk_part = _logistic_cdf(tt, chunk_s, mix_scale) @ alone_steps
+        tt = t[:, None]
+        decode_part = _logistic_cdf(tt, dec[None, :], dec_scale[None, :]) @ w
+        chunk_part = _logistic_cdf(tt, chunk_s[None, :], mix_scale[None, :]) @ (
+            alone_steps)
         full_part = _logistic_cdf(t, full_s, full_scale) * full_steps
         return (1.0 - mixed) * decode_part + mixed * (chunk_part + full_part) / total
 
@@ -411,8 +430,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     sigma = (jnp.log(ttft_p99) - log_p50) / _Z99 + 1e-3
 
     def e2e_cdf(t):
-        first = jnp.maximum(softplus(t[..., None] - decode_time, 1e-3 * ttft_p50),
-                            1e-12)
+        first = jnp.maximum(
+            softplus(t[:, None] - decode_time[None, :], 1e-3 * ttft_p50), 1e-12)
         return jax.scipy.special.ndtr((jnp.log(first) - log_p50) / sigma) @ w
 
     (e2e_p99,) = quantile(e2e_cdf, (0.99,), ttft_lo, ttft_hi + jnp.max(decode_time))
