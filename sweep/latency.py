@@ -25,13 +25,13 @@ prefill server's utilisation ``rho_p``, which solves
 Steps per second are ``lam E[k] + (1 - rho_p) / t_decode(n)``, and Little's
 law for decode tokens gives ``n = lam E[O - 1] / steps_per_s``, capped by the
 slots; it is solved by bisection, and its gradient is the implicit-function one
-(``_numerics.bisect`` / ``implicit_step``), carried to the rest of the state by
-its first-order expansion around the root. Slots are limited by the concurrency
-and the KV cache (``capacity / mean KV tokens per running request``, a smooth
-minimum). The slot utilisation is ``lam * residence / slots`` (Little), the
-reported ``utilization`` the larger of it and ``rho_p``; the achieved rate is
-the offered one up to ``slots / (prefill + decode time)`` and the prefill
-server's full-step rate.
+(``_numerics.bisect`` / ``implicit_step``, the slope taken in forward mode
+only), carried to the rest of the state by evaluating it once at the root.
+Slots are limited by the concurrency and the KV cache (``capacity / mean KV
+tokens per running request``, a smooth minimum). The slot utilisation is
+``lam * residence / slots`` (Little), the reported ``utilization`` the larger
+of it and ``rho_p``; the achieved rate is the offered one up to
+``slots / (prefill + decode time)`` and the prefill server's full-step rate.
 
 **Waiting.** Before admission, an M/G/c queue with ``c`` = slots: the
 probability of waiting is Erlang C, continued to real ``c`` through the
@@ -49,9 +49,19 @@ two waits are merged into one atom at zero plus that shape, with the summed
 mean. ``1 - rho`` is kept positive by ``_numerics.slack``, so past saturation
 waits are large but finite and still grow with the load.
 
+**Co-batching.** The prefill server is not work-conserving at token
+granularity: prompts that arrive while a prompt waits are in the queue when
+its last step starts, and join that step (lengthening it) as far as the
+budget it leaves allows. A wait ``w`` therefore becomes
+``w + c min(lam E[P] w, room)``, with ``c`` the time of one more prefill token
+in a step (full step minus decode step, per budget token) and ``room`` the
+budget left beside the prompt's last chunk; the TTFT CDF inverts that map in
+closed form.
+
 **TTFT** = wait + the residual of the decode step in progress (uniform over
-it; Poisson arrivals see time averages, Wolff 1982, Oper. Res. 30, 223-231) +
-the prompt's own prefill beside ``n`` decodes. Its CDF is a mixture over
+it; Poisson arrivals see time averages, Wolff 1982, Oper. Res. 30, 223-231),
+both stretched by co-batching, + the prompt's own prefill beside ``n``
+decodes. Its CDF is a mixture over
 prompt bands of a logistic kernel (the within-band spread and the residual)
 and of the wait's CDF shifted by the prefill, in closed form; p50 and p99 are
 found by bisection on that CDF with one implicit Newton step for the gradient
@@ -69,9 +79,16 @@ under a prefill queue, a full-budget step. p50/p99 as for TTFT.
 gaps is close to its mean), with TTFT taken as the lognormal through its p50
 and p99.
 
+The spreads of the kernels (within-band prompt spread, decode-count spread)
+are derivatives taken in forward mode and held constant in the gradient: the
+reverse pass never runs through a ``jvp``, which keeps the compiled gradient
+small; the locations of all kernels carry the full gradient.
+
 Not modelled: preemption on KV overflow (the mean KV footprint is kept under
 the capacity instead), the correlation between consecutive steps' batch sizes,
-prompts that straddle two steps behind a queue, and the finite horizon of a
+chunk boundaries inside the budget (a prompt behind another is taken as a
+whole plus the co-batched tokens, not split at the step edge), and the finite
+horizon of a
 simulation (past saturation a simulator's p99 TTFT grows with the number of
 requests; here it is a large finite number, growing with the overload up to
 ``rho = 10``).
@@ -304,13 +321,16 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     # the whole state by its first-order expansion around the root
     n0 = bisect(lambda n: n - lam * mean_decodes * state(n).step_s, 0.0, slots,
                 _ROOT_ITERS)
-    st, dst = jax.jvp(state, (n0,), (jnp.ones_like(n0),))
     full = n0 >= jax.lax.stop_gradient(slots) * (1.0 - 1e-5)
-    value = jnp.where(full, n0 - slots, n0 - lam * mean_decodes * st.step_s)
-    slope = jnp.where(full, 1.0, 1.0 - lam * mean_decodes * dst.step_s)
-    dn = implicit_step(value, slope)
-    n = n0 + dn
-    st = jax.tree.map(lambda v, d: v + d * dn, st, dst)
+    # the slope of the root's equation, forward-mode only: the gradient flows
+    # through ``implicit_step`` and one evaluation of the state at the root
+    step0, dstep0 = jax.jvp(lambda v: state(v).step_s, (jax.lax.stop_gradient(n0),),
+                            (jnp.ones_like(n0),))
+    slope = jax.lax.stop_gradient(
+        jnp.where(full, 1.0, 1.0 - lam * mean_decodes * dstep0))
+    value = jnp.where(full, n0 - slots, n0 - lam * mean_decodes * step0)
+    n = n0 + implicit_step(value, slope)
+    st = state(n)
 
     slot_util = lam * st.residence_s / slots
     utilization = jnp.maximum(slot_util, st.prefill_util)
@@ -355,20 +375,38 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     # TTFT: prompt bands, each prefilled alone beside n decodes, after the
     # residual of the decode step in progress
+    # co-batching: prompts arriving while a prompt waits join its last step
+    # when they fit in the budget it leaves, and lengthen that step: a wait w
+    # becomes w + c min(lam E[P] w, room), c the time of one more prefill
+    # token in a step (``stretch`` inverts that map in closed form)
+    per_prefill_token_s = softplus(st.pre.full_step_s - st.decode_s,
+                                   1e-3 * st.decode_s) / st.pre.budget_tokens
+    cobatch = lam * wl.mean_prompt_tokens * per_prefill_token_s
+    room_s = per_prefill_token_s * softplus(
+        st.pre.budget_tokens - wl.prompt_tokens / st.pre.chunks, 1.0)
+
+    def stretch(t):
+        """The wait whose co-batched total is ``t``, per prompt band."""
+        cap = room_s[None, :]
+        return t - smooth_min(t * cobatch / (1.0 + cobatch), cap,
+                              1e-2 * cap + 1e-9)
+
     busy = -jnp.expm1(-n)
-    residual = busy * (1.0 - p_pre) * st.decode_s / 2.0
+    residual = busy * (1.0 - p_pre) * st.decode_s / 2.0 * (1.0 + cobatch)
     x = st.pre.alone_s + residual
     _, per_token = jax.jvp(
         lambda p: _prefill(hw, model, tp, wl, n, budget, p).alone_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
-    band_s = jnp.abs(per_token) * wl.prompt_spread_tokens
+    # spreads are forward-mode only: no reverse pass through a jvp
+    band_s = jax.lax.stop_gradient(jnp.abs(per_token)) * wl.prompt_spread_tokens
     spread = safe_sqrt(band_s**2 + (2.0 * residual) ** 2 / 12.0) + _MIN_REL_SPREAD * x
     scale = _LOGISTIC_PER_STD * spread
 
     def ttft_cdf(t):
         t = t[:, None]
         direct = _logistic_cdf(t, x[None, :], scale[None, :])
-        return ((1.0 - p_wait) * direct + p_wait * wait_cdf(t - x[None, :])) @ w
+        queued = wait_cdf(stretch(t - x[None, :]))
+        return ((1.0 - p_wait) * direct + p_wait * queued) @ w
 
     ttft_lo = 0.25 * jnp.min(x)
     ttft_hi = jnp.max(x + 40.0 * scale) + jnp.max(st.service_s) + 30.0 * tail_s
@@ -402,6 +440,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     (chunk_s, full_s), (d_chunk, d_full) = jax.jvp(
         mixed_steps, (0.0, jnp.zeros_like(wl.prompt_tokens)),
         (root_n, wl.prompt_spread_tokens))
+    d_chunk, d_full = jax.lax.stop_gradient((d_chunk, d_full))
     mix_scale = _LOGISTIC_PER_STD * (jnp.abs(d_chunk) + _MIN_REL_SPREAD * chunk_s)
     full_scale = _LOGISTIC_PER_STD * (jnp.abs(d_full) + _MIN_REL_SPREAD * full_s)
     queued = p_pre
