@@ -58,22 +58,31 @@ counter. A turn also retires one finished request, preempts one, and admits
 one; it advances only when nothing else is due, so the rules keep their
 order. That is about 3 turns per request.
 
-Slots: requests occupy ``max_slots`` slots (the largest concurrency of a grid);
-no per-step sort is needed. ``jax.vmap`` of a while loop would select the
-whole carry (per-request outputs and the ITL histogram) every turn, so turns
-run in blocks of ``turns_per_check`` inside a fixed-count loop (a finished
-simulation's turns change nothing) and the while condition is tested only
-between blocks.
+Slots: running and preempted requests occupy ``max_slots`` slots (one column
+of an int and a float matrix each). No turn sorts or searches them: the
+prompts being prefilled are a FIFO ring of slots (admission order), free
+slots and preempted ones are stacks, a static batch fills slots from 0, and
+the counts and KV sums are scalars; three plain reductions over the slots
+remain per turn (the next completion, the newest decoding request, the chunks
+of a step that finishes prompts). ``max_slots`` = the grid's largest
+concurrency is always exact; a smaller value is faster under light load and
+sets ``STATUS_SLOTS`` (metrics NaN) if the slots ever fill up below a
+configuration's concurrency, so those points can be rerun. ``jax.vmap`` of a
+while loop would select the whole carry (per-request outputs, ITL
+histogram) every turn, so turns run in blocks of ``turns_per_check`` inside
+a fixed-count loop (a finished simulation's turns change nothing) and the
+while condition is tested only between blocks.
 
 Percentiles: TTFT and end-to-end latency are kept per request and use NumPy's
 linear interpolation exactly. ITL samples (every gap between consecutive
 tokens of every request) arrive as runs of linearly growing values, so they
-go into a histogram of ``ITL_BINS_PER_OCTAVE`` log-spaced bins per octave from
-``ITL_MIN_S`` seconds: each run adds a uniform density over
-``[first - s/2, last + s/2]`` (``s`` = its per-step increment), spread exactly
-over the bins it covers. A reported ITL percentile is within one bin
-(``2**(1/256) - 1 = 0.27 %`` relative) plus half a step increment of NumPy's
-value over the true samples.
+go into a histogram: each octave from ``ITL_MIN_S`` (7.6 us) to 128 s is cut
+into ``2**ITL_MANTISSA_BITS`` = 512 equal bins (a value's float exponent and
+leading mantissa bits, so no logarithm), each at most 0.2 % of its values
+wide. A run adds a uniform density over ``[first - s/2, last + s/2]`` (``s``
+= its per-step increment), spread exactly over the bins it covers. A
+reported ITL percentile lies within one bin (plus ``s/2``) of the interval
+between the two order statistics NumPy interpolates between.
 
 Goodput: a request is good when its TTFT <= ``ttft_slo_s`` and its largest
 inter-token gap <= ``itl_slo_s``; ``goodput_req_per_s`` is good requests over
@@ -87,7 +96,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sweep import roofline
 from sweep.arrivals import Requests
@@ -104,7 +112,9 @@ STATUS_MESSAGES = {
     STATUS_RAN_OUT: "the loop ran out of iterations before every request finished "
     "(metrics are NaN; raise max_iterations)",
     STATUS_OVERSIZE: "a request needed more KV than the capacity and ran alone",
-    STATUS_SLOTS: "concurrency exceeds max_slots (clamped to max_slots)",
+    STATUS_SLOTS: "max_slots < concurrency and all slots filled up, so the slot "
+    "array may have limited admission (metrics are NaN; rerun with max_slots >= "
+    "concurrency)",
 }
 """``status`` is a bit mask of these codes."""
 
@@ -151,38 +161,52 @@ class SimOutcome(NamedTuple):
     status: jax.Array
 
 
-class _Slots(NamedTuple):
-    state: jax.Array  # FREE / PREFILL / DECODE / WAIT (preempted, waiting)
-    req: jax.Array  # request index
-    adm: jax.Array  # admission number (newest running = largest)
-    pre: jax.Array  # preemption number (readmitted first = largest)
-    cum: jax.Array  # prefill tokens queued before this prefill (FIFO position)
-    need: jax.Array  # tokens this prefill computes: prompt + emitted
-    prompt: jax.Array
-    output: jax.Array
-    emitted: jax.Array  # tokens emitted before the current prefill
-    base: jax.Array  # decode context at global step k is base + k
-    last: jax.Array  # global index of the step emitting the last token
-    padding: jax.Array  # bool, static batching: done, still decoding padding
-    slow: jax.Array  # steps slower than the ITL SLO before the last preemption
-    slow_from: jax.Array  # slow-step counter when the decode phase began
-    bad: jax.Array  # bool, a recompute gap exceeded the ITL SLO
-    arrival_s: jax.Array
-    first_s: jax.Array  # first-token time
-    last_token_s: jax.Array  # last token before a preemption
-    gap_s: jax.Array  # recompute gap not yet in the histogram (-1: none)
+# slot fields: rows of an int32 matrix and of a float matrix, one column per slot
+(I_STATE, I_REQ, I_ADM, I_CUM, I_NEED, I_PROMPT, I_OUTPUT, I_EMITTED, I_BASE, I_LAST,
+ I_SLOW, I_SLOW_FROM, I_FLAGS) = range(13)
+# STATE: FREE / PREFILL / DECODE / WAIT (preempted, waiting)
+# REQ: request index; ADM: admission number (the newest running has the largest)
+# CUM: prefill tokens queued before this prefill (its FIFO position)
+# NEED: tokens this prefill computes (prompt + EMITTED)
+# EMITTED: tokens emitted before the current prefill
+# BASE: decode context at global step k is BASE + k; LAST: global index of the
+#   step emitting the last token
+# SLOW: steps slower than the ITL SLO before the last preemption; SLOW_FROM: the
+#   slow-step counter when the decode phase began
+# FLAGS: PADDING (static batching: done, still decoding padding) | BAD (a
+#   recompute gap exceeded the ITL SLO)
+(F_ARRIVAL, F_FIRST, F_LAST_TOKEN, F_GAP) = range(4)
+# FIRST: first-token time; LAST_TOKEN: last token before a preemption; GAP: a
+#   recompute gap not yet in the histogram (-1: none)
+PADDING, BAD = 1, 2
 
 
 class _State(NamedTuple):
-    slots: _Slots
+    ints: jax.Array  # shape=(13, S), int32 slot fields
+    floats: jax.Array  # shape=(4, S), slot times
+    fifo: jax.Array  # shape=(S,), ring of prefilling slots in admission order
+    fifo_head: jax.Array  # first entry not yet decoding
+    fifo_first: jax.Array  # first entry whose prompt is unfinished
+    fifo_tail: jax.Array  # one past the last entry
+    free_stack: jax.Array  # shape=(S,), free slots (continuous batching)
+    n_free: jax.Array
+    wait_stack: jax.Array  # shape=(S,), preempted slots, last preempted on top
+    n_wait: jax.Array
     t_s: jax.Array  # end of the last step
     steps: jax.Array  # steps so far (the next step's global index)
     next_req: jax.Array  # first request never admitted
     admissions: jax.Array
-    preempt_seq: jax.Array
     queued: jax.Array  # prefill tokens ever queued (FIFO tail position)
     prefilled: jax.Array  # prefill tokens done (FIFO head position)
     slow_steps: jax.Array  # steps slower than the ITL SLO so far
+    n_run: jax.Array  # running slots (PREFILL or DECODE, static padding included)
+    n_dec: jax.Array  # DECODE slots (padding included)
+    n_real: jax.Array  # DECODE slots still emitting
+    sum_base: jax.Array  # BASE summed over DECODE slots
+    kv_prefill: jax.Array  # NEED summed over PREFILL slots
+    event_step: jax.Array  # the last step that finished a prompt: its index,
+    event_s: jax.Array  # its end time,
+    event_slow: jax.Array  # and the slow-step counter after it
     iterations: jax.Array
     preemptions: jax.Array
     batch_open: jax.Array  # static: admissions since the batch began
@@ -201,7 +225,8 @@ class _Ctx(NamedTuple):
     hw: object
     model: object
     tp: jax.Array
-    concurrency: jax.Array  # int32
+    concurrency: jax.Array  # int32, at most the number of slots
+    slots_short: jax.Array  # bool, the true concurrency exceeds the slots
     budget: jax.Array  # int32
     capacity: jax.Array  # int32 KV tokens
     continuous: jax.Array  # bool
@@ -273,7 +298,9 @@ def _step_time(lines, j):
 
 
 def _first_step_reaching(lines, split, horizon, delay_s):
-    """Smallest ``j`` in ``[1, horizon]`` with ``elapsed(j) >= delay_s``, else ``horizon + 1``.
+    """Smallest ``j`` in ``[1, horizon]`` with ``elapsed(j) >= delay_s``.
+
+    Returns ``horizon + 1`` when there is none.
 
     Solves the quadratic of the piece it falls in, then picks the answer among
     the neighbours of that estimate by evaluating ``_elapsed`` exactly as the
@@ -296,7 +323,7 @@ def _first_step_reaching(lines, split, horizon, delay_s):
     x = jnp.where(x_first <= jcf, x_first, x_second)
     hf = horizon.astype(dt)
     guess = jnp.ceil(jnp.clip(x, 0.0, hf + 1.0)).astype(jnp.int32)
-    near = jnp.clip(guess + jnp.arange(-2, 3), 1, horizon + 1)
+    near = jnp.clip(guess + jnp.arange(-2, 3, dtype=jnp.int32), 1, horizon + 1)
     reached = _elapsed(lines, split, near) >= delay_s
     j = jnp.where(reached.any(), near[jnp.argmax(reached)], near[-1] + 1)
     return jnp.minimum(j, horizon + 1)
@@ -318,7 +345,7 @@ def _count_at_most(lines, n, limit_s):
 
     k = jnp.minimum(below(m0, m), below(c0, c)).astype(jnp.int32)
     # rounding in the division: settle on the exact boundary
-    fast = _step_time(lines, k + jnp.arange(-1, 1)) <= limit_s
+    fast = _step_time(lines, k + jnp.arange(-1, 1, dtype=jnp.int32)) <= limit_s
     k = jnp.where((k > 0) & ~fast[0], k - 1, k)
     return jnp.where((k < n) & fast[1], k + 1, k)
 
@@ -379,166 +406,237 @@ def _run_ramps(lines, split, n, weight):
     return x0, x1, weight * count
 
 
-def _barrier(*xs):
-    return jax.lax.optimization_barrier(xs)
+def _column(matrix, j):
+    """Slot ``j``'s fields as a list (one scalar per row)."""
+    col = matrix[:, j]
+    return [col[i] for i in range(matrix.shape[0])]
 
 
-def _put(mask, new, old):
-    return jnp.where(mask, new, old)
+def _store(matrix, j, do, col):
+    """Writes the column ``col`` (a list) at slot ``j`` when ``do``."""
+    j = jnp.where(do, j, matrix.shape[1])
+    return matrix.at[:, j].set(jnp.stack(col).astype(matrix.dtype), mode="drop")
 
 
-def _iterate(cx: _Ctx, s: _State) -> _State:
-    """One loop turn: retire one, preempt one, admit one, then maybe advance."""
-    sl = s.slots
+def _n(flag):
+    """A bool as an int32 count."""
+    return flag.astype(jnp.int32)
+
+
+def _materialize(turn, xs):
+    """``xs``, passed through a conditional that is always taken.
+
+    XLA fuses a cheap producer into each of its consumers, so a long chain of
+    scalar arithmetic used by many slot updates would be recomputed in every
+    one of them; it cannot fuse across a conditional, so the values are
+    computed once. (``optimization_barrier`` is removed before fusion on CPU.)
+    """
+    return jax.lax.cond(turn >= 0, lambda x: x,
+                        lambda x: jax.tree.map(jnp.zeros_like, x), xs)
+
+
+def _iterate(cx: _Ctx, turn, s: _State) -> _State:
+    """One loop turn.
+
+    In order, each when due and nothing before it is still pending: one
+    finished prompt starts decoding, one finished request leaves, one request
+    is preempted, one is admitted; then the clock advances by a run of
+    unchanged steps (and the step finishing a prompt, if that comes next).
+    Slots are found through the FIFO ring and the two stacks, so only three
+    plain reductions over the slots remain.
+    """
+    ints, floats = s.ints, s.floats
+    size = ints.shape[1]
+    iota = jnp.arange(size, dtype=jnp.int32)
     dt = s.t_s.dtype
     num_req = cx.arrival_s.shape[0]
-    iota = jnp.arange(sl.state.shape[0])
     active = ~s.done
-    k = s.steps
-    t = s.t_s
+    cont = cx.continuous
+    k, t = s.steps, s.t_s
+    n_run, n_dec, n_real = s.n_run, s.n_dec, s.n_real
+    n_wait, n_free = s.n_wait, s.n_free
+    sum_base, kv_prefill = s.sum_base, s.kv_prefill
+    queued, prefilled = s.queued, s.prefilled
+    fifo, head, first, tail = s.fifo, s.fifo_head, s.fifo_first, s.fifo_tail
+    free_stack, wait_stack = s.free_stack, s.wait_stack
+
+    # 0. a prompt finished by the last step starts decoding (static: the
+    # batch's prompts once all are done), in FIFO order
+    all_done = cont | (first == tail)
+    do_tr = active & (head < first) & all_done
+    p = fifo[head % size]
+    c, f = _column(ints, p), _column(floats, p)
+    recompute = c[I_EMITTED] > 0
+    gap = s.event_s - f[F_LAST_TOKEN]
+    base = c[I_PROMPT] + c[I_EMITTED] - s.event_step
+    kv_prefill = kv_prefill - jnp.where(do_tr, c[I_NEED], 0)
+    c[I_STATE] = DECODE
+    c[I_BASE] = base
+    c[I_LAST] = s.event_step + c[I_OUTPUT] - c[I_EMITTED] - 1
+    c[I_SLOW_FROM] = s.event_slow
+    c[I_FLAGS] = c[I_FLAGS] | jnp.where(recompute & (gap > cx.itl_slo_s), BAD, 0)
+    f[F_FIRST] = jnp.where(recompute, f[F_FIRST], s.event_s)
+    f[F_GAP] = jnp.where(recompute, gap, -1.0)
+    ints, floats = _store(ints, p, do_tr, c), _store(floats, p, do_tr, f)
+    n_dec, n_real = n_dec + _n(do_tr), n_real + _n(do_tr)
+    sum_base = sum_base + jnp.where(do_tr, base, 0)
+    head = head + _n(do_tr)
+    pending = (head < first) & all_done
 
     # 1. a request that emitted its last token leaves (one per turn)
-    real = (sl.state == DECODE) & ~sl.padding
-    fin = real & (sl.last < k)
-    n_fin = fin.sum()
-    r = jnp.argmax(fin)
+    state, last = ints[I_STATE], ints[I_LAST]
+    real = (state == DECODE) & ((ints[I_FLAGS] & PADDING) == 0)
+    fin = real & (last < k)
+    n_fin = fin.sum(dtype=jnp.int32)
+    r = jnp.minimum(jnp.min(jnp.where(fin, iota, size)), size - 1)
+    # the next completion among the others (a preemption below can only make
+    # this bound early, which splits a run without changing any step)
+    next_last = jnp.min(jnp.where(real & ~fin, last, _BIG))
     do_fin = active & (n_fin > 0)
-    ttft_r = sl.first_s[r] - sl.arrival_s[r]
-    slow_r = sl.slow[r] + s.slow_steps - sl.slow_from[r]
-    good_r = (ttft_r <= cx.ttft_slo_s) & (slow_r == 0) & ~sl.bad[r]
-    out = jnp.where(do_fin, sl.req[r], num_req)
+    c, f = _column(ints, r), _column(floats, r)
+    ttft_r = f[F_FIRST] - f[F_ARRIVAL]
+    slow_r = c[I_SLOW] + s.slow_steps - c[I_SLOW_FROM]
+    good_r = (ttft_r <= cx.ttft_slo_s) & (slow_r == 0) & ((c[I_FLAGS] & BAD) == 0)
+    out = jnp.where(do_fin, c[I_REQ], num_req)
     ttft_s = s.ttft_s.at[out].set(ttft_r, mode="drop")
-    e2e_s = s.e2e_s.at[out].set(t - sl.arrival_s[r], mode="drop")
+    e2e_s = s.e2e_s.at[out].set(t - f[F_ARRIVAL], mode="drop")
     good = s.good.at[out].set(good_r, mode="drop")
     # histogram points of this turn: (value, weight)
-    fin_gap = (sl.gap_s[r], jnp.where(do_fin & (sl.gap_s[r] >= 0), 1.0, 0.0))
-    batch_end = do_fin & ~cx.continuous & (real.sum() == 1)
-    do_fin, r, batch_end = _barrier(do_fin, r, batch_end)
-    hit = do_fin & (iota == r)
-    state = _put(hit & cx.continuous, FREE, sl.state)
-    padding = sl.padding | (hit & ~cx.continuous)
-    gap_s = _put(hit, -1.0, sl.gap_s)
-    # static batching: the batch ends with its longest output
-    state = _put(batch_end & (state == DECODE), FREE, state)
-    blocked = n_fin > 1
+    fin_gap = (f[F_GAP], jnp.where(do_fin & (f[F_GAP] >= 0), 1.0, 0.0))
+    base_r = c[I_BASE]
+    c[I_STATE] = jnp.where(cont, FREE, DECODE)
+    c[I_FLAGS] = c[I_FLAGS] | jnp.where(cont, 0, PADDING)
+    f[F_GAP] = -1.0
+    ints, floats = _store(ints, r, do_fin, c), _store(floats, r, do_fin, f)
+    n_real = n_real - _n(do_fin)
+    leave = do_fin & cont
+    free_stack = free_stack.at[jnp.where(leave, n_free, size)].set(
+        r.astype(jnp.int32), mode="drop")
+    n_free = n_free + _n(leave)
+    n_run, n_dec = n_run - _n(leave), n_dec - _n(leave)
+    sum_base = sum_base - jnp.where(leave, base_r, 0)
+    # static batching: the batch ends with its longest output; its slots are
+    # reused from slot 0 by the next batch
+    batch_end = do_fin & ~cont & (n_real == 0) & ~pending
+    n_run, n_dec, sum_base = (jnp.where(batch_end, 0, x)
+                              for x in (n_run, n_dec, sum_base))
+    blocked = pending | (n_fin > 1)
 
-    # 2. preemption by recompute when decoding outgrew the KV cache
-    running = (state == PREFILL) | (state == DECODE)
-    n_run = running.sum()
-    kv_slot = jnp.where(state == DECODE, sl.base + k,
-                        jnp.where(state == PREFILL, sl.need, 0))
-    kv = kv_slot.sum()
-    do_pre = active & ~blocked & cx.continuous & (kv > cx.capacity) & (n_run > 1)
-    v = jnp.argmax(jnp.where(running, sl.adm, -1))
-    v_dec = state[v] == DECODE
-    emitted_v = jnp.where(v_dec, sl.base[v] + k - sl.prompt[v], sl.emitted[v])
-    undo = do_pre & ~v_dec  # the newest prefill is the FIFO's tail
-    queued = s.queued - jnp.where(undo, sl.need[v], 0)
-    prefilled = jnp.where(undo, jnp.minimum(s.prefilled, sl.cum[v]), s.prefilled)
-    pre_gap = (gap_s[v], jnp.where(do_pre & (gap_s[v] >= 0), 1.0, 0.0))
-    do_pre, v, v_dec, emitted_v, queued, prefilled = _barrier(
-        do_pre, v, v_dec, emitted_v, queued, prefilled)
-    hit = do_pre & (iota == v)
-    state = _put(hit, WAIT, state)
-    emitted = _put(hit, emitted_v, sl.emitted)
-    need = _put(hit, sl.prompt + emitted_v, sl.need)
-    last_token_s = _put(hit & v_dec, t, sl.last_token_s)
-    slow = _put(hit & v_dec, sl.slow + s.slow_steps - sl.slow_from, sl.slow)
-    pre = _put(hit, s.preempt_seq, sl.pre)
-    gap_s = _put(hit, -1.0, gap_s)
-    kv = kv - jnp.where(do_pre, kv_slot[v], 0)
-    n_run = n_run - do_pre
+    # 2. preemption by recompute when decoding outgrew the KV cache: the newest
+    # running request is the FIFO's tail, or else the newest decoding one
+    kv = sum_base + n_dec * k + kv_prefill
+    do_pre = active & ~blocked & cont & (kv > cx.capacity) & (n_run > 1)
+    newest_dec = jnp.max(jnp.where(ints[I_STATE] == DECODE,
+                                   ints[I_ADM] * size + iota, -1)) % size
+    from_fifo = first < tail
+    v = jnp.where(from_fifo, fifo[(tail - 1) % size], newest_dec)
+    c, f = _column(ints, v), _column(floats, v)
+    v_dec = ~from_fifo
+    emitted_v = jnp.where(v_dec, c[I_BASE] + k - c[I_PROMPT], c[I_EMITTED])
+    kv = kv - jnp.where(do_pre, jnp.where(v_dec, c[I_BASE] + k, c[I_NEED]), 0)
+    undo = do_pre & ~v_dec
+    queued = queued - jnp.where(undo, c[I_NEED], 0)
+    prefilled = jnp.where(undo, jnp.minimum(prefilled, c[I_CUM]), prefilled)
+    kv_prefill = kv_prefill - jnp.where(undo, c[I_NEED], 0)
+    tail = tail - _n(undo)
+    first = jnp.minimum(first, tail)
+    drop = do_pre & v_dec
+    n_dec, n_real = n_dec - _n(drop), n_real - _n(drop)
+    sum_base = sum_base - jnp.where(drop, c[I_BASE], 0)
+    wait_stack = wait_stack.at[jnp.where(do_pre, n_wait, size)].set(
+        v.astype(jnp.int32), mode="drop")
+    n_run, n_wait = n_run - _n(do_pre), n_wait + _n(do_pre)
+    pre_gap = (f[F_GAP], jnp.where(do_pre & (f[F_GAP] >= 0), 1.0, 0.0))
+    c[I_SLOW] = jnp.where(v_dec, c[I_SLOW] + s.slow_steps - c[I_SLOW_FROM], c[I_SLOW])
+    c[I_STATE] = WAIT
+    c[I_EMITTED] = emitted_v
+    c[I_NEED] = c[I_PROMPT] + emitted_v
+    f[F_LAST_TOKEN] = jnp.where(v_dec, t, f[F_LAST_TOKEN])
+    f[F_GAP] = -1.0
+    ints, floats = _store(ints, v, do_pre, c), _store(floats, v, do_pre, f)
     blocked = blocked | (do_pre & (kv > cx.capacity) & (n_run > 1))
 
-    # 3. admission of the queue's head (one per turn)
-    waiting = state == WAIT
-    n_wait = waiting.sum()
-    w = jnp.argmax(jnp.where(waiting, pre, -1))
+    # 3. admission of the queue's head (one per turn): the last preempted
+    # request, else the next new one
     a = s.next_req
     a_c = jnp.minimum(a, num_req - 1)
     has_new = a < num_req
-    idle = active & ~blocked & (n_run == 0) & (n_wait == 0) & has_new
-    t = jnp.where(idle, jnp.maximum(t, cx.arrival_s[a_c]), t)
     from_wait = n_wait > 0
-    head_prompt = jnp.where(from_wait, sl.prompt[w], cx.prompt[a_c])
-    head_output = jnp.where(from_wait, sl.output[w], cx.output[a_c])
-    head_need = jnp.where(from_wait, need[w], cx.prompt[a_c])
+    idle = active & ~blocked & (n_run == 0) & ~from_wait & has_new
+    t = jnp.where(idle, jnp.maximum(t, cx.arrival_s[a_c]), t)
+    # static batches fill slots 0, 1, ...
+    fresh_slot = jnp.where(cont, free_stack[jnp.maximum(n_free - 1, 0)], n_run)
+    slot = jnp.where(from_wait, wait_stack[jnp.maximum(n_wait - 1, 0)], fresh_slot)
+    c, f = _column(ints, slot), _column(floats, slot)
+    head_prompt = jnp.where(from_wait, c[I_PROMPT], cx.prompt[a_c])
+    head_output = jnp.where(from_wait, c[I_OUTPUT], cx.output[a_c])
+    head_need = jnp.where(from_wait, c[I_NEED], cx.prompt[a_c])
     arrived = from_wait | (has_new & (cx.arrival_s[a_c] <= t))
     empty = n_run == 0
     batch_prompt = jnp.where(empty, 0, s.batch_prompt)
     batch_output = jnp.where(empty, 0, s.batch_output)
     fits = jnp.where(
-        cx.continuous,
+        cont,
         kv + head_need <= cx.capacity,
-        batch_prompt + head_prompt + (n_run + 1) * jnp.maximum(batch_output, head_output)
-        <= cx.capacity,
+        batch_prompt + head_prompt
+        + (n_run + 1) * jnp.maximum(batch_output, head_output) <= cx.capacity,
     )
-    may_open = cx.continuous | empty | s.batch_open
+    may_open = cont | empty | s.batch_open
     do_adm = (active & ~blocked & arrived & may_open & (n_run < cx.concurrency)
               & (fits | empty))
     status = s.status | jnp.where(do_adm & ~fits, STATUS_OVERSIZE, 0)
-    slot = jnp.where(from_wait, w, jnp.argmax(state == FREE))
-    do_adm, slot, from_wait, a_c = _barrier(do_adm, slot, from_wait, a_c)
-    hit = do_adm & (iota == slot)
-    fresh = hit & ~from_wait
-    state = _put(hit, PREFILL, state)
-    adm = _put(hit, s.admissions, sl.adm)
-    cum = _put(hit, queued, sl.cum)
-    req = _put(fresh, a, sl.req)
-    prompt = _put(fresh, cx.prompt[a_c], sl.prompt)
-    output = _put(fresh, cx.output[a_c], sl.output)
-    arrival_s = _put(fresh, cx.arrival_s[a_c], sl.arrival_s)
-    emitted = _put(fresh, 0, emitted)
-    need = _put(fresh, cx.prompt[a_c], need)
-    slow = _put(fresh, 0, slow)
-    bad = _put(fresh, False, sl.bad)
-    padding = _put(fresh, False, padding)
-    queued = queued + jnp.where(do_adm, head_need, 0)
-    next_req = a + (do_adm & ~from_wait)
-    kv = kv + jnp.where(do_adm, head_need, 0)
-    n_run = n_run + do_adm
+    fresh = ~from_wait
+    c[I_STATE] = PREFILL
+    c[I_ADM] = s.admissions
+    c[I_CUM] = queued
+    for i, x in ((I_REQ, a), (I_PROMPT, cx.prompt[a_c]), (I_OUTPUT, cx.output[a_c]),
+                 (I_EMITTED, 0), (I_NEED, cx.prompt[a_c]), (I_SLOW, 0), (I_FLAGS, 0)):
+        c[i] = jnp.where(fresh, x, c[i])
+    f[F_ARRIVAL] = jnp.where(fresh, cx.arrival_s[a_c], f[F_ARRIVAL])
+    f[F_GAP] = jnp.where(fresh, -1.0, f[F_GAP])
+    ints, floats = _store(ints, slot, do_adm, c), _store(floats, slot, do_adm, f)
+    fifo = fifo.at[jnp.where(do_adm, tail % size, size)].set(
+        slot.astype(jnp.int32), mode="drop")
+    tail = tail + _n(do_adm)
+    added = jnp.where(do_adm, head_need, 0)
+    queued, kv, kv_prefill = queued + added, kv + added, kv_prefill + added
+    next_req = a + _n(do_adm & fresh)
+    n_run = n_run + _n(do_adm)
+    n_wait = n_wait - _n(do_adm & from_wait)
+    n_free = n_free - _n(do_adm & fresh & cont)
     batch_prompt = batch_prompt + jnp.where(do_adm, head_prompt, 0)
     batch_output = jnp.where(do_adm, jnp.maximum(batch_output, head_output),
                              batch_output)
-    n_wait = n_wait - (do_adm & from_wait)
     b_c = jnp.minimum(next_req, num_req - 1)
     again = (n_wait > 0) | ((next_req < num_req) & (cx.arrival_s[b_c] <= t))
     blocked = blocked | (do_adm & again & (n_run < cx.concurrency))
 
-    state, cum, need, emitted, padding = _barrier(state, cum, need, emitted, padding)
-
     # 4. advance: a run of unchanged steps, then the step finishing a prompt
     go = active & ~blocked & (n_run > 0)
-    dec = state == DECODE
-    real = dec & ~padding
-    n_dec = dec.sum()
-    n_real = real.sum()
-    ctx0 = jnp.where(dec, sl.base, 0).sum() + n_dec * k
-    pf = (state == PREFILL) & (cum + need > prefilled)
-    head_cum = jnp.min(jnp.where(pf, cum, _BIG))
-    head_end = jnp.min(jnp.where(pf, cum + need, _BIG))
+    h = fifo[first % size]
+    head_cum, head_end = ints[I_CUM, h], ints[I_CUM, h] + ints[I_NEED, h]
+    ctx0 = sum_base + n_dec * k
     left = jnp.maximum(cx.budget - n_dec, 0)
-    has_pref = (queued > prefilled) & (left > 0)
+    has_pref = (first < tail) & (left > 0)
     chunk = jnp.where(has_pref, left, 0)
     cap_chunk = jnp.where(has_pref, (head_end - prefilled - 1) // jnp.maximum(left, 1),
                           _BIG)
-    cap_done = jnp.where(n_real > 0, jnp.min(jnp.where(real, sl.last, _BIG)) - k + 1,
-                         _BIG)
-    cap_kv = jnp.where(cx.continuous & (n_dec > 0) & (n_run > 1),
+    cap_done = jnp.where(n_real > 0, next_last - k + 1, _BIG)
+    cap_kv = jnp.where(cont & (n_dec > 0) & (n_run > 1),
                        (cx.capacity - kv) // jnp.maximum(n_dec, 1) + 1, _BIG)
     horizon = jnp.minimum(jnp.minimum(cap_chunk, cap_done), cap_kv)
     horizon = jnp.where(go, horizon, 0)
-    p0 = jnp.where(has_pref, prefilled - head_cum, 0)
+    p0 = jnp.where(has_pref, prefilled - head_cum, 0).astype(dt)
     chunk_f = chunk.astype(dt)
     lines = _lines(
-        cx, dt, n_dec + chunk, ctx0 + p0, n_dec + chunk,
-        (ctx0 + p0 * chunk).astype(dt) + chunk_f * (chunk_f + 1.0) / 2.0,
-        (n_dec + chunk * chunk).astype(dt),
+        cx, dt, n_dec + chunk, ctx0.astype(dt) + p0, (n_dec + chunk).astype(dt),
+        ctx0.astype(dt) + p0 * chunk_f + chunk_f * (chunk_f + 1.0) / 2.0,
+        n_dec.astype(dt) + chunk_f * chunk_f,
     )
     split = _pieces(lines, horizon)
     # the next new request, if it could join at a later step's start
     j_arr = _first_step_reaching(lines, split, horizon, cx.arrival_s[b_c] - t)
-    admissible = (cx.continuous & (n_wait == 0) & (next_req < num_req)
+    admissible = (cont & (n_wait == 0) & (next_req < num_req)
                   & (n_run < cx.concurrency) & (j_arr <= horizon)
                   & (kv + n_dec * jnp.minimum(j_arr, horizon) + cx.prompt[b_c]
                      <= cx.capacity))
@@ -548,86 +646,69 @@ def _iterate(cx: _Ctx, s: _State) -> _State:
                                                      j_arr))
     run_s = _elapsed(lines, split, n_lin)
     slow_run = n_lin - _count_at_most(lines, n_lin, cx.itl_slo_s)
+    n_lin, event, split, lines, run_s, slow_run = _materialize(
+        turn, (n_lin, event, split, lines, run_s, slow_run))
     run_x0, run_x1, run_w = _run_ramps(lines, split, n_lin, n_real.astype(dt))
 
-    # XLA would otherwise recompute this scalar chain inside every slot update
-    n_lin, event, run_s, slow_run, left, n_dec, n_real, ctx0 = _barrier(
-        n_lin, event, run_s, slow_run, left, n_dec, n_real, ctx0)
-
     # the event step: decodes plus chunks of every prompt the budget reaches
-    k_e = k + n_lin
     q = prefilled + chunk * n_lin
-    ctx_e = ctx0 + n_dec * n_lin
+    ctx_e = (ctx0 + n_dec * n_lin).astype(dt)
+    cum, need = ints[I_CUM], ints[I_NEED]
     done_old = jnp.clip(q - cum, 0, need)
-    taken = jnp.where(state == PREFILL, jnp.clip(q + left - cum, 0, need) - done_old, 0)
-    taken_f = taken.astype(dt)
-    chunks = taken.sum()
-    zero = jnp.zeros((), jnp.int32)
+    done_new = jnp.clip(q + left - cum, 0, need)
+    taken = jnp.where(ints[I_STATE] == PREFILL, done_new - done_old, 0)
+    taken_f, done_f = taken.astype(dt), done_old.astype(dt)
+    chunks = taken.sum(dtype=jnp.int32)
+    finished = ((taken > 0) & (done_new == need)).sum(dtype=jnp.int32)
     e_lines = _lines(
-        cx, dt, n_dec + chunks, ctx_e + jnp.where(taken > 0, done_old, 0).sum(), zero,
-        ctx_e.astype(dt) + (taken_f * done_old.astype(dt)
-                            + taken_f * (taken_f + 1.0) / 2.0).sum(),
+        cx, dt, n_dec + chunks, ctx_e + jnp.where(taken > 0, done_f, 0.0).sum(),
+        jnp.zeros((), dt),
+        ctx_e + (taken_f * done_f + taken_f * (taken_f + 1.0) / 2.0).sum(),
         jnp.zeros((), dt),
     )
-    event_s = _step_time(e_lines, zero)
-    t_e = t + run_s + event_s
-    q_e = q + chunks
-    ready = jnp.where(cx.continuous, (taken > 0) & (done_old + taken == need),
-                      q_e == queued)
-    event_s, t_e, q_e, k_e = _barrier(event_s, t_e, q_e, k_e)
-    tr = event & (state == PREFILL) & ready
+    event_s = _step_time(e_lines, jnp.zeros((), jnp.int32))
+    t_run = t + run_s
+    t_e = t_run + event_s
+    slow_steps = s.slow_steps + jnp.where(
+        go, slow_run + _n(event & (event_s > cx.itl_slo_s)), 0)
+
     points = jnp.stack([fin_gap[0], pre_gap[0], event_s]).astype(dt)
     point_w = jnp.stack([fin_gap[1], pre_gap[1],
-                         jnp.where(event, n_real, 0)]).astype(dt)
+                         jnp.where(event, n_real, 0).astype(dt)]).astype(dt)
     mass_idx, mass_val, dens_idx, dens_val = _ramp(
         jnp.concatenate([run_x0, points]), jnp.concatenate([run_x1, points]),
         jnp.concatenate([run_w, point_w]))
-
-    slow_steps = s.slow_steps + jnp.where(
-        go, slow_run + (event & (event_s > cx.itl_slo_s)), 0)
-    new_gap = t_e - last_token_s
-    recompute = tr & (emitted > 0)
-    tr, recompute, new_gap, slow_steps = _barrier(tr, recompute, new_gap, slow_steps)
-    slots = _Slots(
-        state=_put(tr, DECODE, state),
-        req=req,
-        adm=adm,
-        pre=pre,
-        cum=cum,
-        need=need,
-        prompt=prompt,
-        output=output,
-        emitted=emitted,
-        base=_put(tr, prompt + emitted - k_e, sl.base),
-        last=_put(tr, k_e + output - emitted - 1, sl.last),
-        padding=padding,
-        slow=slow,
-        slow_from=_put(tr, slow_steps, sl.slow_from),
-        bad=bad | (recompute & (new_gap > cx.itl_slo_s)),
-        arrival_s=arrival_s,
-        first_s=_put(tr & (emitted == 0), t_e, sl.first_s),
-        last_token_s=last_token_s,
-        gap_s=_put(recompute, new_gap, gap_s),
-    )
-    steps = k + jnp.where(go, n_lin + event, 0)
-    done = (next_req >= num_req) & jnp.all(slots.state == FREE)
     new = _State(
-        slots=slots,
-        t_s=jnp.where(go, jnp.where(event, t_e, t + run_s), t),
-        steps=steps,
+        ints=ints,
+        floats=floats,
+        fifo=fifo,
+        fifo_head=head,
+        fifo_first=first + jnp.where(event, finished, 0),
+        fifo_tail=tail,
+        free_stack=free_stack,
+        n_free=n_free,
+        wait_stack=wait_stack,
+        n_wait=n_wait,
+        t_s=jnp.where(go, jnp.where(event, t_e, t_run), t),
+        steps=k + jnp.where(go, n_lin + _n(event), 0),
         next_req=next_req,
-        admissions=s.admissions + do_adm,
-        preempt_seq=s.preempt_seq + do_pre,
+        admissions=s.admissions + _n(do_adm),
         queued=queued,
-        prefilled=jnp.where(go, jnp.where(event, q_e, q), prefilled),
+        prefilled=jnp.where(go, jnp.where(event, q + chunks, q), prefilled),
         slow_steps=slow_steps,
-        iterations=s.iterations + active,
-        preemptions=s.preemptions + do_pre,
+        n_run=n_run, n_dec=n_dec, n_real=n_real, sum_base=sum_base,
+        kv_prefill=kv_prefill,
+        event_step=jnp.where(event, k + n_lin, s.event_step),
+        event_s=jnp.where(event, t_e, s.event_s),
+        event_slow=jnp.where(event, slow_steps, s.event_slow),
+        iterations=s.iterations + _n(active),
+        preemptions=s.preemptions + _n(do_pre),
         batch_open=jnp.where(go, False, s.batch_open | do_adm),
         batch_prompt=batch_prompt,
         batch_output=batch_output,
-        status=status,
-        done=done,
+        status=status | jnp.where(cx.slots_short & (n_run + n_wait >= size),
+                                  STATUS_SLOTS, 0),
+        done=(next_req >= num_req) & (n_run == 0) & (n_wait == 0),
         ttft_s=ttft_s,
         e2e_s=e2e_s,
         good=good,
@@ -639,19 +720,21 @@ def _iterate(cx: _Ctx, s: _State) -> _State:
 
 
 def _initial(num_req: int, max_slots: int, dt) -> _State:
-    zi = jnp.zeros(max_slots, jnp.int32)
-    zf = jnp.zeros(max_slots, dt)
-    zb = jnp.zeros(max_slots, bool)
-    slots = _Slots(state=zi, req=zi, adm=zi, pre=zi, cum=zi, need=zi, prompt=zi,
-                   output=zi, emitted=zi, base=zi, last=zi, padding=zb, slow=zi,
-                   slow_from=zi, bad=zb, arrival_s=zf, first_s=zf, last_token_s=zf,
-                   gap_s=zf - 1.0)
     i0 = jnp.zeros((), jnp.int32)
+    zi = jnp.zeros(max_slots, jnp.int32)
     return _State(
-        slots=slots, t_s=jnp.zeros((), dt), steps=i0, next_req=i0, admissions=i0,
-        preempt_seq=i0, queued=i0, prefilled=i0, slow_steps=i0, iterations=i0,
-        preemptions=i0, batch_open=jnp.zeros((), bool), batch_prompt=i0,
-        batch_output=i0, status=i0, done=jnp.zeros((), bool),
+        ints=jnp.zeros((13, max_slots), jnp.int32),
+        floats=jnp.zeros((4, max_slots), dt).at[F_GAP].set(-1.0),
+        fifo=zi, fifo_head=i0, fifo_first=i0, fifo_tail=i0,
+        # popped from the end: slot 0 first
+        free_stack=jnp.arange(max_slots - 1, -1, -1, dtype=jnp.int32),
+        n_free=jnp.asarray(max_slots, jnp.int32), wait_stack=zi, n_wait=i0,
+        t_s=jnp.zeros((), dt), steps=i0, next_req=i0, admissions=i0,
+        queued=i0, prefilled=i0, slow_steps=i0, n_run=i0, n_dec=i0, n_real=i0,
+        sum_base=i0, kv_prefill=i0, event_step=i0,
+        event_s=jnp.zeros((), dt), event_slow=i0, iterations=i0, preemptions=i0,
+        batch_open=jnp.zeros((), bool), batch_prompt=i0, batch_output=i0, status=i0,
+        done=jnp.zeros((), bool),
         ttft_s=jnp.full(num_req, jnp.nan, dt), e2e_s=jnp.full(num_req, jnp.nan, dt),
         good=jnp.zeros(num_req, bool), hist_mass=jnp.zeros(ITL_BINS, dt),
         hist_dens=jnp.zeros(ITL_BINS, dt),
@@ -675,7 +758,10 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         simulation's time dtype.
       batching: ``sweep.params`` ``REQUEST``, ``STATIC`` or ``CONTINUOUS`` (int).
       ttft_slo_s, itl_slo_s: SLOs for goodput.
-      max_slots: static, the largest concurrency that will be simulated.
+      max_slots: static size of the slot arrays: the largest concurrency of a
+        grid is always exact. A smaller size is faster under light load; if
+        the slots ever fill up below the configuration's concurrency, status
+        has ``STATUS_SLOTS`` and the metrics are NaN (rerun those points).
       max_iterations: static limit on loop turns (default ``16 R + 1024``);
         reaching it sets ``STATUS_RAN_OUT``.
       turns_per_check: static, loop turns between tests of the stop condition.
@@ -694,6 +780,7 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
     cx = _Ctx(
         hw=hw, model=model, tp=tp,
         concurrency=jnp.clip(conc, 1, max_slots),
+        slots_short=conc > max_slots,
         budget=jnp.maximum(jnp.floor(jnp.asarray(token_budget, dt)), 1).astype(
             jnp.int32),
         capacity=jnp.floor(jnp.clip(roofline.kv_capacity_tokens(hw, model, tp),
@@ -704,17 +791,16 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         arrival_s=arrival, prompt=prompt, output=output,
     )
     init = _initial(num_req, max_slots, dt)
-    init = init._replace(status=jnp.where(conc > max_slots, STATUS_SLOTS, 0))
 
     def block(s):
-        return jax.lax.fori_loop(0, turns_per_check, lambda _, x: _iterate(cx, x), s)
+        return jax.lax.fori_loop(0, turns_per_check, lambda i, x: _iterate(cx, i, x), s)
 
     s = jax.lax.while_loop(lambda s: ~s.done & (s.iterations < max_iterations),
                            block, init)
     status = s.status | jnp.where(s.done, 0, STATUS_RAN_OUT)
     inverse = jnp.argsort(order)
     dens = jnp.cumsum(s.hist_dens)
-    edges = _edge(jnp.arange(ITL_BINS + 1), dt)
+    edges = _edge(jnp.arange(ITL_BINS + 1, dtype=jnp.int32), dt)
     return SimOutcome(
         ttft_s=s.ttft_s[inverse], e2e_s=s.e2e_s[inverse], good=s.good[inverse],
         itl_hist=s.hist_mass + dens * jnp.diff(edges),
@@ -732,7 +818,7 @@ def itl_percentiles(itl_hist, num_gaps, q):
       q: percentiles in ``[0, 100]``, shape ``(Q,)``.
     """
     dt = itl_hist.dtype
-    edges = _edge(jnp.arange(ITL_BINS + 1), dt)
+    edges = _edge(jnp.arange(ITL_BINS + 1, dtype=jnp.int32), dt)
     cum = jnp.cumsum(itl_hist)
     n = jnp.asarray(num_gaps, dt)
     # the k-th order statistic (0-based) sits at cumulative count k + 1/2
@@ -745,8 +831,8 @@ def itl_percentiles(itl_hist, num_gaps, q):
 
 
 def summarize(outcome: SimOutcome, requests: Requests) -> SimResult:
-    """Percentiles and rates of a ``SimOutcome``; NaN when the loop ran out."""
-    ok = (outcome.status & STATUS_RAN_OUT) == 0
+    """Percentiles and rates of a ``SimOutcome``; NaN when it is not valid."""
+    ok = (outcome.status & (STATUS_RAN_OUT | STATUS_SLOTS)) == 0
     dt = outcome.ttft_s.dtype
     ttft = jnp.percentile(outcome.ttft_s, jnp.array([50.0, 90.0, 99.0], dt))
     e2e = jnp.percentile(outcome.e2e_s, jnp.array([50.0, 99.0], dt))
