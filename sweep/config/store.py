@@ -11,6 +11,8 @@ from sweep.config.schema import (
     Hardware,
     Latency,
     Model,
+    OptimizeApp,
+    Search,
     Slo,
     Workload,
     axis_range,
@@ -32,5 +34,7 @@ def register_configs() -> None:
     cs.store(group="slo", name="base_slo", node=Slo)
     cs.store(group="latency", name="base_latency", node=Latency)
     cs.store(name="base_grid_app", node=GridApp)
+    cs.store(group="search", name="base_search", node=Search)
+    cs.store(name="base_optimize_app", node=OptimizeApp)
     OmegaConf.register_new_resolver("range", axis_range, replace=True)
     _done = True

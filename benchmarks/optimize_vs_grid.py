@@ -1,0 +1,337 @@
+"""The optax search against the exhaustive grid and Optuna TPE, same space.
+
+Scenarios: hardware x model x workload x arrival rate x SLO from the shipped
+configs (``--hardware`` etc.). Each scenario's candidates are the fitting TP
+values; its discrete space is the lattice of ``sweep.search`` (concurrency x
+token budget, ``levels_per_octave``) x integer replicas in
+``[1, replicas_max]``; cost = replicas x TP x price.
+
+* **optax**: ``sweep.search.search`` on every scenario's candidates at once
+  (one compiled call); answer = cheapest surrogate-feasible integer
+  configuration it evaluated. Evaluations = lanes x (steps + integer steps),
+  each a surrogate value and gradient.
+* **grid**: every lattice (TP, concurrency, budget) point, with its fewest
+  feasible replicas by bisection on ``[1, replicas_max]`` (the surrogate's
+  p99s fall with replicas, as the search also assumes); answer = cheapest.
+  Evaluations = points x (1 + ceil(log2 replicas_max)) surrogate values.
+* **Optuna TPE** (``optuna.samplers.TPESampler``, the sampler of Hydra's
+  ``hydra-optuna-sweeper``): TP, lattice indices and log-replicas as
+  parameters; value = cost, plus a large penalty when the surrogate misses
+  the SLO; as many trials as optax's evaluations for that scenario (on a
+  subset: ``--optuna``), one surrogate value each.
+
+Then both optax's and the grid's answers run once through the simulator
+(``--requests`` per replica, Poisson or trace arrivals at ``rate / replicas``),
+without ``sweep-optimize``'s tightening rounds: the feasibility rate shows
+what those rounds have to repair.
+
+Usage: ``python benchmarks/optimize_vs_grid.py [--optuna 10] [--requests 1000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from sweep import optimize, search
+from sweep.arrivals import sample_requests
+from sweep.config.store import register_configs
+from sweep.latency import OK, surrogate
+from sweep.params import CONTINUOUS, hardware_params, model_params, stack
+from sweep.simulate import STATUS_RAN_OUT, simulate
+
+register_configs()
+
+
+def scenarios(args):
+    out = []
+    with initialize_config_module("sweep.conf", version_base="1.3"):
+        for h, m, w, rate, slo in itertools.product(args.hardware, args.model,
+                                                    args.workload, args.rate,
+                                                    args.slo):
+            app = OmegaConf.to_object(compose("optimize", [
+                f"hardware={h}", f"model={m}", f"workload={w}", f"slo={slo}",
+                f"workload.arrival_rate_per_s={rate}",
+                f"search.levels_per_octave={args.levels}",
+                f"search.replicas_max={args.replicas_max}"]))
+            try:
+                job = optimize.prepare(app, [app.hardware], [app.model])
+            except Exception as e:  # a model that fits nowhere: not a scenario
+                print(f"skip {h} {m}: {e}")
+                continue
+            out.append(job)
+    return out
+
+
+def stacked(jobs):
+    parts, owner = [], []
+    for s, job in enumerate(jobs):
+        n = len(job.candidates)
+        c = optimize._candidates(job, np.full(n, job.app.slo.ttft_p99_s),
+                                 np.full(n, job.app.slo.itl_p99_s))
+        parts.append(jax.tree.map(lambda x: x[:n], c))
+        owner += [(s, i) for i in range(n)]
+    return jax.tree.map(lambda *x: jnp.concatenate(x), *parts), owner
+
+
+def cost_of(job, cand, replicas):
+    c = job.candidates[cand]
+    return replicas * c.tp * c.hardware.usd_per_gpu_hour
+
+
+def run_optax(jobs, cands, owner, settings, restarts, key):
+    init = search.initial_theta(key, settings, len(owner), restarts)
+    t0 = time.perf_counter()
+    res = search.search(cands, init, settings)
+    wall = time.perf_counter() - t0
+    best = {}
+    for row, (s, i) in enumerate(owner):
+        ok = res.feasible[row]
+        if not ok.any():
+            continue
+        cost = np.where(ok, cost_of(jobs[s], i, res.replicas[row]), np.inf)
+        r, k = np.unravel_index(np.argmin(cost), cost.shape)
+        cfg = (i, int(res.concurrency[row, r, k]), int(res.token_budget[row, r, k]),
+               int(res.replicas[row, r, k]))
+        if s not in best or cost[r, k] < best[s][0]:
+            best[s] = (float(cost[r, k]), cfg)
+    per_scenario = {s: restarts * len(jobs[s].candidates)
+                    * (settings.steps + settings.integer_steps)
+                    for s in range(len(jobs))}
+    return best, per_scenario, wall
+
+
+_forward = jax.jit(jax.vmap(surrogate))
+
+
+def feasible(cands, rows, conc, budget, replicas, slo):
+    """Surrogate feasibility of points (NumPy in, NumPy out), in chunks."""
+    out = np.zeros(len(rows), bool)
+    chunk = 8192
+    for a in range(0, len(rows), chunk):
+        idx = rows[a:a + chunk]
+        pad = chunk - len(idx)  # one shape: one compilation
+        sel = np.concatenate([idx, np.repeat(idx[:1], pad)])
+        take = jax.tree.map(lambda x: x[sel], cands)
+        n = len(sel)
+
+        def col(v, a=a):
+            v = np.asarray(v[a:a + chunk], np.float32)
+            return jnp.asarray(np.concatenate([v, np.repeat(v[:1], pad)]))
+        r = _forward(take.hw, take.model, take.workload, take.tp, col(conc),
+                     col(budget), take.arrival_rate_per_s / col(replicas))
+        ok = ((np.asarray(r["ttft_p99_s"]) <= slo[0][sel])
+              & (np.asarray(r["itl_p99_s"]) <= slo[1][sel])
+              & (np.asarray(r["status"]) == OK))[:n - pad]
+        out[a:a + chunk] = ok
+    return out
+
+
+def run_grid(jobs, cands, owner, settings):
+    conc = np.unique(settings.concurrency_values)
+    budget = np.unique(settings.token_budget_values)
+    pts = np.array(list(itertools.product(range(len(owner)), conc, budget)))
+    rows = pts[:, 0].astype(int)
+    c, b = pts[:, 1], np.maximum(pts[:, 2], pts[:, 1])
+    slo = (np.asarray(cands.ttft_target_s), np.asarray(cands.itl_target_s))
+    t0 = time.perf_counter()
+    r_max = settings.replicas_max
+    top = feasible(cands, rows, c, b, np.full(len(rows), r_max), slo)
+    lo, hi = np.zeros(len(rows), int), np.full(len(rows), r_max)
+    for _ in range(settings.bisect_steps):
+        mid = np.maximum((lo + hi) // 2, 1)
+        live = hi - lo > 1
+        ok = feasible(cands, rows, c, b, mid, slo)
+        hi = np.where(live & ok, mid, hi)
+        lo = np.where(live & ~ok, mid, lo)
+    wall = time.perf_counter() - t0
+    best = {}
+    for p in np.flatnonzero(top):
+        s, i = owner[rows[p]]
+        cost = cost_of(jobs[s], i, hi[p])
+        if s not in best or cost < best[s][0]:
+            best[s] = (cost, (i, int(c[p]), int(b[p]), int(hi[p])))
+    per_scenario = {s: 0 for s in range(len(jobs))}
+    for row, (s, _) in enumerate(owner):
+        per_scenario[s] += len(conc) * len(budget) * (1 + settings.bisect_steps)
+    return best, per_scenario, wall
+
+
+def run_optuna(job, cands_one, settings, trials, seed):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    conc = np.unique(settings.concurrency_values)
+    budget = np.unique(settings.token_budget_values)
+    n = len(job.candidates)
+    slo = (job.app.slo.ttft_p99_s, job.app.slo.itl_p99_s)
+
+    def objective(trial):
+        i = trial.suggest_categorical("candidate", list(range(n)))
+        c = float(conc[trial.suggest_int("concurrency_index", 0, len(conc) - 1)])
+        b = max(float(budget[trial.suggest_int("budget_index", 0, len(budget) - 1)]), c)
+        r = trial.suggest_int("replicas", 1, settings.replicas_max, log=True)
+        one = jax.tree.map(lambda x: x[i:i + 1], cands_one)
+        out = _forward(one.hw, one.model, one.workload, one.tp,
+                       jnp.full(1, c, jnp.float32), jnp.full(1, b, jnp.float32),
+                       one.arrival_rate_per_s / r)
+        cost = cost_of(job, i, r)
+        ok = (float(out["ttft_p99_s"][0]) <= slo[0]
+              and float(out["itl_p99_s"][0]) <= slo[1]
+              and int(out["status"][0]) == OK)
+        trial.set_user_attr("ok", ok)
+        return cost if ok else cost + 1e6
+
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed))
+    t0 = time.perf_counter()
+    study.optimize(objective, n_trials=trials)
+    wall = time.perf_counter() - t0
+    done = [t for t in study.trials if t.user_attrs.get("ok")]
+    best = min((t.value for t in done), default=math.inf)
+    return best, wall
+
+
+@jax.jit
+def _simulate_all(hw, model, tp, c, b, requests, ttft, itl):
+    def one(hw, model, tp, c, b, req, ttft, itl):
+        return simulate(hw, model, tp, c, b, req, CONTINUOUS, ttft, itl,
+                        max_slots=1024)
+    return jax.vmap(one)(hw, model, tp, c, b, requests, ttft, itl)
+
+
+def simulate_answers(jobs, answers, requests_per_replica, key):
+    """Simulator verdict per (scenario, config): p99s within the SLO."""
+    items = [(s, cfg) for s, cfg in answers]
+    verdict = {}
+    width = 64
+    for a in range(0, len(items), width):
+        batch = items[a:a + width]
+        batch = batch + [batch[0]] * (width - len(batch))
+        reqs = []
+        for s, (i, c, b, r) in batch:
+            job = jobs[s]
+            rate = job.app.workload.arrival_rate_per_s / r
+            reqs.append(sample_requests(key, job.tables, requests_per_replica, rate,
+                                        job.trace_arrival_s))
+        reqs = jax.tree.map(lambda *x: jnp.stack(x), *reqs)
+        cands = [jobs[s].candidates[i] for s, (i, *_) in batch]
+        util = jobs[0].app.search.gpu_memory_utilization
+        f32 = jnp.float32
+        out = _simulate_all(
+            stack([hardware_params(x.hardware, util) for x in cands]),
+            stack([model_params(x.model) for x in cands]),
+            jnp.asarray([x.tp for x in cands], f32),
+            jnp.asarray([cfg[1] for _, cfg in batch], f32),
+            jnp.asarray([cfg[2] for _, cfg in batch], f32), reqs,
+            jnp.asarray([jobs[s].app.slo.ttft_p99_s for s, _ in batch], f32),
+            jnp.asarray([jobs[s].app.slo.itl_p99_s for s, _ in batch], f32))
+        for k, (s, cfg) in enumerate(items[a:a + width]):
+            slo = jobs[s].app.slo
+            ok = (int(out.status[k]) & STATUS_RAN_OUT == 0
+                  and float(out.ttft_p99_s[k]) <= slo.ttft_p99_s
+                  and float(out.itl_p99_s[k]) <= slo.itl_p99_s)
+            verdict[(s, cfg)] = ok
+    return verdict
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hardware", nargs="+",
+                   default=["a100_80gb_sxm", "h100_sxm", "h200_sxm", "b200"])
+    p.add_argument("--model", nargs="+", default=["qwen3_8b", "llama3_1_70b"])
+    p.add_argument("--workload", nargs="+", default=["seed_chat", "azure_conv_2023"])
+    p.add_argument("--rate", nargs="+", type=float, default=[1, 4, 16, 64])
+    p.add_argument("--slo", nargs="+", default=["interactive", "batch"])
+    p.add_argument("--levels", type=int, default=2)
+    p.add_argument("--replicas-max", type=int, default=256)
+    p.add_argument("--restarts", type=int, default=4)
+    p.add_argument("--optuna", type=int, default=10, help="scenarios for Optuna")
+    p.add_argument("--requests", type=int, default=1000)
+    args = p.parse_args()
+
+    jobs = scenarios(args)
+    settings = jobs[0].settings
+    cands, owner = stacked(jobs)
+    print(f"{len(jobs)} scenarios, {len(owner)} candidates, lattice "
+          f"{len(np.unique(settings.concurrency_values))} x "
+          f"{len(np.unique(settings.token_budget_values))}, replicas 1.."
+          f"{settings.replicas_max}")
+    key = jax.random.key(0)
+
+    # the timed call reuses the timed compilation through the persistent cache
+    jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
+    init = search.initial_theta(key, settings, len(owner), args.restarts)
+    t0 = time.perf_counter()
+    search._compiled(settings).lower(cands, init).compile()
+    opt_compile = time.perf_counter() - t0
+    opt, opt_evals, opt_first = run_optax(jobs, cands, owner, settings,
+                                          args.restarts, key)
+    t0 = time.perf_counter()
+    feasible(cands, np.zeros(1, int), np.ones(1), np.ones(1), np.ones(1),
+             (np.ones(len(owner)), np.ones(len(owner))))
+    grid_compile = time.perf_counter() - t0
+    grid, grid_evals, grid_wall = run_grid(jobs, cands, owner, settings)
+    print(f"optax: {sum(opt_evals.values()):,} value+grad evaluations, "
+          f"{opt_first:.1f} s (+ {opt_compile:.1f} s compilation, timed apart)")
+    print(f"grid: {sum(grid_evals.values()):,} surrogate evaluations, "
+          f"{grid_wall:.1f} s (+ {grid_compile:.1f} s compilation)")
+
+    n = len(jobs)
+    both = [s for s in range(n) if s in grid]
+    within = [s for s in both if s in opt and opt[s][0] <= grid[s][0] * 1.02]
+    missing = [s for s in both if s not in opt]
+    cheaper = [s for s in both if s in opt and opt[s][0] < grid[s][0] * (1 - 1e-9)]
+    print(f"grid-feasible scenarios: {len(both)} of {n}; optax within 2 %: "
+          f"{len(within)} ({100 * len(within) / max(len(both), 1):.1f} %); optax "
+          f"found none: {len(missing)}; optax cheaper than grid: {len(cheaper)}")
+    for s in both:
+        if s not in within:
+            j = jobs[s]
+            print(f"  off: {j.app.hardware.name} {j.app.model.name} "
+                  f"{j.app.workload.name} {j.app.workload.arrival_rate_per_s:g} "
+                  f"{j.app.slo.name}: grid {grid[s]} optax {opt.get(s)}")
+
+    answers = sorted({(s, opt[s][1]) for s in opt} | {(s, grid[s][1]) for s in grid})
+    t0 = time.perf_counter()
+    verdict = simulate_answers(jobs, answers, args.requests, jax.random.key(1))
+    sim_wall = time.perf_counter() - t0
+    opt_ok = sum(verdict[(s, opt[s][1])] for s in opt)
+    grid_ok = sum(verdict[(s, grid[s][1])] for s in grid)
+    print(f"simulated {len(answers)} answers ({args.requests} requests each, "
+          f"{sim_wall:.1f} s): optax feasible {opt_ok}/{len(opt)}, grid feasible "
+          f"{grid_ok}/{len(grid)}")
+
+    if args.optuna:
+        picks = np.linspace(0, n - 1, min(args.optuna, n)).astype(int)
+        rows = {s: [k for k, (t, _) in enumerate(owner) if t == s] for s in picks}
+        hits, t_opt, t_tpe, budget = 0, 0.0, 0.0, 0
+        for s in picks:
+            one = jax.tree.map(lambda x: x[np.asarray(rows[s])], cands)
+            best, wall = run_optuna(jobs[s], one, settings, opt_evals[s], seed=0)
+            t_tpe += wall
+            budget += opt_evals[s]
+            ref = grid.get(s, (math.inf,))[0]
+            ok = best <= ref * 1.02 if math.isfinite(ref) else not math.isfinite(best)
+            hits += ok
+            app = jobs[s].app
+            print(f"  optuna {app.hardware.name} {app.model.name} "
+                  f"{app.workload.name} {app.workload.arrival_rate_per_s:g} "
+                  f"{app.slo.name}: {best:.4g} vs grid {ref:.4g} "
+                  f"({opt_evals[s]} trials, {wall:.1f} s)")
+        t_opt = opt_first * sum(opt_evals[s] for s in picks) / sum(opt_evals.values())
+        print(f"optuna TPE on {len(picks)} scenarios: within 2 % of grid "
+              f"{hits}/{len(picks)}, {budget:,} trials, {t_tpe:.1f} s (optax's "
+              f"share of its call for these scenarios: {t_opt:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

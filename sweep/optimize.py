@@ -1,0 +1,674 @@
+"""The ``sweep-optimize`` job: cheapest deployment within a p99 SLO, verified.
+
+1. **Candidates.** Every hardware x model x tensor parallelism of the search
+   space whose weights and one average request's KV fit in
+   ``gpu_memory_utilization`` of the replica's memory (others are listed as
+   excluded). They are stacked, padded to a multiple of ``PAD`` (fewer
+   distinct shapes to compile), with per-candidate surrogate targets that
+   start at the SLO.
+2. **Search** (``sweep.search``): one compiled call optimises every candidate
+   x restart and returns, per lattice neighbour of each answer, the fewest
+   replicas meeting the targets under the surrogate. A candidate's answer is
+   its cheapest such configuration (ties: the most slack). If none meets the
+   SLO anywhere, the SLO is infeasible (``Infeasible``, exit code 3): the
+   message names the binding constraint and the best p99 reached.
+3. **Verification.** The ``verify_top`` cheapest answers not simulated yet
+   run through the simulator (``sweep.simulate``, one ``jit(vmap)`` call), each
+   replica fed ``rate / replicas`` (Poisson splitting; a trace's arrivals are
+   rescaled to that rate) with ``verify_requests`` requests from one PRNG
+   stream (common random numbers). A candidate whose simulated p99 misses an
+   SLO gets its surrogate target for that metric scaled by
+   ``slo / simulated * surrogate / target * tighten_margin`` (the simulator's
+   excess, assumed proportional), and the search runs again; rounds stop when
+   the cheapest answer is confirmed, or after ``rounds``.
+4. **Result.** The cheapest confirmed configuration, runner-ups, every
+   round's verifications, and the Pareto fronts of cost against p99 ITL and
+   p99 TTFT over all integer configurations the last search evaluated, as an
+   ``xarray.Dataset`` (``to_dataset``) written to zarr (``write``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import xarray as xr
+
+from sweep import roofline, search
+from sweep.arrivals import sample_requests
+from sweep.config.schema import (
+    ArrivalKind,
+    ConfigError,
+    Hardware,
+    Model,
+    OptimizeApp,
+)
+from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
+from sweep.latency import latency_workload
+from sweep.params import CONTINUOUS, hardware_params, model_params, stack
+from sweep.simulate import STATUS_RAN_OUT, simulate
+from sweep.workload import WorkloadTables, load_trace, workload_tables
+
+PAD = 8
+"""Candidates are padded to a multiple of this (fewer shapes to compile)."""
+
+
+class Infeasible(Exception):
+    """No configuration meets the SLO; the message names the binding constraint."""
+
+
+@dataclass
+class Candidate:
+    hardware: Hardware
+    model: Model
+    tp: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.hardware.name} x {self.model.name} x TP {self.tp}"
+
+
+@dataclass
+class OptimizeJob:
+    """Everything the search needs, checked, before any compilation."""
+
+    app: OptimizeApp
+    candidates: list[Candidate]
+    excluded: list[str]
+    tables: WorkloadTables
+    trace_arrival_s: np.ndarray | None
+    settings: search.Settings
+
+
+def settings_of(app: OptimizeApp) -> search.Settings:
+    """The static search settings of a validated config."""
+    s = app.search
+    return search.Settings(
+        optimizer=s.optimizer,
+        optimizer_options=tuple(sorted((k, float(v))
+                                       for k, v in s.optimizer_options.items())),
+        learning_rate=s.learning_rate,
+        final_learning_rate_fraction=s.final_learning_rate_fraction,
+        steps=s.steps,
+        concurrency_min=s.concurrency_min, concurrency_max=s.concurrency_max,
+        token_budget_min=s.token_budget_min, token_budget_max=s.token_budget_max,
+        levels_per_octave=s.levels_per_octave, replicas_max=s.replicas_max,
+        penalty_weight=s.penalty_weight, penalty_scale_start=s.penalty_scale_start,
+        penalty_scale_end=s.penalty_scale_end,
+    )
+
+
+def prepare(app: OptimizeApp, hardware: list[Hardware],
+            models: list[Model]) -> OptimizeJob:
+    """Checks the search space and loads the workload; raises ``ConfigError``."""
+    s = app.search
+    try:
+        search.make_optimizer(settings_of(app))
+    except (AttributeError, TypeError) as e:
+        raise ConfigError(
+            f"search.optimizer = {s.optimizer!r} with options "
+            f"{dict(s.optimizer_options)}: not an optax optimizer alias with these "
+            f"options ({e})") from None
+    tables = workload_tables(app.workload)
+    trace = None
+    if app.workload.arrival == ArrivalKind.trace:
+        trace = load_trace(app.workload.trace).arrival_s
+    request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
+    keep, excluded = [], []
+    for h in hardware:
+        hp = hardware_params(h, s.gpu_memory_utilization)
+        for m in models:
+            mp = model_params(m)
+            for tp in s.tp_values:
+                cap = float(roofline.kv_capacity_tokens(hp, mp, float(tp)))
+                c = Candidate(h, m, int(tp))
+                if cap >= request_kv:
+                    keep.append(c)
+                else:
+                    excluded.append(f"{c.label}: weights + one average request's KV "
+                                    "exceed the GPU memory")
+    if not keep:
+        raise ConfigError(
+            f"search: no hardware x model x tensor_parallel of the search space fits "
+            f"one average request ({request_kv:,.0f} KV tokens) beside the weights; "
+            f"allowed: larger search.tensor_parallel "
+            f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
+    return OptimizeJob(app, keep, excluded, tables, trace, settings_of(app))
+
+
+def options(app_name: str, overrides: list[str]):
+    """The validated app config and the hardware and model options to search.
+
+    ``search.hardware`` when listed; else the ``hardware`` named on the command
+    line; else every shipped option. ``search.model`` when listed; else the
+    chosen ``model``. Each option is composed with the other overrides.
+    """
+    from sweep.config.resolve import _named_groups, compose_object, group_options
+
+    base = compose_object(app_name, overrides)
+    named = _named_groups(overrides)
+    kept = [o for o in overrides if o.split("=")[0].lstrip("+~")
+            not in ("hardware", "model")]
+    out = {}
+    for group in ("hardware", "model"):
+        listed = list(getattr(base.search, group))
+        if not listed:
+            if group == "model" or group in named:
+                out[group] = [getattr(base, group)]
+                continue
+            listed = group_options(group)
+        objs = []
+        for name in listed:
+            try:
+                obj = compose_object(app_name, kept + [f"{group}={name}"])
+            except ConfigError as e:
+                msg = str(e)
+                raise ConfigError(f"search.{group} entry {msg}"
+                                  if msg.startswith(f"{group}=") else msg) from None
+            objs.append(getattr(obj, group))
+        out[group] = objs
+    return base, out["hardware"], out["model"]
+
+
+def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> search.Candidates:
+    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % PAD)
+    util = job.app.search.gpu_memory_utilization
+    lw = latency_workload(job.tables)
+    n = len(cands)
+    f32 = jnp.float32
+    return search.Candidates(
+        hw=stack([hardware_params(c.hardware, util) for c in cands]),
+        model=stack([model_params(c.model) for c in cands]),
+        workload=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), lw),
+        tp=jnp.asarray([c.tp for c in cands], f32),
+        arrival_rate_per_s=jnp.full(n, job.app.workload.arrival_rate_per_s, f32),
+        ttft_target_s=jnp.asarray(np.resize(ttft_target_s, n), f32),
+        itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
+    )
+
+
+@dataclass
+class Config:
+    """One integer configuration of one candidate, with its surrogate numbers."""
+
+    candidate: int
+    concurrency: int
+    token_budget: int
+    replicas: int
+    surrogate: dict[str, float]
+    cost_per_mtok_out_usd: float
+    cost_per_month_usd: float
+    simulated: dict[str, float] | None = None
+    round: int = 0
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.candidate, self.concurrency, self.token_budget, self.replicas)
+
+
+@dataclass
+class Verification:
+    round: int
+    config: Config
+    ttft_target_s: float
+    itl_target_s: float
+    met: bool
+    action: str
+
+
+@dataclass
+class Outcome:
+    """What ``run`` found (NumPy and plain Python only)."""
+
+    chosen: Config | None
+    answers: list[Config | None]  # per candidate, the last search's answer
+    verifications: list[Verification]
+    last: search.SearchResult
+    ttft_target_s: np.ndarray
+    itl_target_s: np.ndarray
+    rounds: int
+    evaluations: int
+    simulations: int
+    search_s: float
+    simulate_s: float
+    log: list[str] = field(default_factory=list)
+
+
+def _costs(job: OptimizeJob, replicas) -> tuple[np.ndarray, np.ndarray]:
+    """USD per 1M output tokens and per month; ``replicas`` has leading axis C."""
+    r = np.asarray(replicas, float)
+    shape = (-1,) + (1,) * (r.ndim - 1)
+    gpus = r * np.array([c.tp for c in job.candidates], float).reshape(shape)
+    usd = np.array([c.hardware.usd_per_gpu_hour for c in job.candidates]).reshape(shape)
+    tokens_per_s = job.app.workload.arrival_rate_per_s * job.tables.mean_output_tokens
+    return cost_per_mtok_usd(usd, gpus, tokens_per_s), usd * gpus * HOURS_PER_MONTH
+
+
+def _answers(job: OptimizeJob, res: search.SearchResult, ttft_t, itl_t,
+             rnd: int) -> list[Config | None]:
+    """Each candidate's cheapest feasible configuration (ties: most slack)."""
+    n = len(job.candidates)
+    per_mtok, per_month = _costs(job, res.replicas[:n])
+    worst = np.maximum(res.metrics["ttft_p99_s"][:n] / ttft_t[:n, None, None],
+                       res.metrics["itl_p99_s"][:n] / itl_t[:n, None, None])
+    out = []
+    for c in range(n):
+        ok = res.feasible[c]
+        if not ok.any():
+            out.append(None)
+            continue
+        score = np.where(ok, per_mtok[c] * (1.0 + 1e-6 * np.nan_to_num(worst[c])),
+                         np.inf)
+        r, k = np.unravel_index(np.argmin(score), score.shape)
+        out.append(Config(
+            candidate=c, concurrency=int(res.concurrency[c, r, k]),
+            token_budget=int(res.token_budget[c, r, k]),
+            replicas=int(res.replicas[c, r, k]),
+            surrogate={m: float(res.metrics[m][c, r, k]) for m in search.METRICS},
+            cost_per_mtok_out_usd=float(per_mtok[c, r, k]),
+            cost_per_month_usd=float(per_month[c, r, k]), round=rnd))
+    return out
+
+
+def _surrogate_infeasible(job: OptimizeJob, res: search.SearchResult) -> str:
+    """The message of an SLO no candidate meets under the surrogate."""
+    slo = job.app.slo
+    n = len(job.candidates)
+    ttft, itl = res.reach["ttft_p99_s"][:n], res.reach["itl_p99_s"][:n]
+    r_max = job.settings.replicas_max
+
+    def where(flat: int) -> str:
+        c, r, k = np.unravel_index(flat, ttft.shape)
+        cand = job.candidates[c]
+        return (f"{cand.label}, max_num_seqs {int(res.concurrency[c, r, k])}, "
+                f"max_num_batched_tokens {int(res.token_budget[c, r, k])}, "
+                f"{r_max} replicas")
+
+    i_itl = int(np.nanargmin(np.where(np.isfinite(itl), itl, np.nan)))
+    i_ttft = int(np.nanargmin(np.where(np.isfinite(ttft), ttft, np.nan)))
+    best_itl, best_ttft = float(itl.flat[i_itl]), float(ttft.flat[i_ttft])
+    if best_itl > slo.itl_p99_s:
+        return (f"infeasible SLO: binding constraint slo.itl_p99_s = {slo.itl_p99_s:g}"
+                f" s; the best p99 ITL reached on the candidate hardware is "
+                f"{best_itl:.4g} s ({where(i_itl)}); allowed: slo.itl_p99_s >= "
+                f"{best_itl:.4g}, or faster hardware / more tensor parallelism")
+    if best_ttft > slo.ttft_p99_s:
+        return (f"infeasible SLO: binding constraint slo.ttft_p99_s = "
+                f"{slo.ttft_p99_s:g} s; the best p99 TTFT reached on the candidate "
+                f"hardware is {best_ttft:.4g} s ({where(i_ttft)}); allowed: "
+                f"slo.ttft_p99_s >= {best_ttft:.4g}, or faster hardware / more "
+                "tensor parallelism")
+    return (f"infeasible SLO: slo.ttft_p99_s = {slo.ttft_p99_s:g} s and "
+            f"slo.itl_p99_s = {slo.itl_p99_s:g} s are each reachable but not "
+            f"together: the lowest p99 ITL ({best_itl:.4g} s) comes with p99 TTFT "
+            f"{float(ttft.flat[i_itl]):.4g} s ({where(i_itl)}); the lowest p99 TTFT "
+            f"({best_ttft:.4g} s) with p99 ITL {float(itl.flat[i_ttft]):.4g} s; "
+            "allowed: relax either limit")
+
+
+@functools.partial(jax.jit, static_argnames=("max_slots",))
+def _simulate_batch(hw, model, tp, concurrency, token_budget, requests, ttft_slo_s,
+                    itl_slo_s, *, max_slots: int):
+    def one(hw, model, tp, c, b, req):
+        return simulate(hw, model, tp, c, b, req, CONTINUOUS, ttft_slo_s, itl_slo_s,
+                        max_slots=max_slots)
+
+    return jax.vmap(one)(hw, model, tp, concurrency, token_budget, requests)
+
+
+def simulate_configs(job: OptimizeJob, configs: list[Config], key,
+                     width: int) -> list[dict[str, float]]:
+    """Simulates one replica of each configuration at ``rate / replicas``.
+
+    Args:
+      key: PRNG key of the request stream (the same for every configuration).
+      width: static batch size; ``configs`` is padded to it.
+    """
+    app = job.app
+    padded = configs + [configs[0]] * (width - len(configs))
+    cands = [job.candidates[c.candidate] for c in padded]
+    util = app.search.gpu_memory_utilization
+    rates = jnp.asarray([app.workload.arrival_rate_per_s / c.replicas for c in padded],
+                        jnp.float32)
+    requests = jax.vmap(lambda r: sample_requests(
+        key, job.tables, app.search.verify_requests, r, job.trace_arrival_s))(rates)
+    max_conc = max(c.concurrency for c in padded)
+    max_slots = max(64, 1 << (max_conc - 1).bit_length())
+    f32 = jnp.float32
+    out = _simulate_batch(
+        stack([hardware_params(c.hardware, util) for c in cands]),
+        stack([model_params(c.model) for c in cands]),
+        jnp.asarray([c.tp for c in cands], f32),
+        jnp.asarray([c.concurrency for c in padded], f32),
+        jnp.asarray([c.token_budget for c in padded], f32),
+        requests, jnp.asarray(app.slo.ttft_p99_s, f32),
+        jnp.asarray(app.slo.itl_p99_s, f32), max_slots=max_slots)
+    out = jax.tree.map(np.asarray, out._asdict())
+    return [{k: float(v[i]) for k, v in out.items()} for i in range(len(configs))]
+
+
+def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
+    """Whether simulated p99s are within the SLO (and the simulation finished)."""
+    slo = job.app.slo
+    return (int(sim["status"]) & STATUS_RAN_OUT == 0
+            and sim["ttft_p99_s"] <= slo.ttft_p99_s
+            and sim["itl_p99_s"] <= slo.itl_p99_s)
+
+
+def run(job: OptimizeJob, log=print) -> Outcome:
+    """Search, verify and tighten; raises ``Infeasible`` when nothing meets the SLO.
+
+    Args:
+      log: called with one line per step worth reporting.
+    """
+    app, s = job.app, job.app.search
+    n = len(job.candidates)
+    ttft_t = np.full(n, app.slo.ttft_p99_s)
+    itl_t = np.full(n, app.slo.itl_p99_s)
+    key_init, key_sim = jax.random.split(jax.random.key(app.seed))
+    init = search.initial_theta(key_init, job.settings,
+                                n + (-n % PAD), s.restarts)
+    cache: dict[tuple, Config] = {}
+    verifications: list[Verification] = []
+    lines: list[str] = []
+    evaluations, search_s, simulate_s = 0, 0.0, 0.0
+
+    def say(line: str) -> None:
+        lines.append(line)
+        log(line)
+
+    for rnd in range(1, s.rounds + 1):
+        t0 = time.perf_counter()
+        res = search.search(_candidates(job, ttft_t, itl_t), init, job.settings)
+        search_s += time.perf_counter() - t0
+        evaluations += res.evaluations
+        answers = [cache.get(a.key, a) if a is not None else None
+                   for a in _answers(job, res, ttft_t, itl_t, rnd)]
+        order = sorted((a for a in answers if a is not None),
+                       key=lambda a: a.cost_per_mtok_out_usd)
+        took = time.perf_counter() - t0
+        say(f"round {rnd}: searched {n} candidates x {s.restarts} restarts "
+            f"({res.evaluations:,} surrogate evaluations, {took:.1f} s); "
+            f"{len(order)} meet the surrogate targets")
+        if not order:
+            if rnd == 1:
+                raise Infeasible(_surrogate_infeasible(job, res))
+            break
+        todo = [a for a in order[:s.verify_top] if a.key not in cache]
+        if todo:
+            t0 = time.perf_counter()
+            sims = simulate_configs(job, todo, key_sim, s.verify_top)
+            simulate_s += time.perf_counter() - t0
+            for a, sim in zip(todo, sims):
+                a.simulated = sim
+                cache[a.key] = a
+                ok = met(job, sim)
+                c = a.candidate
+                targets = float(ttft_t[c]), float(itl_t[c])
+                action = "confirmed" if ok else _tighten(job, a, ttft_t, itl_t)
+                verifications.append(Verification(rnd, a, *targets, ok, action))
+                say(f"  simulated {job.candidates[c].label}, {a.replicas} replicas, "
+                    f"max_num_seqs {a.concurrency}, max_num_batched_tokens "
+                    f"{a.token_budget}: p99 TTFT {sim['ttft_p99_s']:.4g} s, p99 ITL "
+                    f"{sim['itl_p99_s']:.4g} s -> {action}")
+        best = cache.get(order[0].key)
+        if best is not None and met(job, best.simulated):
+            break
+    confirmed = [c for c in cache.values() if met(job, c.simulated)]
+    chosen = min(confirmed, key=lambda c: c.cost_per_mtok_out_usd, default=None)
+    if chosen is None:
+        raise Infeasible(_simulated_infeasible(job, list(cache.values()), rnd))
+    # a candidate's row shows the chosen configuration, even from an earlier round
+    answers[chosen.candidate] = chosen
+    return Outcome(chosen, answers, verifications, res, ttft_t, itl_t, rnd,
+                   evaluations, len(cache), search_s, simulate_s, lines)
+
+
+def _tighten(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
+    """Lowers the candidate's surrogate targets by the simulator's excess."""
+    slo, margin = job.app.slo, job.app.search.tighten_margin
+    sim, c = a.simulated, a.candidate
+    done = []
+    for name, target, limit in (("ttft", ttft_t, slo.ttft_p99_s),
+                                ("itl", itl_t, slo.itl_p99_s)):
+        simulated = sim[f"{name}_p99_s"]
+        if not np.isfinite(simulated) or simulated > limit:
+            ratio = (limit / simulated if np.isfinite(simulated) else margin)
+            surrogate = a.surrogate[f"{name}_p99_s"]
+            target[c] = min(target[c], surrogate * ratio) * margin
+            done.append(f"{name.upper()} target -> {target[c]:.4g} s")
+    return "missed; " + ", ".join(done)
+
+
+def _simulated_infeasible(job: OptimizeJob, tried: list[Config], rounds: int) -> str:
+    slo = job.app.slo
+    ttft = min(tried, key=lambda c: c.simulated["ttft_p99_s"])
+    itl = min(tried, key=lambda c: c.simulated["itl_p99_s"])
+    miss_itl = itl.simulated["itl_p99_s"] > slo.itl_p99_s
+    binding, best = (("slo.itl_p99_s", itl) if miss_itl or not np.isfinite(
+        itl.simulated["itl_p99_s"]) else ("slo.ttft_p99_s", ttft))
+    metric = binding.split(".")[1]
+    return (f"infeasible SLO: binding constraint {binding} = {getattr(slo, metric):g} "
+            f"s; the simulator missed it on every verified configuration after "
+            f"{rounds} round(s); best simulated p99 {best.simulated[metric]:.4g} s "
+            f"({job.candidates[best.candidate].label}, {best.replicas} replicas, "
+            f"max_num_seqs {best.concurrency}, max_num_batched_tokens "
+            f"{best.token_budget}); allowed: a looser limit, more search.rounds or "
+            "search.replicas_max")
+
+
+def vllm_flags(job: OptimizeJob, c: Config) -> str:
+    """The serving flags of a configuration (vLLM's names), replicas included."""
+    util = job.app.search.gpu_memory_utilization
+    return (f"--tensor-parallel-size {job.candidates[c.candidate].tp} "
+            f"--max-num-seqs {c.concurrency} --max-num-batched-tokens "
+            f"{c.token_budget} --gpu-memory-utilization {util:g}  "
+            f"(x {c.replicas} replicas)")
+
+
+def pareto(cost: np.ndarray, latency: np.ndarray) -> np.ndarray:
+    """Mask of points no other point beats on both cost and latency (NaN: off)."""
+    ok = np.isfinite(cost) & np.isfinite(latency)
+    out = np.zeros(cost.shape, bool)
+    idx = np.flatnonzero(ok)
+    order = idx[np.lexsort((latency[idx], cost[idx]))]
+    best = np.inf
+    for i in order:
+        if latency[i] < best:
+            out[i] = True
+            best = latency[i]
+    return out
+
+
+_UNITS = {
+    "concurrency": ("sequences", "concurrency (--max-num-seqs)"),
+    "token_budget": ("tokens", "token budget (--max-num-batched-tokens)"),
+    "replicas": ("replicas", "replicas"),
+    "tensor_parallel": ("GPUs", "tensor-parallel GPUs (--tensor-parallel-size)"),
+    "cost_per_mtok_out_usd": ("USD/Mtoken", "cost per 1M output tokens"),
+    "cost_per_month_usd": ("USD/month", "cost per month (730 h)"),
+    "ttft_p50_s": ("s", "p50 time to first token"),
+    "ttft_p99_s": ("s", "p99 time to first token"),
+    "itl_p50_s": ("s", "p50 inter-token latency"),
+    "itl_p99_s": ("s", "p99 inter-token latency"),
+    "e2e_p99_s": ("s", "p99 end-to-end latency"),
+    "utilization": ("1", "offered load / sustainable load (surrogate)"),
+    "ttft_target_s": ("s", "surrogate target for p99 TTFT (tightened)"),
+    "itl_target_s": ("s", "surrogate target for p99 ITL (tightened)"),
+    "ttft_slack_s": ("s", "slo.ttft_p99_s - p99 TTFT (simulated if verified)"),
+    "itl_slack_s": ("s", "slo.itl_p99_s - p99 ITL (simulated if verified)"),
+    "usd_per_gpu_hour": ("USD/h", "price per GPU-hour"),
+}
+
+
+def _var(dims, data, name: str, prefix: str = "", source: str = ""):
+    units, long_name = _UNITS[name]
+    attrs = {"units": units, "long_name": f"{prefix}{long_name}"}
+    if source:
+        attrs["method"] = source
+    return (dims, np.asarray(data), attrs)
+
+
+def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
+    """The result as a dataset: ``candidate``, ``config`` and ``verification`` dims.
+
+    ``candidate``: each candidate's answer of the last search (NaN where it
+    meets the targets nowhere), with the simulator's numbers where verified.
+    ``config``: every integer configuration of the last search (candidate x
+    restart x neighbour) meeting the targets, with ``pareto_itl`` and
+    ``pareto_ttft`` marking the fronts of cost against p99 ITL / TTFT.
+    ``verification``: each simulation, in order. The chosen configuration is
+    in the ``chosen_*`` attributes and ``vllm_flags``.
+    """
+    n = len(job.candidates)
+    cd = ("candidate",)
+    slo = job.app.slo
+    ans = out.answers
+
+    def col(get, default=np.nan):
+        return np.array([get(a) if a is not None else default for a in ans])
+
+    def sim(a, m):
+        return a.simulated[m] if a.simulated is not None else np.nan
+
+    data = {
+        "usd_per_gpu_hour": _var(cd, [c.hardware.usd_per_gpu_hour
+                                      for c in job.candidates], "usd_per_gpu_hour"),
+        "meets_targets": (cd, col(lambda a: True, False),
+                          {"long_name": "meets the surrogate targets", "units": "1"}),
+        "concurrency": _var(cd, col(lambda a: a.concurrency), "concurrency"),
+        "token_budget": _var(cd, col(lambda a: a.token_budget), "token_budget"),
+        "replicas": _var(cd, col(lambda a: a.replicas), "replicas"),
+        "cost_per_mtok_out_usd": _var(cd, col(lambda a: a.cost_per_mtok_out_usd),
+                                      "cost_per_mtok_out_usd"),
+        "cost_per_month_usd": _var(cd, col(lambda a: a.cost_per_month_usd),
+                                   "cost_per_month_usd"),
+        "ttft_target_s": _var(cd, out.ttft_target_s, "ttft_target_s"),
+        "itl_target_s": _var(cd, out.itl_target_s, "itl_target_s"),
+        "verified": (cd, col(lambda a: a.simulated is not None, False),
+                     {"long_name": "simulated", "units": "1"}),
+        "slo_met_simulated": (cd, col(lambda a: a.simulated is not None
+                                      and met(job, a.simulated), False),
+                              {"long_name": "simulated p99s within the SLO",
+                               "units": "1"}),
+    }
+    for m in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s"):
+        data[f"surrogate_{m}"] = _var(cd, col(lambda a, m=m: a.surrogate[m]), m,
+                                      "surrogate ", "surrogate")
+        data[f"simulated_{m}"] = _var(cd, col(lambda a, m=m: sim(a, m)), m,
+                                      "simulated ", "simulate")
+    data["utilization"] = _var(cd, col(lambda a: a.surrogate["utilization"]),
+                               "utilization")
+    for name, limit in (("ttft", slo.ttft_p99_s), ("itl", slo.itl_p99_s)):
+        p99 = np.where(data["verified"][1], data[f"simulated_{name}_p99_s"][1],
+                       data[f"surrogate_{name}_p99_s"][1])
+        data[f"{name}_slack_s"] = _var(cd, limit - p99, f"{name}_slack_s")
+    data["chosen"] = (cd, np.arange(n) == out.chosen.candidate,
+                      {"long_name": "the chosen candidate", "units": "1"})
+
+    # every integer configuration of the last search that meets the targets
+    res = out.last
+    ok = res.feasible[:n]
+    idx = np.argwhere(ok)
+    per_mtok, per_month = _costs(job, res.replicas[:n])
+    pick = tuple(idx.T)
+    cfg = ("config",)
+    cost = per_mtok[pick]
+    configs = {
+        "config_candidate": (cfg, idx[:, 0], {"long_name": "candidate index"}),
+        "config_concurrency": _var(cfg, res.concurrency[:n][pick], "concurrency"),
+        "config_token_budget": _var(cfg, res.token_budget[:n][pick], "token_budget"),
+        "config_replicas": _var(cfg, res.replicas[:n][pick], "replicas"),
+        "config_cost_per_mtok_out_usd": _var(cfg, cost, "cost_per_mtok_out_usd"),
+        "config_cost_per_month_usd": _var(cfg, per_month[pick], "cost_per_month_usd"),
+    }
+    for m in ("ttft_p99_s", "itl_p99_s"):
+        configs[f"config_{m}"] = _var(cfg, res.metrics[m][:n][pick], m, "surrogate ",
+                                      "surrogate")
+    configs["pareto_itl"] = (cfg, pareto(cost, configs["config_itl_p99_s"][1]),
+                             {"long_name": "on the cost vs p99 ITL Pareto front",
+                              "units": "1"})
+    configs["pareto_ttft"] = (cfg, pareto(cost, configs["config_ttft_p99_s"][1]),
+                              {"long_name": "on the cost vs p99 TTFT Pareto front",
+                               "units": "1"})
+    data.update(configs)
+
+    v = out.verifications
+    vd = ("verification",)
+    data.update({
+        "verification_round": (vd, np.array([x.round for x in v], int),
+                               {"long_name": "search round"}),
+        "verification_candidate": (vd, np.array([x.config.candidate for x in v], int),
+                                   {"long_name": "candidate index"}),
+        "verification_concurrency": _var(vd, [x.config.concurrency for x in v],
+                                         "concurrency"),
+        "verification_token_budget": _var(vd, [x.config.token_budget for x in v],
+                                          "token_budget"),
+        "verification_replicas": _var(vd, [x.config.replicas for x in v], "replicas"),
+        "verification_ttft_target_s": _var(vd, [x.ttft_target_s for x in v],
+                                           "ttft_target_s"),
+        "verification_itl_target_s": _var(vd, [x.itl_target_s for x in v],
+                                          "itl_target_s"),
+        "verification_slo_met": (vd, np.array([x.met for x in v], bool),
+                                 {"long_name": "simulated p99s within the SLO",
+                                  "units": "1"}),
+    })
+    for m in ("ttft_p99_s", "itl_p99_s"):
+        data[f"verification_surrogate_{m}"] = _var(
+            vd, [x.config.surrogate[m] for x in v], m, "surrogate ", "surrogate")
+        data[f"verification_simulated_{m}"] = _var(
+            vd, [x.config.simulated[m] for x in v], m, "simulated ", "simulate")
+
+    coords = {
+        "candidate": ("candidate", np.arange(n), {"long_name": "candidate"}),
+        "hardware": ("candidate", np.array([c.hardware.name for c in job.candidates]),
+                     {"long_name": "hardware"}),
+        "model": ("candidate", np.array([c.model.name for c in job.candidates]),
+                  {"long_name": "model"}),
+        "tensor_parallel": _var(cd, [c.tp for c in job.candidates], "tensor_parallel"),
+    }
+    c = out.chosen
+    cand = job.candidates[c.candidate]
+    attrs = {
+        **attrs,
+        "workload": job.app.workload.name,
+        "arrival_rate_per_s": job.app.workload.arrival_rate_per_s,
+        "slo_ttft_p99_s": slo.ttft_p99_s,
+        "slo_itl_p99_s": slo.itl_p99_s,
+        "chosen_hardware": cand.hardware.name,
+        "chosen_model": cand.model.name,
+        "chosen_tensor_parallel": cand.tp,
+        "chosen_replicas": c.replicas,
+        "chosen_concurrency": c.concurrency,
+        "chosen_token_budget": c.token_budget,
+        "chosen_cost_per_mtok_out_usd": c.cost_per_mtok_out_usd,
+        "chosen_cost_per_month_usd": c.cost_per_month_usd,
+        "vllm_flags": vllm_flags(job, c),
+        "rounds": out.rounds,
+        "surrogate_evaluations": out.evaluations,
+        "simulations": out.simulations,
+        "simulated_requests_per_replica": job.app.search.verify_requests,
+        "search_wall_s": round(out.search_s, 3),
+        "simulate_wall_s": round(out.simulate_s, 3),
+        "excluded_candidates": "; ".join(job.excluded),
+        "log": "\n".join(out.log),
+    }
+    return xr.Dataset(data, coords=coords, attrs=attrs)
+
+
+def write(ds: xr.Dataset, out: Path) -> None:
+    """Writes the dataset to zarr under a temporary name, then renames it."""
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    ds.to_zarr(tmp, mode="w", consolidated=True, zarr_format=2)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)

@@ -1,0 +1,103 @@
+"""``sweep-optimize`` as a user runs it, and the job's pure-Python parts.
+
+The console-script runs share one JAX compilation cache (a temporary folder),
+so the second run reuses the first one's compiled search.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import sweep
+from sweep.optimize import pareto
+
+QUICK = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
+         "search.tensor_parallel=[1,2]", "search.verify_requests=200"]
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    import os
+
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    return env
+
+
+def run(args, cwd, env=None):
+    exe = shutil.which("sweep-optimize")
+    assert exe, "sweep-optimize is not installed (pip install -e .)"
+    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900, env=env)
+
+
+def test_pareto_front():
+    cost = np.array([1.0, 2.0, 2.0, 3.0, np.nan, 0.5])
+    latency = np.array([5.0, 4.0, 6.0, 1.0, 0.1, 9.0])
+    # 0.5/9 and 1/5 and 2/4 and 3/1 are non-dominated; 2/6 is beaten; NaN is off
+    np.testing.assert_array_equal(pareto(cost, latency),
+                                  [True, True, False, True, False, True])
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    proc = run(["search.tensor_parallel=[0]"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "sweep-optimize: error: search.tensor_parallel = 0.0: every value must be "
+        ">= 1"]
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_run_writes_dataset_and_flags(tmp_path, cache_env):
+    proc = run([*QUICK, "out=opt.zarr"], tmp_path, cache_env)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "opt.zarr").load()
+    xr.testing.assert_identical(xr.open_zarr(tmp_path / "opt.zarr").load(), ds)
+    a = ds.attrs
+    flags = (f"--tensor-parallel-size {a['chosen_tensor_parallel']} --max-num-seqs "
+             f"{a['chosen_concurrency']} --max-num-batched-tokens "
+             f"{a['chosen_token_budget']}")
+    assert flags in proc.stdout and flags in a["vllm_flags"]
+    assert f"x {a['chosen_replicas']} replicas" in proc.stdout
+    for key in ("sweep_version", "config_yaml", "created_utc", "seed", "log"):
+        assert key in a
+    # cost by hand: replicas x TP x USD 4.29/h over 3 req/s x 360 tokens
+    gpus = a["chosen_replicas"] * a["chosen_tensor_parallel"]
+    assert a["chosen_cost_per_mtok_out_usd"] == pytest.approx(
+        gpus * 4.29 / (3.0 * 360.0 * 3600.0) * 1e6, rel=1e-6)
+    assert a["chosen_cost_per_month_usd"] == pytest.approx(gpus * 4.29 * 730, rel=1e-6)
+    chosen = ds.isel(candidate=int(np.flatnonzero(ds.chosen.values)[0]))
+    # the chosen configuration was simulated and met the SLO there
+    assert bool(chosen.verified) and bool(chosen.slo_met_simulated)
+    assert float(chosen.simulated_ttft_p99_s) <= 1.0
+    assert float(chosen.simulated_itl_p99_s) <= 0.05
+    assert float(chosen.ttft_slack_s) == pytest.approx(
+        1.0 - float(chosen.simulated_ttft_p99_s), abs=1e-9)
+    assert int(chosen.concurrency) == a["chosen_concurrency"]
+    # no candidate meeting the targets is cheaper
+    assert float(chosen.cost_per_mtok_out_usd) <= np.nanmin(
+        ds.cost_per_mtok_out_usd.values) + 1e-12
+    # the Pareto fronts are non-empty subsets of the evaluated configurations
+    for front in ("pareto_itl", "pareto_ttft"):
+        assert 0 < int(ds[front].sum()) <= ds.sizes["config"]
+    for name in ("cost_per_mtok_out_usd", "surrogate_ttft_p99_s",
+                 "simulated_itl_p99_s", "config_itl_p99_s", "replicas"):
+        assert "units" in ds[name].attrs and "long_name" in ds[name].attrs
+
+
+@pytest.mark.slow
+def test_infeasible_slo_names_the_constraint_exit_3(tmp_path, cache_env):
+    # 0.5 ms p99 ITL is below one decode step of Qwen3-8B on any H100 split
+    proc = run([*QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path, cache_env)
+    assert proc.returncode == 3, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("sweep-optimize: infeasible SLO: binding constraint "
+                           "slo.itl_p99_s = 0.0005 s; the best p99 ITL reached")
+    assert "allowed: slo.itl_p99_s >=" in line
+    assert not (tmp_path / "opt.zarr").exists()

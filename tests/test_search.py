@@ -1,0 +1,120 @@
+"""The optax search against exhaustive enumeration with the same surrogate.
+
+Every search here has the same static settings and lane shape, so the search
+compiles once for the module; the enumeration compiles the plain surrogate
+once.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hydra import compose
+from omegaconf import OmegaConf
+
+from sweep import search
+from sweep.latency import OK, latency_workload, surrogate
+from sweep.params import hardware_params, model_params, stack
+from sweep.workload import workload_tables
+
+SETTINGS = search.Settings(steps=60, concurrency_min=1, concurrency_max=64,
+                           token_budget_min=256, token_budget_max=4096,
+                           levels_per_octave=1, replicas_max=16)
+TP = (1.0, 2.0)
+RESTARTS = 4
+RATE = 40.0  # req/s: several replicas, so the answer is not the lower corner
+SLO = (1.0, 0.05)  # p99 TTFT, p99 ITL (s)
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module("sweep.conf", version_base="1.3"):
+        app = OmegaConf.to_object(compose("optimize", ["hardware=h100_sxm",
+                                                       "model=qwen3_8b"]))
+    GlobalHydra.instance().clear()
+    hw = hardware_params(app.hardware, 0.9)
+    model = model_params(app.model)
+    lw = latency_workload(workload_tables(app.workload))
+    return hw, model, lw, app.hardware.usd_per_gpu_hour
+
+
+def _candidates(scenario, rates, tps=TP):
+    hw, model, lw, _ = scenario
+    n = len(tps)
+    f32 = jnp.float32
+    return search.Candidates(
+        hw=stack([hw] * n), model=stack([model] * n),
+        workload=jax.tree.map(lambda x: jnp.stack([x] * n), lw),
+        tp=jnp.asarray(tps, f32), arrival_rate_per_s=jnp.asarray(rates, f32),
+        ttft_target_s=jnp.full(n, SLO[0], f32), itl_target_s=jnp.full(n, SLO[1], f32))
+
+
+def test_lattice_values():
+    # round(2**(k/4)) for k = 0..8, and the top value never exceeds the bound
+    np.testing.assert_array_equal(search.lattice(1, 4, 4),
+                                  [1, 1, 1, 2, 2, 2, 3, 3, 4])
+    np.testing.assert_array_equal(search.lattice(256, 5000, 1),
+                                  [256, 512, 1024, 2048, 4096])
+
+
+def test_search_finds_the_enumerated_optimum(scenario, key):
+    _, _, _, usd = scenario
+    cands = _candidates(scenario, [RATE, RATE])
+    init = search.initial_theta(key, SETTINGS, len(TP), RESTARTS)
+    res = search.search(cands, init, SETTINGS)
+    assert res.feasible.any()
+    gpus = np.asarray(TP)[:, None, None] * res.replicas
+    found = np.where(res.feasible, gpus, np.inf).min()
+
+    # every (tp, concurrency, budget, replicas) of the same lattice
+    conc = np.unique(SETTINGS.concurrency_values)
+    budget = np.unique(SETTINGS.token_budget_values)
+    points = np.array(list(itertools.product(
+        range(len(TP)), conc, budget, range(1, SETTINGS.replicas_max + 1))))
+    t, c, b, r = points.T
+    t = t.astype(int)
+    hw, model, lw, _ = scenario
+
+    def one(tp, c, b, rate):
+        return surrogate(hw, model, lw, tp, c, b, rate)
+
+    out = jax.jit(jax.vmap(one))(
+        jnp.asarray(np.asarray(TP)[t], jnp.float32), jnp.asarray(c, jnp.float32),
+        jnp.asarray(np.maximum(b, c), jnp.float32),
+        jnp.asarray(RATE / r, jnp.float32))
+    ok = ((np.asarray(out["ttft_p99_s"]) <= SLO[0])
+          & (np.asarray(out["itl_p99_s"]) <= SLO[1])
+          & (np.asarray(out["status"]) == OK))
+    assert ok.any()
+    enumerated = np.min(np.where(ok, np.asarray(TP)[t] * r, np.inf))
+    assert enumerated > 1  # the scenario needs more than the cheapest corner
+    # same lattice, same surrogate: the same number of GPUs, hence the same cost
+    assert found == enumerated
+    # cost per 1M output tokens of that answer, by hand: GPUs x price / tokens
+    mean_output = float(lw.mean_output_tokens)
+    cost = found * usd / (RATE * mean_output * 3600) * 1e6
+    assert cost == pytest.approx(found * 4.29 / (40 * 360 * 3600) * 1e6, rel=1e-6)
+
+
+def test_gradients_finite_at_zero_load_and_saturation(scenario):
+    # candidate 0 idles (1e-6 req/s), candidate 1 is far past saturation
+    cands = _candidates(scenario, [1e-6, 1e5])
+    lo, hi = SETTINGS.lower, SETTINGS.upper
+    corners = np.array([lo, hi, [lo[0], hi[1], lo[2]], [hi[0], lo[1], hi[2]]])
+    init = np.broadcast_to(corners, (len(TP), RESTARTS, 3))
+    res = search.search(cands, init, SETTINGS)
+    assert (res.nonfinite_steps == 0).all()
+    assert np.isfinite(res.max_abs_grad).all()
+    assert np.isfinite(res.objective).all()
+    # idle: one replica meets the SLO; saturated: nothing does
+    assert res.feasible[0].all() and (res.replicas[0] == 1).all()
+    assert not res.feasible[1].any()
+    assert np.isfinite(res.reach["ttft_p99_s"][1]).all()
