@@ -163,7 +163,7 @@ def options(app_name: str, overrides: list[str]):
             if group == "model" or group in named:
                 out[group] = [getattr(base, group)]
                 continue
-            listed = group_options(group)
+            listed = group_options(group, app_name, overrides)
         objs = []
         for name in listed:
             try:
