@@ -150,30 +150,10 @@ def options(app_name: str, overrides: list[str]):
     line; else every shipped option. ``search.model`` when listed; else the
     chosen ``model``. Each option is composed with the other overrides.
     """
-    from sweep.config.resolve import _named_groups, compose_object, group_options
+    from sweep.config.resolve import grid_options
 
-    base = compose_object(app_name, overrides)
-    named = _named_groups(overrides)
-    kept = [o for o in overrides if o.split("=")[0].lstrip("+~")
-            not in ("hardware", "model")]
-    out = {}
-    for group in ("hardware", "model"):
-        listed = list(getattr(base.search, group))
-        if not listed:
-            if group == "model" or group in named:
-                out[group] = [getattr(base, group)]
-                continue
-            listed = group_options(group, app_name, overrides)
-        objs = []
-        for name in listed:
-            try:
-                obj = compose_object(app_name, kept + [f"{group}={name}"])
-            except ConfigError as e:
-                msg = str(e)
-                raise ConfigError(f"search.{group} entry {msg}"
-                                  if msg.startswith(f"{group}=") else msg) from None
-            objs.append(getattr(obj, group))
-        out[group] = objs
+    base, out = grid_options(app_name, overrides, section="search",
+                             groups=("hardware", "model"), every=("hardware",))
     return base, out["hardware"], out["model"]
 
 

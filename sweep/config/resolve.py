@@ -70,8 +70,15 @@ def _named_groups(overrides: list[str]) -> set[str]:
     return named
 
 
-def grid_options(app: str, overrides: list[str]):
+def grid_options(app: str, overrides: list[str], section: str = "grid",
+                 groups: tuple[str, ...] = SWEPT_GROUPS,
+                 every: tuple[str, ...] = ("hardware", "model")):
     """The validated app config and the option objects of each swept group.
+
+    Args:
+      section: the app's config node that lists options (``grid``, ``search``).
+      groups: the groups swept.
+      every: groups that default to every option (the others to the choice).
 
     Returns:
       ``(app_config, {group: [config objects]})``.
@@ -79,22 +86,23 @@ def grid_options(app: str, overrides: list[str]):
     base = compose_object(app, overrides)
     named = _named_groups(overrides)
     names = {}
-    for group in SWEPT_GROUPS:
-        listed = list(getattr(base.grid, group))
+    for group in groups:
+        listed = list(getattr(getattr(base, section), group))
         if listed:
             names[group] = listed
-        elif group in named or group == "workload":
+        elif group in named or group not in every:
             names[group] = None  # the composed choice
         else:
             names[group] = group_options(group, app, overrides)
     for group, listed in names.items():
         if listed is not None and len(set(listed)) != len(listed):
-            raise ConfigError(f"grid.{group} = {listed}: options must be distinct")
+            raise ConfigError(
+                f"{section}.{group} = {listed}: options must be distinct")
     # compose option i of every group together: max(len) compositions in all
     kept = [o for o in overrides
             if o.split("=")[0].lstrip("+~") not in (*SWEPT_GROUPS, "experiment")]
     experiment = [o for o in overrides if o.split("=")[0].lstrip("+~") == "experiment"]
-    out = {g: [] for g in SWEPT_GROUPS}
+    out = {g: [] for g in groups}
     count = max(len(v) if v is not None else 1 for v in names.values())
     for i in range(count):
         choose = [f"{g}={v[i]}" for g, v in names.items()
@@ -107,7 +115,7 @@ def grid_options(app: str, overrides: list[str]):
             msg = str(e)
             for g, v in names.items():
                 if v is not None and i < len(v) and msg.startswith(f"{g}={v[i]}:"):
-                    msg = f"grid.{g} entry {msg}"
+                    msg = f"{section}.{g} entry {msg}"
             raise ConfigError(msg) from None
         for g, v in names.items():
             if v is not None and i < len(v):
