@@ -58,8 +58,10 @@ counter. A turn also retires one finished request, preempts one, and admits
 one; it advances only when nothing else is due, so the rules keep their
 order. That is about 3 turns per request.
 
-Slots: running and preempted requests occupy ``max_slots`` slots (one column
-of an int and a float matrix each). No turn sorts or searches them: the
+Slots: running and preempted requests occupy ``max_slots`` slots (one entry
+of each of 13 int and 4 float field arrays: a turn scatters only the fields
+it changes, and XLA on CPU copies far less than it did for one slot matrix,
+which it copied whole twice per turn). No turn sorts or searches them: the
 prompts being prefilled are a FIFO ring of slots (admission order), free
 slots and preempted ones are stacks, a static batch fills slots from 0, and
 the counts and KV sums are scalars; three plain reductions over the slots
@@ -161,7 +163,7 @@ class SimOutcome(NamedTuple):
     status: jax.Array
 
 
-# slot fields: rows of an int32 matrix and of a float matrix, one column per slot
+# slot fields: indices into the tuples of int32 and float field arrays
 (I_STATE, I_REQ, I_ADM, I_CUM, I_NEED, I_PROMPT, I_OUTPUT, I_EMITTED, I_BASE, I_LAST,
  I_SLOW, I_SLOW_FROM, I_FLAGS) = range(13)
 # STATE: FREE / PREFILL / DECODE / WAIT (preempted, waiting)
@@ -182,8 +184,8 @@ PADDING, BAD = 1, 2
 
 
 class _State(NamedTuple):
-    ints: jax.Array  # shape=(13, S), int32 slot fields
-    floats: jax.Array  # shape=(4, S), slot times
+    ints: tuple  # 13 int32 slot fields, each shape=(S,)
+    floats: tuple  # 4 slot times, each shape=(S,)
     fifo: jax.Array  # shape=(S,), ring of prefilling slots in admission order
     fifo_head: jax.Array  # first entry not yet decoding
     fifo_first: jax.Array  # first entry whose prompt is unfinished
@@ -406,16 +408,24 @@ def _run_ramps(lines, split, n, weight):
     return x0, x1, weight * count
 
 
-def _column(matrix, j):
-    """Slot ``j``'s fields as a list (one scalar per row)."""
-    col = matrix[:, j]
-    return [col[i] for i in range(matrix.shape[0])]
+class _Column(list):
+    """Slot ``j``'s fields (one scalar per field array), remembering what was read."""
+
+    def __init__(self, fields, j):
+        super().__init__(x[j] for x in fields)
+        self.read = tuple(self)
 
 
-def _store(matrix, j, do, col):
-    """Writes the column ``col`` (a list) at slot ``j`` when ``do``."""
-    j = jnp.where(do, j, matrix.shape[1])
-    return matrix.at[:, j].set(jnp.stack(col).astype(matrix.dtype), mode="drop")
+def _store(fields, j, do, col: _Column):
+    """Writes the fields of ``col`` that changed at slot ``j`` when ``do``.
+
+    One array per field, so a turn scatters only the fields it changes and XLA
+    does not copy a whole slot matrix around each scatter.
+    """
+    j = jnp.where(do, j, fields[0].shape[0])
+    return tuple(
+        x if new is old else x.at[j].set(jnp.asarray(new, x.dtype), mode="drop")
+        for x, new, old in zip(fields, col, col.read, strict=True))
 
 
 def _n(flag):
@@ -446,7 +456,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     plain reductions over the slots remain.
     """
     ints, floats = s.ints, s.floats
-    size = ints.shape[1]
+    size = ints[0].shape[0]
     iota = jnp.arange(size, dtype=jnp.int32)
     dt = s.t_s.dtype
     num_req = cx.arrival_s.shape[0]
@@ -465,7 +475,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     all_done = cont | (first == tail)
     do_tr = active & (head < first) & all_done
     p = fifo[head % size]
-    c, f = _column(ints, p), _column(floats, p)
+    c, f = _Column(ints, p), _Column(floats, p)
     recompute = c[I_EMITTED] > 0
     gap = s.event_s - f[F_LAST_TOKEN]
     base = c[I_PROMPT] + c[I_EMITTED] - s.event_step
@@ -493,7 +503,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     # this bound early, which splits a run without changing any step)
     next_last = jnp.min(jnp.where(real & ~fin, last, _BIG))
     do_fin = active & (n_fin > 0)
-    c, f = _column(ints, r), _column(floats, r)
+    c, f = _Column(ints, r), _Column(floats, r)
     ttft_r = f[F_FIRST] - f[F_ARRIVAL]
     slow_r = c[I_SLOW] + s.slow_steps - c[I_SLOW_FROM]
     good_r = (ttft_r <= cx.ttft_slo_s) & (slow_r == 0) & ((c[I_FLAGS] & BAD) == 0)
@@ -530,7 +540,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
                                    ints[I_ADM] * size + iota, -1)) % size
     from_fifo = first < tail
     v = jnp.where(from_fifo, fifo[(tail - 1) % size], newest_dec)
-    c, f = _column(ints, v), _column(floats, v)
+    c, f = _Column(ints, v), _Column(floats, v)
     v_dec = ~from_fifo
     emitted_v = jnp.where(v_dec, c[I_BASE] + k - c[I_PROMPT], c[I_EMITTED])
     kv = kv - jnp.where(do_pre, jnp.where(v_dec, c[I_BASE] + k, c[I_NEED]), 0)
@@ -567,7 +577,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     # static batches fill slots 0, 1, ...
     fresh_slot = jnp.where(cont, free_stack[jnp.maximum(n_free - 1, 0)], n_run)
     slot = jnp.where(from_wait, wait_stack[jnp.maximum(n_wait - 1, 0)], fresh_slot)
-    c, f = _column(ints, slot), _column(floats, slot)
+    c, f = _Column(ints, slot), _Column(floats, slot)
     head_prompt = jnp.where(from_wait, c[I_PROMPT], cx.prompt[a_c])
     head_output = jnp.where(from_wait, c[I_OUTPUT], cx.output[a_c])
     head_need = jnp.where(from_wait, c[I_NEED], cx.prompt[a_c])
@@ -614,7 +624,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     # 4. advance: a run of unchanged steps, then the step finishing a prompt
     go = active & ~blocked & (n_run > 0)
     h = fifo[first % size]
-    head_cum, head_end = ints[I_CUM, h], ints[I_CUM, h] + ints[I_NEED, h]
+    head_cum, head_end = ints[I_CUM][h], ints[I_CUM][h] + ints[I_NEED][h]
     ctx0 = sum_base + n_dec * k
     left = jnp.maximum(cx.budget - n_dec, 0)
     has_pref = (first < tail) & (left > 0)
@@ -723,8 +733,9 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
     i0 = jnp.zeros((), jnp.int32)
     zi = jnp.zeros(max_slots, jnp.int32)
     return _State(
-        ints=jnp.zeros((13, max_slots), jnp.int32),
-        floats=jnp.zeros((4, max_slots), dt).at[F_GAP].set(-1.0),
+        ints=tuple(jnp.zeros(max_slots, jnp.int32) for _ in range(13)),
+        floats=tuple(jnp.full(max_slots, -1.0 if i == F_GAP else 0.0, dt)
+                     for i in range(4)),
         fifo=zi, fifo_head=i0, fifo_first=i0, fifo_tail=i0,
         # popped from the end: slot 0 first
         free_stack=jnp.arange(max_slots - 1, -1, -1, dtype=jnp.int32),
