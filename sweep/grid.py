@@ -16,11 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
 from sweep import p99, results
 from sweep.config.schema import ConfigError, GridApp, Hardware, LatencyMethod, Model
+from sweep.cost import static_slot_utilization
 from sweep.evaluate import Blocking, blocking, iterate_blocks
 from sweep.params import (
     BATCHING,
@@ -85,17 +88,15 @@ def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> 
 
 
 def _static_utilization(tables: list[WorkloadTables], concurrency) -> np.ndarray:
-    """``E[out] / E[max of B outputs]`` per workload x concurrency, float64.
-
-    Exact for the tabulated distribution: ``P(max <= x) = F(x)^B``.
-    """
-    out = np.empty((len(tables), len(concurrency)))
-    for w, t in enumerate(tables):
-        cdf = np.clip(np.cumsum(t.output_probs), 0.0, 1.0)
-        below = np.concatenate([[0.0], cdf[:-1]])
-        for c, b in enumerate(concurrency):
-            out[w, c] = t.mean_output_tokens / (t.output_values @ (cdf**b - below**b))
-    return out
+    """``E[out] / E[max of B outputs]`` per workload x concurrency (a small table)."""
+    batch = jnp.asarray(concurrency, jnp.float32)
+    rows = []
+    for t in tables:
+        values = jnp.asarray(t.output_values, jnp.float32)
+        probs = jnp.asarray(t.output_probs, jnp.float32)
+        rows.append(jax.vmap(lambda b, v=values, p=probs: static_slot_utilization(
+            v, p, b))(batch))
+    return np.asarray(jnp.stack(rows))
 
 
 def _padded(tables: list[WorkloadTables]) -> list[WorkloadParams]:
@@ -145,7 +146,7 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     coords = {d: coords[d] for d in DIMS}
     roofline_axes = (hw_axis, model_axis, stack(_padded(tables)),
                      *(point_axes[n] for n in DIMS[3:]))
-    util = _static_utilization(tables, axes["concurrency"]).astype(np.float32)
+    util = _static_utilization(tables, axes["concurrency"])
     shape = tuple(len(v) for v in coords.values())
     parts = [Part("roofline", DIMS, grid_point, roofline_axes,
                   blocking(shape, app.grid.chunk_points), tables=(util,),
