@@ -124,11 +124,17 @@ def summary_table(ds) -> Table:
     return table
 
 
-def _grid_check(app: str, overrides: list[str]):
+def _grid_check(app: str, overrides: list[str]) -> None:
+    """The preflight: compose and check, but stack and sample nothing."""
     from sweep import grid
 
-    base, options = grid_options(app, overrides)
-    return grid.prepare(base, options)
+    grid.check(*grid_options(app, overrides))
+
+
+def _grid_job(app: str, overrides: list[str]):
+    from sweep import grid
+
+    return grid.prepare(*grid_options(app, overrides))
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="grid",
@@ -138,7 +144,7 @@ def _grid_app(cfg: DictConfig) -> None:
 
     console = Console(stderr=True)
     try:
-        job = _grid_check("grid", _overrides())
+        job = _grid_job("grid", _overrides())
     except ConfigError as e:
         _fail("sweep-grid", e)
     out = Path(job.app.out) if job.app.out else Path(

@@ -112,20 +112,30 @@ def _padded(tables: list[WorkloadTables]) -> list[WorkloadParams]:
     return out
 
 
+def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
+    """Every check of a sweep's input, with no JAX work; returns the length tables.
+
+    Raises:
+      ConfigError: one line naming the field, its value and what is allowed.
+    """
+    _check_fits(app, options["hardware"], options["model"])
+    for d, names in (("hardware", [h.name for h in options["hardware"]]),
+                     ("model", [m.name for m in options["model"]]),
+                     ("workload", [w.name for w in options["workload"]]),
+                     ("batching", [b.value for b in app.grid.batching])):
+        if len(set(names)) != len(names):
+            raise ConfigError(f"grid.{d} = {names}: values must be distinct")
+    return [workload_tables(w) for w in options["workload"]]
+
+
 def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     """Builds stacked inputs and coordinates; raises ``ConfigError`` on bad input."""
     hardware: list[Hardware] = options["hardware"]
     models: list[Model] = options["model"]
     workloads = options["workload"]
-    _check_fits(app, hardware, models)
-    tables = [workload_tables(w) for w in workloads]
+    tables = check(app, options)
     axes = app.grid.axes
     batching = [b.value for b in app.grid.batching]
-    for d, names in (("hardware", [h.name for h in hardware]),
-                     ("model", [m.name for m in models]),
-                     ("workload", [w.name for w in workloads]), ("batching", batching)):
-        if len(set(names)) != len(names):
-            raise ConfigError(f"grid.{d} = {names}: values must be distinct")
     hw_axis = stack([hardware_params(h, app.grid.gpu_memory_utilization)
                      for h in hardware])
     model_axis = stack([model_params(m) for m in models])
