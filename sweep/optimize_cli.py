@@ -33,11 +33,21 @@ COMMAND = "sweep-optimize"
 INFEASIBLE_EXIT = 3
 
 
+_prepared: dict[tuple[str, ...], object] = {}
+
+
 def _check(app: str, overrides: list[str]):
+    """The prepared job; the app reuses the preflight's for the same overrides."""
     from sweep import optimize
 
-    base, hardware, models = optimize.options(app, overrides)
-    return optimize.prepare(base, hardware, models)
+    # as the app sees them (sweep.cli._overrides): the search path, then the
+    # task's overrides; Hydra's other settings do not change the job
+    searchpath = [o for o in overrides if o.startswith("hydra.searchpath=")]
+    key = (app, *searchpath, *(o for o in overrides if not o.startswith("hydra.")))
+    if key not in _prepared:
+        base, hardware, models = optimize.options(app, overrides)
+        _prepared[key] = optimize.prepare(base, hardware, models)
+    return _prepared[key]
 
 
 def _ms(x: float) -> str:

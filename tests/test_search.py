@@ -65,6 +65,18 @@ def test_lattice_values():
                                   [256, 512, 1024, 2048, 4096])
 
 
+def test_restarts_cover_every_stratum_of_each_axis(key):
+    restarts = 4
+    theta = np.asarray(search.initial_theta(key, SETTINGS, 3, restarts), np.float64)
+    lower, upper = SETTINGS.lower, SETTINGS.upper
+    assert np.all(theta >= lower - 1e-5) and np.all(theta <= upper + 1e-5)
+    # Latin hypercube: per candidate and axis, one restart in each quarter
+    stratum = np.floor((theta - lower) / (upper - lower) * restarts).clip(0, 3)
+    for c in range(3):
+        for axis in range(3):
+            assert sorted(stratum[c, :, axis]) == [0, 1, 2, 3]
+
+
 def test_search_finds_the_enumerated_optimum(scenario, key):
     _, _, _, usd = scenario
     cands = _candidates(scenario, [RATE, RATE])
