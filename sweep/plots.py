@@ -16,6 +16,11 @@ stated way (``view``):
   per hardware x model (that of its cheapest point, ``fix_tp``), so that a
   curve does not jump between sizes.
 
+The dataset of ``sweep-optimize`` (dims ``candidate``, ``config``) has its own
+charts (``OPTIMIZE_CHARTS``): cost against surrogate p99 ITL and TTFT over the
+configurations of the last search, with the Pareto fronts, and one bar per
+candidate coloured by what the simulator said of it.
+
 Figures are built on ``matplotlib.figure.Figure`` directly, so drawing touches
 no global pyplot state and needs no display.
 """
@@ -392,6 +397,156 @@ def _notes(ds: xr.Dataset) -> str:
     return "; ".join(scenario(ds)[1])
 
 
+NO_TARGET = "meets no target"
+STATUS_COLORS = {  # a candidate's status (``candidate_status``) -> bar colour
+    "chosen": "tab:blue",
+    "simulated: met the SLO": "tab:green",
+    "simulated: missed the SLO": "tab:red",
+    "not simulated": "0.7",
+}
+
+
+def candidate_labels(ds: xr.Dataset) -> list[str]:
+    """``hardware x model x TP n`` per candidate, as ``sweep-optimize`` names them."""
+    return [f"{h} x {m} x TP {_fmt(tp)}" for h, m, tp in zip(
+        ds["hardware"].values, ds["model"].values, ds["tensor_parallel"].values)]
+
+
+def candidate_status(ds: xr.Dataset) -> list[str]:
+    """Per candidate: chosen, simulated and met / missed the SLO, not simulated,
+    or ``NO_TARGET`` (no configuration meets its surrogate targets)."""
+    out = []
+    for cost, chosen, verified, met in zip(ds[COST].values, ds["chosen"].values,
+                                           ds["verified"].values,
+                                           ds["slo_met_simulated"].values):
+        out.append("chosen" if chosen else NO_TARGET if not np.isfinite(cost)
+                   else "not simulated" if not verified
+                   else f"simulated: {'met' if met else 'missed'} the SLO")
+    return out
+
+
+def chosen_index(ds: xr.Dataset) -> int:
+    return int(np.flatnonzero(ds["chosen"].values)[0])
+
+
+def candidate_order(ds: xr.Dataset) -> np.ndarray:
+    """Candidate indices, cheapest first (the chosen first among equals)."""
+    cost = ds[COST].values.astype(float)
+    return np.lexsort((~ds["chosen"].values.astype(bool),
+                       np.where(np.isfinite(cost), cost, np.inf)))
+
+
+def slo_note(ds: xr.Dataset) -> str:
+    """The workload, its rate and the SLO of an optimize dataset, in words."""
+    a = ds.attrs
+    return (f"{a.get('workload', 'workload')} at "
+            f"{_fmt(a.get('arrival_rate_per_s', '?'))} req/s; SLO p99 TTFT "
+            f"{a['slo_ttft_p99_s']:g} s, p99 ITL {a['slo_itl_p99_s'] * 1e3:g} ms")
+
+
+def optimize_pareto(ds: xr.Dataset) -> Figure:
+    """Cost vs surrogate p99 ITL and TTFT: every evaluated configuration, the
+    Pareto front (step line), the SLO and the chosen deployment."""
+    fig, axes = _panels(2, 2, 5.2, 4.2, "USD per 1M output tokens vs p99 latency",
+                        "dots: every configuration of the last search meeting its "
+                        "surrogate targets; " + slo_note(ds))
+    i = chosen_index(ds)
+    for ax, name, scale in zip(axes, ("itl", "ttft"), (1e3, 1.0)):
+        _front_panel(ax, ds, ds.isel(candidate=i), name, scale)
+    who = candidate_labels(ds)[i]
+    handles = [Line2D([], [], color="tab:blue", marker="o", ls="", alpha=0.35,
+                      label="evaluated configuration"),
+               Line2D([], [], color="tab:blue", marker="o", ms=4,
+                      label="Pareto front"),
+               Line2D([], [], color="red", ls="--", label="SLO limit"),
+               Line2D([], [], color="gold", marker="*", ms=13, ls="",
+                      markeredgecolor="black", label=f"chosen: {who}")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, frameon=False)
+    return fig
+
+
+def _front_panel(ax, ds: xr.Dataset, chosen: xr.Dataset, name: str,
+                 scale: float) -> None:
+    """One panel of ``optimize_pareto``: ``name`` is ``itl`` or ``ttft``."""
+    x = ds[f"config_{name}_p99_s"].values.astype(float) * scale
+    y = ds[f"config_{COST}"].values.astype(float)
+    front = ds[f"pareto_{name}"].values.astype(bool)
+    slo = float(ds.attrs[f"slo_{name}_p99_s"]) * scale
+    ax.set_title(f"cost vs p99 {name.upper()}", fontsize=10)
+    ax.axvline(slo, color="red", ls="--", lw=1.2)
+    if not front.any():
+        _empty(ax, "no configuration meets its targets")
+        return
+    ax.scatter(x, y, s=12, alpha=0.3, color="tab:blue", linewidths=0)
+    order = np.argsort(x[front])
+    fx, fy = x[front][order], y[front][order]
+    # the cheapest cost reachable at each p99: flat up to the SLO past the last
+    ax.step(np.r_[fx, max(slo, fx[-1])], np.r_[fy, fy[-1]], where="post",
+            color="tab:blue", lw=1.5)
+    ax.plot(fx, fy, "o", ms=4, color="tab:blue")
+    at = float(chosen[f"surrogate_{name}_p99_s"]) * scale, float(chosen[COST])
+    ax.scatter(*at, marker="*", s=220, color="gold", edgecolors="black", zorder=5)
+    ax.annotate(f"{at[1]:.3f}", at, xytext=(7, 7), textcoords="offset points",
+                fontsize=8)
+    _log(ax, "x")
+    _log(ax)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_xlabel(label(ds[f"config_{name}_p99_s"], scale_ms=scale != 1))
+    ax.set_ylabel(label(ds[f"config_{COST}"]))
+
+
+def optimize_candidates(ds: xr.Dataset) -> Figure:
+    """One bar per candidate: its cost, coloured by what the simulator said."""
+    cost = ds[COST].values.astype(float)
+    order = candidate_order(ds)
+    labels, status = candidate_labels(ds), candidate_status(ds)
+    fig = Figure(figsize=(8.5, 1.9 + 0.36 * len(order)), layout="constrained")
+    ax = fig.subplots()
+    width = np.nanmax(cost) if np.isfinite(cost).any() else 1.0
+    for y, c in enumerate(order):
+        _candidate_bar(ax, y, cost[c], status[c], width, ds["replicas"].values[c])
+    ax.set_yticks(range(len(order)), [labels[c] for c in order], fontsize=8)
+    for tick, c in zip(ax.get_yticklabels(), order):
+        tick.set_fontweight("bold" if status[c] == "chosen" else "normal")
+    ax.invert_yaxis()  # cheapest on top
+    ax.set_xlim(0, width * 1.4)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.set_xlabel(label(ds[COST]))
+    _status_legend(fig, status)
+    _title(fig, "USD per 1M output tokens per candidate",
+           "each candidate's cheapest configuration meeting its surrogate targets "
+           "in the last search; " + slo_note(ds))
+    return fig
+
+
+def _status_legend(fig: Figure, status: list[str]) -> None:
+    """A legend entry per candidate status present."""
+    handles = [Rectangle((0, 0), 1, 1, color=c, label=s)
+               for s, c in STATUS_COLORS.items() if s in status]
+    if NO_TARGET in status:
+        handles.append(Rectangle((0, 0), 1, 1, fill=False, hatch="//",
+                                 edgecolor="0.6", label=NO_TARGET))
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles),
+               frameon=False, fontsize=8)
+
+
+def _candidate_bar(ax, y: int, cost: float, status: str, width: float,
+                   replicas: float) -> None:
+    if status == NO_TARGET:
+        ax.barh(y, width, fill=False, hatch="//", edgecolor="0.6", lw=0)
+        ax.text(width * 0.02, y, "no configuration meets its surrogate targets",
+                va="center", fontsize=7, color="0.3",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+        return
+    chosen = status == "chosen"
+    ax.barh(y, cost, color=STATUS_COLORS[status], edgecolor="black",
+            lw=1.5 if chosen else 0)
+    plural = "s" if replicas != 1 else ""
+    ax.text(cost, y, f" {cost:.3f} (x {replicas:g} replica{plural})"
+            + (" chosen" if chosen else ""), va="center", fontsize=7,
+            fontweight="bold" if chosen else "normal")
+
+
 @dataclass(frozen=True)
 class Chart:
     """A chart of the report: what it draws, from which variables and dims."""
@@ -400,7 +555,8 @@ class Chart:
     title: str
     needs: tuple[str, ...]  # variables
     dims: tuple[str, ...]  # dims that must exist
-    draw: Callable[..., Figure]  # (ds, hardware, model, limits) -> Figure
+    draw: Callable[..., Figure]  # grid cube: (ds, hardware, model, limits);
+    # optimize dataset: (ds) -> Figure
     caption: str
 
 
@@ -433,7 +589,27 @@ CHARTS = (
 )
 
 
+OPTIMIZE_CHARTS = (
+    Chart("pareto.png", "Cost vs p99 latency: the Pareto fronts",
+          (f"config_{COST}", "config_itl_p99_s", "config_ttft_p99_s", "pareto_itl",
+           "pareto_ttft", COST, "chosen", "surrogate_itl_p99_s",
+           "surrogate_ttft_p99_s"), ("candidate", "config"), optimize_pareto,
+          "The step line is the cheapest cost the search found at each surrogate "
+          "p99; the star is the chosen deployment (log-log)."),
+    Chart("candidates.png", "Cost per candidate",
+          (COST, "replicas", "chosen", "verified", "slo_met_simulated"),
+          ("candidate",), optimize_candidates,
+          "Each hardware x model x TP candidate's cheapest answer; the colour "
+          "says whether the simulator confirmed it."),
+)
+
+
+def lacking(ds: xr.Dataset, variables, dims) -> list[str]:
+    """The variables (coordinates count) and dims of these that ``ds`` lacks."""
+    return ([n for n in variables if n not in ds]
+            + [f"dim {d}" for d in dims if d not in ds.dims])
+
+
 def missing(ds: xr.Dataset, chart: Chart) -> list[str]:
     """The variables and dims ``chart`` needs that the cube lacks."""
-    return ([n for n in chart.needs if n not in ds.data_vars]
-            + [f"dim {d}" for d in chart.dims if d not in ds.dims])
+    return lacking(ds, chart.needs, chart.dims)

@@ -6,6 +6,11 @@ when complete, so an older report is replaced whole or not at all. A path
 that is not a cube, or a cube without the variables every report needs, is
 refused with one line and exit code 2; a chart whose own variables are
 missing is skipped and the report says which and why.
+
+The dataset ``sweep-optimize`` writes (``optimize.zarr``: dims ``candidate``,
+``config``, ``verification``) gets its own report the same way: the chosen
+deployment and its vLLM flags, the candidates, the verification rounds, the
+run's log and the charts of ``sweep.plots.OPTIMIZE_CHARTS``.
 """
 
 from __future__ import annotations
@@ -31,28 +36,90 @@ CORE_DIMS = ("concurrency",)
 PROVENANCE = ("sweep_version", "created_utc", "git_sha", "jax_version", "jax_backend",
               "x64", "seed", "hydra_overrides")
 
+# the optimize report's tables (``sweep.optimize.to_dataset``): (name, header,
+# format); seconds are shown in ms
+CHOSEN_COLUMNS = (
+    ("chosen_hardware", "hardware", "{}"), ("chosen_model", "model", "{}"),
+    ("chosen_tensor_parallel", "TP", "{:g}"), ("chosen_replicas", "replicas", "{:g}"),
+    ("chosen_concurrency", "max_num_seqs", "{:g}"),
+    ("chosen_token_budget", "max_num_batched_tokens", "{:g}"),
+    ("chosen_cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
+    ("chosen_cost_per_month_usd", "USD / month", "{:,.0f}"))
+CANDIDATE_COLUMNS = (
+    ("cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
+    ("replicas", "replicas", "{:g}"), ("concurrency", "max_num_seqs", "{:g}"),
+    ("token_budget", "max_num_batched_tokens", "{:g}"),
+    ("surrogate_ttft_p99_s", "TTFT p99 surrogate (ms)", "{:.1f}"),
+    ("simulated_ttft_p99_s", "TTFT p99 simulated (ms)", "{:.1f}"),
+    ("surrogate_itl_p99_s", "ITL p99 surrogate (ms)", "{:.2f}"),
+    ("simulated_itl_p99_s", "ITL p99 simulated (ms)", "{:.2f}"),
+    ("ttft_slack_s", "TTFT slack (ms)", "{:.1f}"),
+    ("itl_slack_s", "ITL slack (ms)", "{:.2f}"))
+VERIFICATION_COLUMNS = (
+    ("verification_replicas", "replicas", "{:g}"),
+    ("verification_concurrency", "max_num_seqs", "{:g}"),
+    ("verification_token_budget", "max_num_batched_tokens", "{:g}"),
+    ("verification_ttft_target_s", "TTFT target (ms)", "{:.1f}"),
+    ("verification_surrogate_ttft_p99_s", "TTFT p99 surrogate (ms)", "{:.1f}"),
+    ("verification_simulated_ttft_p99_s", "TTFT p99 simulated (ms)", "{:.1f}"),
+    ("verification_itl_target_s", "ITL target (ms)", "{:.2f}"),
+    ("verification_surrogate_itl_p99_s", "ITL p99 surrogate (ms)", "{:.2f}"),
+    ("verification_simulated_itl_p99_s", "ITL p99 simulated (ms)", "{:.2f}"))
+# what every optimize report relies on
+OPTIMIZE_VARIABLES = ("hardware", "model", "tensor_parallel", "chosen", "verified",
+                      "slo_met_simulated", "config_cost_per_mtok_out_usd",
+                      "verification_round", "verification_candidate",
+                      "verification_slo_met",
+                      *(c[0] for c in CANDIDATE_COLUMNS + VERIFICATION_COLUMNS))
+OPTIMIZE_DIMS = ("candidate", "config", "verification")
+OPTIMIZE_ATTRS = (*(c[0] for c in CHOSEN_COLUMNS), "vllm_flags", "slo_ttft_p99_s",
+                  "slo_itl_p99_s")
+GRID_OPTIONS = ("slo", "ttft_p99_s", "itl_p99_s", "hardware", "model")
+
 
 class ReportError(ValueError):
     """Bad input to the report: one line for the user."""
 
 
+def is_optimize(ds: xr.Dataset) -> bool:
+    """Whether ``ds`` is the dataset of ``sweep-optimize`` (not a grid cube)."""
+    return "candidate" in ds.dims or "config" in ds.dims
+
+
 def load(path: Path) -> xr.Dataset:
-    """Opens and loads the cube; a leading hardware/model dim is added if absent."""
+    """Opens and loads the cube; a leading hardware/model dim is added if absent.
+
+    The dataset of ``sweep-optimize`` is checked for what its report needs and
+    returned as it is.
+    """
     try:
         ds = open_cube(path)
     except Exception as e:  # whatever the store's reader says, the path is no cube
         raise ReportError(f"{path} is not a result cube "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
-    lacking = [v for v in CORE_VARIABLES if v not in ds.data_vars] + [
-        f"dim {d}" for d in CORE_DIMS if d not in ds.dims]
-    if lacking:
-        raise ReportError(f"{path}: the cube lacks {', '.join(lacking)} "
-                          "(needed by every report)")
+    if is_optimize(ds):
+        require(path, ds, "optimize dataset", OPTIMIZE_VARIABLES, OPTIMIZE_DIMS,
+                OPTIMIZE_ATTRS)
+        if not ds["chosen"].values.any():
+            raise ReportError(f"{path}: no candidate of the optimize dataset is "
+                              "marked chosen")
+        return ds.load()
+    require(path, ds, "cube", CORE_VARIABLES, CORE_DIMS)
     for d in ("hardware", "model"):
         if d not in ds.dims:
             value = str(ds[d].values) if d in ds.coords else "-"
             ds = ds.drop_vars(d, errors="ignore").expand_dims({d: [value]})
     return ds.load()
+
+
+def require(path: Path, ds: xr.Dataset, what: str, variables, dims,
+            attrs=()) -> None:
+    """Refuses ``ds`` when it lacks any of these variables, dims or attributes."""
+    lacking = plots.lacking(ds, variables, dims) + [
+        f"attribute {a}" for a in attrs if a not in ds.attrs]
+    if lacking:
+        raise ReportError(f"{path}: the {what} lacks {', '.join(lacking)} "
+                          "(needed by every report)")
 
 
 def slo_limits(ds: xr.Dataset, args: argparse.Namespace) -> tuple[dict, str]:
@@ -102,17 +169,24 @@ def summary(ds: xr.Dataset, limits: dict) -> tuple[str, xr.Dataset]:
                 if var in ("hardware", "model"):
                     cells.append(str(pt[var].values))
                     continue
-                val = pt[var].values.item()
-                scale = 1e3 if var.endswith("_s") and not var.endswith("per_s") else 1
-                ok = isinstance(val, str) or np.isfinite(val)
-                cells.append(fmt.format(val * scale if scale != 1 else val)
-                             if ok and val != "" else "—")
+                cells.append(cell(pt[var].values.item(), fmt, var))
             rows.append((np.inf if np.isnan(cost) else cost, cells))
     rows.sort(key=lambda r: r[0])
     head = [c[1] or c[0] for c in cols]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cells) + " |" for _, cells in rows]
-    return "\n".join(lines), best
+    return "\n".join(md_table(head, [cells for _, cells in rows])), best
+
+
+def cell(val, fmt: str, var: str = "") -> str:
+    """One table cell: NaN or empty as a dash; a time ``var`` (``*_s``) in ms."""
+    scale = 1e3 if var.endswith("_s") and not var.endswith("per_s") else 1
+    ok = isinstance(val, str) or np.isfinite(val)
+    return fmt.format(val * scale if scale != 1 else val) if ok and val != "" else "—"
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(cells) + " |" for cells in rows)]
 
 
 def focus(best: xr.Dataset, args: argparse.Namespace) -> tuple[str, str]:
@@ -157,35 +231,24 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
       The file names of the charts drawn.
     """
     ds = load(path)
+    if is_optimize(ds):
+        return write_optimize_report(ds, path, out, args)
     limits, limits_from = slo_limits(ds, args)
     table, best = summary(ds, limits)
     h, m = focus(best, args)
-    drawn, skipped, sections = [], [], []
-    for chart in plots.CHARTS:
-        lacking = plots.missing(ds, chart)
-        if lacking:
-            skipped.append(f"- {chart.title}: the cube lacks {', '.join(lacking)}")
-            continue
-        fig = chart.draw(ds, h, m, limits)
-        fig.savefig(out / chart.file, dpi=130)
-        drawn.append(chart.file)
-        sections.append(f"### {chart.title}\n\n![{chart.title}]({chart.file})\n\n"
-                        f"{chart.caption}\n")
+    drawn, skipped, sections = draw_charts(plots.CHARTS, "cube", out, ds, h, m,
+                                           limits)
     _, notes = plots.scenario(ds)
     criterion = ds.sweep.feasible_mask(**limits).attrs["feasible"]
-    md = [f"# Sweep report: {path.name}", "",
-          f"Cube `{path}`: {int(np.prod(list(ds.sizes.values()))):,} points.", "",
-          "| dim | values |", "|---|---|"]
+    dims = []
     for d in ds.dims:
         values = [plots._fmt(v) for v in ds[d].values]
         shown = ", ".join(values if len(values) <= 8 else values[:3] + ["…"]
                           + values[-2:])
-        md.append(f"| {d} | {shown} |")
-    md += ["", "## Provenance", "", "| attribute | value |", "|---|---|"]
-    md += [f"| {k} | `{ds.attrs[k]}` |" for k in PROVENANCE if k in ds.attrs]
-    if "config_yaml" in ds.attrs:
-        md += ["", "<details><summary>resolved config</summary>", "", "```yaml",
-               ds.attrs["config_yaml"].rstrip(), "```", "", "</details>"]
+        dims.append([d, shown])
+    md = [f"# Sweep report: {path.name}", "",
+          f"Cube `{path}`: {int(np.prod(list(ds.sizes.values()))):,} points.", "",
+          *md_table(["dim", "values"], dims), "", *provenance(ds)]
     md += ["", "## How the cube is reduced", "",
            f"- fixed: {'; '.join(notes) or 'nothing'}",
            "- deployment choices not on a chart's axes: the cheapest point (USD per "
@@ -200,6 +263,105 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
         md += ["## Skipped charts", "", *skipped, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return drawn
+
+
+def draw_charts(charts, what: str, out: Path, ds: xr.Dataset, *args
+                ) -> tuple[list[str], list[str], list[str]]:
+    """Draws into ``out`` each chart whose variables ``ds`` has.
+
+    Args:
+      what: the dataset, as the skipped charts' lines name it.
+      args: the charts' arguments after ``ds``.
+
+    Returns:
+      The files drawn, a line per chart skipped, a report section per chart drawn.
+    """
+    drawn, skipped, sections = [], [], []
+    for chart in charts:
+        lacking = plots.missing(ds, chart)
+        if lacking:
+            skipped.append(f"- {chart.title}: the {what} lacks {', '.join(lacking)}")
+            continue
+        fig = chart.draw(ds, *args)
+        fig.savefig(out / chart.file, dpi=130)
+        drawn.append(chart.file)
+        sections.append(f"### {chart.title}\n\n![{chart.title}]({chart.file})\n\n"
+                        f"{chart.caption}\n")
+    return drawn, skipped, sections
+
+
+def provenance(ds: xr.Dataset) -> list[str]:
+    """The report's provenance section: the run's attributes and its config."""
+    md = ["## Provenance", "", *md_table(
+        ["attribute", "value"],
+        [[k, f"`{ds.attrs[k]}`"] for k in PROVENANCE if k in ds.attrs])]
+    if "config_yaml" in ds.attrs:
+        md += ["", "<details><summary>resolved config</summary>", "", "```yaml",
+               ds.attrs["config_yaml"].rstrip(), "```", "", "</details>"]
+    return md
+
+
+def write_optimize_report(ds: xr.Dataset, path: Path, out: Path,
+                          args: argparse.Namespace) -> list[str]:
+    """Writes the charts and ``report.md`` of a ``sweep-optimize`` dataset."""
+    grid_only = [f"--{n.replace('_', '-')}" for n in GRID_OPTIONS
+                 if getattr(args, n) is not None]
+    if grid_only:
+        raise ReportError(f"{path} is an optimize dataset; {', '.join(grid_only)}: "
+                          "for grid cubes only")
+    drawn, skipped, sections = draw_charts(plots.OPTIMIZE_CHARTS, "dataset", out, ds)
+    a = ds.attrs
+    excluded = a.get("excluded_candidates", "")
+    md = [f"# Optimize report: {path.name}", "",
+          f"Dataset `{path}` of `sweep-optimize`: {ds.sizes['candidate']} "
+          f"candidate(s), {ds.sizes['config']:,} configuration(s) of the last "
+          f"search meeting their targets, {ds.sizes['verification']} simulated; "
+          f"{plots.slo_note(ds)}.", "",
+          "## Chosen deployment", "", *chosen_table(ds), "",
+          f"vLLM flags: `{a['vllm_flags']}`", "",
+          "## Candidates", "",
+          "Each candidate's cheapest configuration meeting its surrogate targets "
+          "in the last search (the chosen candidate's: the chosen deployment); "
+          "slack = SLO - p99, simulated where simulated, else surrogate.", "",
+          *candidate_table(ds), "",
+          *([f"Excluded (do not fit): {excluded}.", ""] if excluded else []),
+          "## Verification rounds", "", *verification_table(ds), "",
+          "## Run log", "", "```", a.get("log", "").rstrip(), "```", "",
+          *provenance(ds), "", "## Charts", "", *sections]
+    if skipped:
+        md += ["## Skipped charts", "", *skipped, ""]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return drawn
+
+
+def chosen_table(ds: xr.Dataset) -> list[str]:
+    """The chosen deployment (the dataset's ``chosen_*`` attributes)."""
+    return md_table([c[1] for c in CHOSEN_COLUMNS],
+                    [[cell(ds.attrs[k], fmt) for k, _, fmt in CHOSEN_COLUMNS]])
+
+
+def _cells(ds: xr.Dataset, cols, i: int) -> list[str]:
+    return [cell(ds[v].values[i], fmt, v) for v, _, fmt in cols]
+
+
+def candidate_table(ds: xr.Dataset) -> list[str]:
+    """The candidates, cheapest first, each with its status."""
+    labels, status = plots.candidate_labels(ds), plots.candidate_status(ds)
+    return md_table(["candidate", "status", *(c[1] for c in CANDIDATE_COLUMNS)],
+                    [[labels[i], status[i], *_cells(ds, CANDIDATE_COLUMNS, i)]
+                     for i in plots.candidate_order(ds)])
+
+
+def verification_table(ds: xr.Dataset) -> list[str]:
+    """Each simulation in order: round, configuration, targets, p99s, verdict."""
+    labels = plots.candidate_labels(ds)
+    rows = [[f"{ds['verification_round'].values[i]:g}",
+             labels[int(ds["verification_candidate"].values[i])],
+             *_cells(ds, VERIFICATION_COLUMNS, i),
+             "yes" if ds["verification_slo_met"].values[i] else "no"]
+            for i in range(ds.sizes["verification"])]
+    return md_table(["round", "candidate", *(c[1] for c in VERIFICATION_COLUMNS),
+                     "SLO met"], rows)
 
 
 def replace_dir(staged: Path, target: Path) -> None:

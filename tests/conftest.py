@@ -1,9 +1,12 @@
-"""Shared fixtures: strict JAX promotion, composed configs, a PRNG key."""
+"""Shared fixtures: strict JAX promotion, composed configs, a PRNG key, and
+the outputs of one ``sweep-grid`` and one ``sweep-optimize`` run a session."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -41,8 +44,44 @@ def cube_path(tmp_path_factory) -> Path:
     """A 64-point cube written by the installed ``sweep-grid`` (once a session)."""
     root = tmp_path_factory.mktemp("sweep_cube")
     out = root / "c.zarr"
-    exe = shutil.which("sweep-grid")
-    assert exe, "sweep-grid is not installed (pip install -e .)"
-    subprocess.run([exe, *CUBE_GRID, f"out={out}"], cwd=root, check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run([script("sweep-grid"), *CUBE_GRID, f"out={out}"], cwd=root,
+                   check=True, capture_output=True, timeout=300)
     return out
+
+
+def script(name: str) -> str:
+    """The installed console script ``name``."""
+    exe = shutil.which(name)
+    assert exe, f"{name} is not installed (pip install -e .)"
+    return exe
+
+
+OPTIMIZE_QUICK = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
+                  "search.tensor_parallel=[1,2]", "search.verify_requests=200"]
+
+
+@pytest.fixture(scope="session")
+def jax_cache_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of console-script runs: one JAX compilation cache (a
+    temporary folder) for the session, so a later run reuses an earlier one's
+    compiled programs."""
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    return env
+
+
+@dataclass(frozen=True)
+class OptimizeRun:
+    path: Path  # the dataset (written when the run succeeded)
+    proc: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="session")
+def optimize_run(tmp_path_factory, jax_cache_env) -> OptimizeRun:
+    """``sweep-optimize OPTIMIZE_QUICK out=opt.zarr`` by the installed script,
+    once a session; its exit code is for the tests to check."""
+    root = tmp_path_factory.mktemp("sweep_optimize")
+    proc = subprocess.run([script("sweep-optimize"), *OPTIMIZE_QUICK, "out=opt.zarr"],
+                          cwd=root, capture_output=True, text=True, timeout=900,
+                          env=jax_cache_env)
+    return OptimizeRun(root / "opt.zarr", proc)

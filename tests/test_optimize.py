@@ -1,39 +1,27 @@
 """``sweep-optimize`` as a user runs it, and the job's pure-Python parts.
 
-The console-script runs share one JAX compilation cache (a temporary folder),
-so the second run reuses the first one's compiled search.
+The console-script runs share one JAX compilation cache (a temporary folder,
+``jax_cache_env``), so a later run reuses the first one's compiled search; the
+successful run is the session's ``optimize_run``, which ``sweep-report``'s
+tests read too.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 import xarray as xr
+from conftest import OPTIMIZE_QUICK, script
 
 import sweep
 from sweep.optimize import pareto
 
-QUICK = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
-         "search.tensor_parallel=[1,2]", "search.verify_requests=200"]
-
-
-@pytest.fixture(scope="module")
-def cache_env(tmp_path_factory):
-    import os
-
-    env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    return env
-
 
 def run(args, cwd, env=None):
-    exe = shutil.which("sweep-optimize")
-    assert exe, "sweep-optimize is not installed (pip install -e .)"
-    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=900, env=env)
+    return subprocess.run([script("sweep-optimize"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=900, env=env)
 
 
 def test_pareto_front():
@@ -54,11 +42,11 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_writes_dataset_and_flags(tmp_path, cache_env):
-    proc = run([*QUICK, "out=opt.zarr"], tmp_path, cache_env)
+def test_run_writes_dataset_and_flags(optimize_run):
+    proc = optimize_run.proc
     assert proc.returncode == 0, proc.stderr
-    ds = sweep.open_cube(tmp_path / "opt.zarr").load()
-    xr.testing.assert_identical(xr.open_zarr(tmp_path / "opt.zarr").load(), ds)
+    ds = sweep.open_cube(optimize_run.path).load()
+    xr.testing.assert_identical(xr.open_zarr(optimize_run.path).load(), ds)
     a = ds.attrs
     flags = (f"--tensor-parallel-size {a['chosen_tensor_parallel']} --max-num-seqs "
              f"{a['chosen_concurrency']} --max-num-batched-tokens "
@@ -92,9 +80,10 @@ def test_run_writes_dataset_and_flags(tmp_path, cache_env):
 
 
 @pytest.mark.slow
-def test_infeasible_slo_names_the_constraint_exit_3(tmp_path, cache_env):
+def test_infeasible_slo_names_the_constraint_exit_3(tmp_path, jax_cache_env):
     # 0.5 ms p99 ITL is below one decode step of Qwen3-8B on any H100 split
-    proc = run([*QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path, cache_env)
+    proc = run([*OPTIMIZE_QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path,
+               jax_cache_env)
     assert proc.returncode == 3, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("sweep-optimize: infeasible SLO: binding constraint "

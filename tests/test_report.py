@@ -148,3 +148,48 @@ def test_bad_input_keeps_the_old_report(cube_path, tmp_path, capsys):  # noqa: F
     assert "must be a finite number > 0" in fail(
         [cube_path, "--out", out, "--ttft-p99-s", "0"], capsys)
     shutil.rmtree(out)
+
+
+@pytest.fixture(scope="module")
+def optimize_report(optimize_run) -> Path:
+    """The report of the session's ``sweep-optimize`` dataset, where it goes."""
+    assert optimize_run.proc.returncode == 0, optimize_run.proc.stderr
+    report([optimize_run.path])
+    return optimize_run.path.parent / "report"
+
+
+@pytest.mark.slow
+def test_optimize_report(optimize_report, optimize_run):
+    for chart in plots.OPTIMIZE_CHARTS:
+        check_png(optimize_report / chart.file)
+    md = (optimize_report / "report.md").read_text()
+    for name in ("pareto.png", "candidates.png"):
+        assert f"]({name})" in md
+    a = xr.open_zarr(optimize_run.path).attrs
+    assert f"| {a['chosen_hardware']} | {a['chosen_model']} | " \
+           f"{a['chosen_tensor_parallel']} | {a['chosen_replicas']} | " in md
+    assert f"`{a['vllm_flags']}`" in md
+    assert a["log"] in md and f"`{a['sweep_version']}`" in md
+    assert "| h100_sxm x qwen3_8b x TP 1 |" in md and "Skipped charts" not in md
+    assert "## Verification rounds" in md
+
+
+@pytest.mark.slow
+def test_optimize_report_refuses_grid_options(optimize_run, tmp_path, capsys):
+    err = fail([optimize_run.path, "--out", tmp_path / "rep", "--hardware", "l40s"],
+               capsys)
+    assert "is an optimize dataset; --hardware: for grid cubes only" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_optimize_dataset_without_configs_is_refused(tmp_path, capsys):
+    # the candidates of an optimize dataset, without its configurations
+    ds = xr.Dataset({"cost_per_mtok_out_usd": ("candidate", [1.0, np.nan]),
+                     "chosen": ("candidate", [True, False])},
+                    coords={"candidate": [0, 1], "hardware": ("candidate", ["a", "b"])})
+    path = save(ds, tmp_path / "opt.zarr")
+    err = fail([path], capsys)
+    assert "opt.zarr: the optimize dataset lacks model, tensor_parallel" in err
+    assert "config_cost_per_mtok_out_usd" in err and "dim config" in err
+    assert "attribute vllm_flags" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["opt.zarr"]
