@@ -394,10 +394,11 @@ def run(job: OptimizeJob, log=print) -> Outcome:
                 targets = float(ttft_t[c]), float(itl_t[c])
                 action = "confirmed" if ok else _tighten(job, a, ttft_t, itl_t)
                 verifications.append(Verification(rnd, a, *targets, ok, action))
-                say(f"  simulated {job.candidates[c].label}, {a.replicas} replicas, "
-                    f"max_num_seqs {a.concurrency}, max_num_batched_tokens "
-                    f"{a.token_budget}: p99 TTFT {sim['ttft_p99_s']:.4g} s, p99 ITL "
-                    f"{sim['itl_p99_s']:.4g} s -> {action}")
+                say(f"  simulated {job.candidates[c].label}, "
+                    f"{replicas_text(a.replicas)}, max_num_seqs {a.concurrency}, "
+                    f"max_num_batched_tokens {a.token_budget}: p99 TTFT "
+                    f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
+                    f"-> {action}")
         best = cache.get(order[0].key)
         if best is not None and met(job, best.simulated):
             break
@@ -438,10 +439,15 @@ def _simulated_infeasible(job: OptimizeJob, tried: list[Config], rounds: int) ->
     return (f"infeasible SLO: binding constraint {binding} = {getattr(slo, metric):g} "
             f"s; the simulator missed it on every verified configuration after "
             f"{rounds} round(s); best simulated p99 {best.simulated[metric]:.4g} s "
-            f"({job.candidates[best.candidate].label}, {best.replicas} replicas, "
+            f"({job.candidates[best.candidate].label}, {replicas_text(best.replicas)}, "
             f"max_num_seqs {best.concurrency}, max_num_batched_tokens "
             f"{best.token_budget}); allowed: a looser limit, more search.rounds or "
             "search.replicas_max")
+
+
+def replicas_text(n: int) -> str:
+    """``"1 replica"``, ``"3 replicas"``."""
+    return f"{n} replica{'' if n == 1 else 's'}"
 
 
 def vllm_flags(job: OptimizeJob, c: Config) -> str:
@@ -450,7 +456,7 @@ def vllm_flags(job: OptimizeJob, c: Config) -> str:
     return (f"--tensor-parallel-size {job.candidates[c.candidate].tp} "
             f"--max-num-seqs {c.concurrency} --max-num-batched-tokens "
             f"{c.token_budget} --gpu-memory-utilization {util:g}  "
-            f"(x {c.replicas} replicas)")
+            f"(x {replicas_text(c.replicas)})")
 
 
 def pareto(cost: np.ndarray, latency: np.ndarray) -> np.ndarray:

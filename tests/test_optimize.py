@@ -52,7 +52,8 @@ def test_run_writes_dataset_and_flags(optimize_run):
              f"{a['chosen_concurrency']} --max-num-batched-tokens "
              f"{a['chosen_token_budget']}")
     assert flags in proc.stdout and flags in a["vllm_flags"]
-    assert f"x {a['chosen_replicas']} replicas" in proc.stdout
+    n = a["chosen_replicas"]
+    assert f"x {n} replica{'' if n == 1 else 's'}" in proc.stdout
     for key in ("sweep_version", "config_yaml", "created_utc", "seed", "log"):
         assert key in a
     # cost by hand: replicas x TP x USD 4.29/h over 3 req/s x 360 tokens
