@@ -56,6 +56,11 @@ from sweep.simulate import STATUS_RAN_OUT, simulate
 
 register_configs()
 
+LEVELS, REPLICAS_MAX = 2, 256
+"""The default lattice (values per octave) and replicas bound of the scenarios."""
+PENALTY = 1e6
+"""Added to a TPE trial's cost where the surrogate misses the SLO."""
+
 
 def scenarios(args):
     out = []
@@ -109,9 +114,7 @@ def run_optax(jobs, cands, owner, settings, restarts, key):
                int(res.replicas[row, r, k]))
         if s not in best or cost[r, k] < best[s][0]:
             best[s] = (float(cost[r, k]), cfg)
-    per_scenario = {s: restarts * len(jobs[s].candidates)
-                    * (settings.steps + settings.integer_steps)
-                    for s in range(len(jobs))}
+    per_scenario = {s: optax_evaluations(job, restarts) for s, job in enumerate(jobs)}
     return best, per_scenario, wall
 
 
@@ -171,37 +174,56 @@ def run_grid(jobs, cands, owner, settings):
     return best, per_scenario, wall
 
 
+def trial_value(job, cands_one, i, ci, bi, r):
+    """One TPE trial: candidate ``i``, lattice indices ``ci``/``bi``, ``r`` replicas.
+
+    Returns:
+      ``(cost, plus PENALTY where the surrogate misses the SLO; the
+      configuration (candidate, concurrency, budget, replicas))``.
+    """
+    s = job.settings
+    c = float(np.unique(s.concurrency_values)[ci])
+    b = max(float(np.unique(s.token_budget_values)[bi]), c)
+    one = jax.tree.map(lambda x: x[i:i + 1], cands_one)
+    out = _forward(one.hw, one.model, one.workload, one.tp,
+                   jnp.full(1, c, jnp.float32), jnp.full(1, b, jnp.float32),
+                   one.arrival_rate_per_s / r)
+    slo = job.app.slo
+    ok = (float(out["ttft_p99_s"][0]) <= slo.ttft_p99_s
+          and float(out["itl_p99_s"][0]) <= slo.itl_p99_s
+          and int(out["status"][0]) == OK)
+    cost = float(cost_of(job, i, r))
+    return (cost if ok else cost + PENALTY), (i, int(c), int(b), int(r))
+
+
+def optax_evaluations(job, restarts):
+    """Surrogate value+gradient evaluations the search spends on a scenario."""
+    s = job.settings
+    return restarts * len(job.candidates) * (s.steps + s.integer_steps)
+
+
 def run_optuna(job, cands_one, settings, trials, seed):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    conc = np.unique(settings.concurrency_values)
-    budget = np.unique(settings.token_budget_values)
-    n = len(job.candidates)
-    slo = (job.app.slo.ttft_p99_s, job.app.slo.itl_p99_s)
+    n_conc = len(np.unique(settings.concurrency_values))
+    n_budget = len(np.unique(settings.token_budget_values))
 
     def objective(trial):
-        i = trial.suggest_categorical("candidate", list(range(n)))
-        c = float(conc[trial.suggest_int("concurrency_index", 0, len(conc) - 1)])
-        b = max(float(budget[trial.suggest_int("budget_index", 0, len(budget) - 1)]), c)
-        r = trial.suggest_int("replicas", 1, settings.replicas_max, log=True)
-        one = jax.tree.map(lambda x: x[i:i + 1], cands_one)
-        out = _forward(one.hw, one.model, one.workload, one.tp,
-                       jnp.full(1, c, jnp.float32), jnp.full(1, b, jnp.float32),
-                       one.arrival_rate_per_s / r)
-        cost = cost_of(job, i, r)
-        ok = (float(out["ttft_p99_s"][0]) <= slo[0]
-              and float(out["itl_p99_s"][0]) <= slo[1]
-              and int(out["status"][0]) == OK)
-        trial.set_user_attr("ok", ok)
-        trial.set_user_attr("config", (i, int(c), int(b), int(r)))
-        return cost if ok else cost + 1e6
+        value, config = trial_value(
+            job, cands_one, trial.suggest_categorical("candidate",
+                                                      list(range(len(job.candidates)))),
+            trial.suggest_int("concurrency_index", 0, n_conc - 1),
+            trial.suggest_int("budget_index", 0, n_budget - 1),
+            trial.suggest_int("replicas", 1, settings.replicas_max, log=True))
+        trial.set_user_attr("config", config)
+        return value
 
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=seed))
     t0 = time.perf_counter()
     study.optimize(objective, n_trials=trials)
     wall = time.perf_counter() - t0
-    done = [t for t in study.trials if t.user_attrs.get("ok")]
+    done = [t for t in study.trials if t.value < PENALTY]
     if not done:
         return math.inf, None, wall
     best = min(done, key=lambda t: t.value)
@@ -259,8 +281,8 @@ def main():
     p.add_argument("--workload", nargs="+", default=["seed_chat", "azure_conv_2023"])
     p.add_argument("--rate", nargs="+", type=float, default=[1, 4, 16, 64])
     p.add_argument("--slo", nargs="+", default=["interactive", "batch"])
-    p.add_argument("--levels", type=int, default=2)
-    p.add_argument("--replicas-max", type=int, default=256)
+    p.add_argument("--levels", type=int, default=LEVELS)
+    p.add_argument("--replicas-max", type=int, default=REPLICAS_MAX)
     p.add_argument("--restarts", type=int, default=4)
     p.add_argument("--optuna", type=int, default=10, help="scenarios for Optuna")
     p.add_argument("--no-loop", dest="loop", action="store_false",
@@ -331,7 +353,7 @@ def cli_loop(jobs, grid, requests):
     simulated again on an independent request stream (held out), so a pass
     is not just the verification stream's luck.
     """
-    chosen, infeasible, rounds, took, evals, sims = {}, [], [], {}, 0, 0
+    chosen, infeasible, took, evals, sims = {}, [], {}, 0, 0
     t0 = time.perf_counter()
     for s, job in enumerate(jobs):
         try:
@@ -342,7 +364,6 @@ def cli_loop(jobs, grid, requests):
         c = out.chosen
         chosen[s] = (cost_of(job, c.candidate, c.replicas),
                      (c.candidate, c.concurrency, c.token_budget, c.replicas))
-        rounds.append(out.rounds)
         took[s] = out.rounds
         evals += out.evaluations
         sims += out.simulations
@@ -351,7 +372,8 @@ def cli_loop(jobs, grid, requests):
                             requests, jax.random.key(2))
     ok = sum(held[(s, a[1])] for s, a in chosen.items())
     ratio = np.array([chosen[s][0] / grid[s][0] for s in chosen if s in grid])
-    hist = {int(k): int(v) for k, v in zip(*np.unique(rounds, return_counts=True))}
+    hist = {int(k): int(v)
+            for k, v in zip(*np.unique(list(took.values()), return_counts=True))}
     print(f"sweep-optimize loop on {len(jobs)} scenarios: {wall:.1f} s, {evals:,} "
           f"surrogate evaluations, {sims} simulations; scenarios per number of "
           f"rounds {hist}; answered {len(chosen)}, infeasible {len(infeasible)}")
@@ -401,6 +423,7 @@ def optuna_subset(jobs, cands, owner, settings, grid, opt_evals, opt_first, args
           f"{len(picks)}, {budget:,} trials, {t_tpe:.1f} s (optax's share of its "
           f"call for these scenarios: {t_opt:.1f} s); simulator-feasible "
           f"{sum(verdict.values())}/{len(found)} of its answers")
+
 
 if __name__ == "__main__":
     main()

@@ -25,17 +25,12 @@ import time
 from pathlib import Path
 
 import hydra
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optimize_vs_grid as bench  # this folder is on sys.path when run as a script
 import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from sweep.latency import OK
-
-PENALTY = 1e6
 _cache: dict[tuple, tuple] = {}
 
 
@@ -54,38 +49,24 @@ def scenario(cfg) -> tuple:
 
 
 def trial(cfg: DictConfig) -> float:
-    """One Optuna trial: the surrogate's verdict on one configuration."""
+    """One Optuna trial (a Hydra job): ``optimize_vs_grid.trial_value``."""
     (job,), cands, _ = scenario(cfg.scenario)
-    s = job.settings
-    conc = np.unique(s.concurrency_values)
-    budget = np.unique(s.token_budget_values)
-    i, r = int(cfg.candidate), int(cfg.replicas)
-    c = float(conc[cfg.concurrency_index])
-    b = max(float(budget[cfg.budget_index]), c)
-    one = jax.tree.map(lambda x: x[i:i + 1], cands)
-    out = bench._forward(one.hw, one.model, one.workload, one.tp,
-                         jnp.full(1, c, jnp.float32), jnp.full(1, b, jnp.float32),
-                         one.arrival_rate_per_s / r)
-    slo = job.app.slo
-    ok = (float(out["ttft_p99_s"][0]) <= slo.ttft_p99_s
-          and float(out["itl_p99_s"][0]) <= slo.itl_p99_s
-          and int(out["status"][0]) == OK)
-    cost = float(bench.cost_of(job, i, r))
-    return cost if ok else cost + PENALTY
+    value, _ = bench.trial_value(job, cands, int(cfg.candidate),
+                                 int(cfg.concurrency_index), int(cfg.budget_index),
+                                 int(cfg.replicas))
+    return value
 
 
-def store(params: dict[str, str]) -> None:
+def store(scenario_cfg: dict, params: dict[str, str]) -> None:
     """The trial app's config: the Optuna sweeper with TPE over ``params``."""
     ConfigStore.instance().store(name="tpe", node={
         "defaults": [{"override hydra/sweeper": "optuna"},
                      {"override hydra/sweeper/sampler": "tpe"},
                      {"override hydra/job_logging": "disabled"},
                      {"override hydra/hydra_logging": "disabled"}, "_self_"],
-        # a group of its own: sweep's config groups (hardware, model, ...) are
+        # a key of its own: sweep's config groups (hardware, model, ...) are
         # registered in the same process
-        "scenario": {"hardware": "h100_sxm", "model": "qwen3_8b",
-                     "workload": "seed_chat", "rate": 4.0, "slo": "interactive",
-                     "levels": 2, "replicas_max": 256},
+        "scenario": scenario_cfg,
         "candidate": 0, "concurrency_index": 0, "budget_index": 0, "replicas": 1,
         "hydra": {"sweeper": {"direction": "minimize", "n_jobs": 1,
                               "sampler": {"seed": 0}, "params": params}},
@@ -106,26 +87,27 @@ def main():
                    help="default: optax's evaluations on this scenario")
     p.add_argument("--restarts", type=int, default=4)
     args = p.parse_args()
-    cfg = argparse.Namespace(**vars(args), levels=2, replicas_max=256)
-    (job,), cands, owner = scenario(cfg)
+    scenario_cfg = {k: getattr(args, k)
+                    for k in ("hardware", "model", "workload", "rate", "slo")}
+    scenario_cfg.update(levels=bench.LEVELS, replicas_max=bench.REPLICAS_MAX)
+    (job,), cands, owner = scenario(argparse.Namespace(**scenario_cfg))
     s = job.settings
-    n = len(job.candidates)
-    trials = args.trials or args.restarts * n * (s.steps + s.integer_steps)
+    trials = args.trials or bench.optax_evaluations(job, args.restarts)
     grid, _, _ = bench.run_grid([job], cands, owner, s)
     ref = grid[0][0] if grid else float("inf")
 
     sweep_dir = Path(tempfile.mkdtemp(prefix="optuna_sweeper_"))
     conc, budget = np.unique(s.concurrency_values), np.unique(s.token_budget_values)
-    store({"candidate": f"choice({','.join(map(str, range(n)))})",
-           "concurrency_index": f"int(interval(0, {len(conc) - 1}))",
-           "budget_index": f"int(interval(0, {len(budget) - 1}))",
-           "replicas": f"tag(log, int(interval(1, {s.replicas_max})))"})
-    sys.argv = [sys.argv[0], "-m",
-                *(f"scenario.{k}={getattr(args, k)}"
-                  for k in ("hardware", "model", "workload", "rate", "slo")),
-                f"hydra.sweeper.n_trials={trials}", f"hydra.sweep.dir={sweep_dir}"]
+    n = len(job.candidates)
+    store(scenario_cfg, {
+        "candidate": f"choice({','.join(map(str, range(n)))})",
+        "concurrency_index": f"int(interval(0, {len(conc) - 1}))",
+        "budget_index": f"int(interval(0, {len(budget) - 1}))",
+        "replicas": f"tag(log, int(interval(1, {s.replicas_max})))"})
+    sys.argv = [sys.argv[0], "-m", f"hydra.sweeper.n_trials={trials}",
+                f"hydra.sweep.dir={sweep_dir}"]
     # compile the one-point surrogate outside the timed sweep
-    trial(OmegaConf.create({"scenario": vars(cfg), "candidate": 0,
+    trial(OmegaConf.create({"scenario": scenario_cfg, "candidate": 0,
                             "concurrency_index": 0, "budget_index": 0,
                             "replicas": 1}))
     t0 = time.perf_counter()
@@ -133,7 +115,7 @@ def main():
     wall = time.perf_counter() - t0
     best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     value = best["best_value"]
-    found = value if value < PENALTY else float("inf")
+    found = value if value < bench.PENALTY else float("inf")
     print(f"Hydra Optuna sweeper (TPE) {args.hardware} {args.model} {args.workload} "
           f"{args.rate:g} {args.slo}: best {found:.4g} vs grid {ref:.4g} "
           f"({'within' if found <= ref * 1.02 else 'not within'} 2 %), {trials} "

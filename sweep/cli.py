@@ -34,17 +34,20 @@ def _fail(command: str, e: ConfigError) -> None:
     sys.exit(2)
 
 
-def _preflight(command: str, app: str, argv: list[str], check) -> None:
+def _preflight(command: str, app: str, argv: list[str], check):
     """Composes and checks the config before Hydra creates a run directory.
 
     Skipped when Hydra's own flags are given (``--help``, ``--cfg``, ``-m``):
     those are Hydra's to handle.
+
+    Returns:
+      What ``check`` returned, or None when skipped.
     """
     if any(a.startswith("-") for a in argv):
-        return
+        return None
     try:
         with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            check(app, argv)
+            return check(app, argv)
     except ConfigError as e:
         _fail(command, e)
     finally:

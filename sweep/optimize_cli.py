@@ -33,21 +33,16 @@ COMMAND = "sweep-optimize"
 INFEASIBLE_EXIT = 3
 
 
-_prepared: dict[tuple[str, ...], object] = {}
-
-
 def _check(app: str, overrides: list[str]):
-    """The prepared job; the app reuses the preflight's for the same overrides."""
     from sweep import optimize
 
-    # as the app sees them (sweep.cli._overrides): the search path, then the
-    # task's overrides; Hydra's other settings do not change the job
-    searchpath = [o for o in overrides if o.startswith("hydra.searchpath=")]
-    key = (app, *searchpath, *(o for o in overrides if not o.startswith("hydra.")))
-    if key not in _prepared:
-        base, hardware, models = optimize.options(app, overrides)
-        _prepared[key] = optimize.prepare(base, hardware, models)
-    return _prepared[key]
+    base, hardware, models = optimize.options(app, overrides)
+    return optimize.prepare(base, hardware, models)
+
+
+# the job ``main``'s preflight prepared from the same command line (Hydra's
+# own settings aside, which do not change it); None when Hydra flags skip it
+_preflight_job = None
 
 
 def _ms(x: float) -> str:
@@ -118,7 +113,7 @@ def _optimize_app(cfg: DictConfig) -> None:
     # JAX reports at INFO which accelerator plugins are absent; Hydra shows INFO
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
-        job = _check("optimize", _overrides())
+        job = _preflight_job or _check("optimize", _overrides())
     except ConfigError as e:
         _fail(COMMAND, e)
     out = Path(job.app.out) if job.app.out else Path(
@@ -149,6 +144,7 @@ def _optimize_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
-    _preflight(COMMAND, "optimize", sys.argv[1:], _check)
+    global _preflight_job
+    _preflight_job = _preflight(COMMAND, "optimize", sys.argv[1:], _check)
     _enable_compilation_cache()
     _optimize_app()

@@ -324,13 +324,12 @@ def initial_theta(key, settings: Settings, num_candidates: int,
 
     Each axis of the box (log c, log b, log r) is cut into ``R`` equal strata
     and every stratum gets exactly one restart, in a random order per axis
-    and candidate. The relaxed objective has separate basins (e.g. a budget
-    below the prompt length against one above it, where the penalty is flat
-    in ``b``), and independent uniform starts leave a quarter of an axis
-    unvisited with probability ``(3/4)**R``; stratified starts visit every
-    quarter at ``R = 4``. On the 128 scenarios of
-    ``benchmarks/optimize_vs_grid.py`` this raised the share within 2 % of
-    the grid optimum from 121 to 126 at the same cost.
+    and candidate. The relaxed objective has separate basins (e.g. small
+    token budgets against large ones, benchmarks/README.md), and independent
+    uniform starts leave a quarter of an axis unvisited with probability
+    ``(3/4)**R``; stratified starts visit every quarter at ``R = 4``. On the
+    128 scenarios of ``benchmarks/optimize_vs_grid.py`` this raised the share
+    within 2 % of the grid optimum from 121 to 126 at the same cost.
 
     Args:
       key: PRNG key of the random restarts.
