@@ -231,16 +231,17 @@ class _Itl(NamedTuple):
     A run's uniform density covers whole bins between its end bins. Within
     one octave every bin has the same width, so a run adds the same mass to
     each of its bins there: that mass is kept as a +/- pair of changes in the
-    octave's own row (``steps``, summed along the row at the end), and the
-    run's octaves covered entirely go to ``octaves``. Nothing a run adds
+    octave's own row (after the bins' own masses in ``bins``, summed along
+    the row at the end), and the run's octaves covered entirely go to
+    ``octaves``. Nothing a run adds
     reaches another octave, and every stored value is a mass at most the
     run's own, never a density: a density times a width that doubles per
     octave is what let float32 rounding grow without bound.
     """
 
-    mass: jax.Array  # shape=(ITL_BINS,), mass placed in one bin
-    steps: jax.Array  # shape=(ITL_OCTAVES * (_ROW + 1),), per-bin mass changes
-    #   in each octave's row; a row's last entry (one past its bins) is discarded
+    bins: jax.Array  # shape=(ITL_BINS + ITL_OCTAVES * (_ROW + 1),): the mass
+    #   placed in each bin, then each octave's row of per-bin mass changes (one
+    #   scatter a turn); a row's last entry (one past its bins) is discarded
     octaves: jax.Array  # shape=(ITL_OCTAVES,), mass spread over a whole octave
     lo_s: jax.Array  # smallest gap so far (inf: none yet)
     hi_s: jax.Array  # largest gap so far (-inf: none yet)
@@ -439,8 +440,7 @@ def _edge(k, dt):
 
 
 def _itl_empty(dt) -> _Itl:
-    return _Itl(mass=jnp.zeros(ITL_BINS, dt),
-                steps=jnp.zeros(ITL_OCTAVES * (_ROW + 1), dt),
+    return _Itl(bins=jnp.zeros(ITL_BINS + ITL_OCTAVES * (_ROW + 1), dt),
                 octaves=jnp.zeros(ITL_OCTAVES, dt),
                 lo_s=jnp.asarray(jnp.inf, dt), hi_s=jnp.asarray(-jnp.inf, dt))
 
@@ -476,30 +476,27 @@ def _itl_add(h: _Itl, ramps, points) -> _Itl:
     m0 = jnp.where(inner, rho * (end0 - _edge(k0, dt)), 0.0)
     m1 = jnp.where(inner & (o1 > o0) & (j1 > 0),
                    rho * (_edge(k1 + 1, dt) - start1), 0.0)
-    row0, row1 = o0 * (_ROW + 1), o1 * (_ROW + 1)
-    step_idx = jnp.concatenate([row0 + j0 + 1, row0 + jnp.where(o1 == o0, j1, _ROW),
-                                row1, row1 + j1])
-    step_val = jnp.concatenate([m0, -m0, m1, -m1])
+    row0, row1 = ITL_BINS + o0 * (_ROW + 1), ITL_BINS + o1 * (_ROW + 1)
+    step_idx = [row0 + j0 + 1, row0 + jnp.where(o1 == o0, j1, _ROW), row1, row1 + j1]
     octave = jnp.arange(ITL_OCTAVES, dtype=jnp.int32)
     whole = (octave[None, :] > o0[:, None]) & (octave[None, :] < o1[:, None])
     octave_s = _edge((octave + 1) << ITL_MANTISSA_BITS, dt) - _edge(
         octave << ITL_MANTISSA_BITS, dt)
     octave_mass = jnp.where(whole, rho[:, None] * octave_s[None, :], 0.0).sum(axis=0)
-    some, some_p = (w_mid > 0) | (w_end > 0), pw > 0
-    lo = jnp.minimum(jnp.min(jnp.where(some, x0, jnp.inf)),
-                     jnp.min(jnp.where(some_p, px, jnp.inf)))
-    hi = jnp.maximum(jnp.max(jnp.where(some, x1, -jnp.inf)),
-                     jnp.max(jnp.where(some_p, px, -jnp.inf)))
-    return _Itl(mass=h.mass.at[mass_idx].add(mass_val),
-                steps=h.steps.at[step_idx].add(step_val),
-                octaves=h.octaves + octave_mass,
+    some = jnp.concatenate([(w_mid > 0) | (w_end > 0), pw > 0])
+    lo = jnp.min(jnp.where(some, jnp.concatenate([x0, px]), jnp.inf))
+    hi = jnp.max(jnp.where(some, jnp.concatenate([x1, px]), -jnp.inf))
+    idx = jnp.concatenate([mass_idx, *step_idx])
+    val = jnp.concatenate([mass_val, m0, -m0, m1, -m1])
+    return _Itl(bins=h.bins.at[idx].add(val), octaves=h.octaves + octave_mass,
                 lo_s=jnp.minimum(h.lo_s, lo), hi_s=jnp.maximum(h.hi_s, hi))
 
 
 def _itl_hist(h: _Itl):
     """Gaps per bin, shape ``(ITL_BINS,)``."""
-    rows = jnp.cumsum(h.steps.reshape(ITL_OCTAVES, _ROW + 1), axis=1)[:, :_ROW]
-    return h.mass + (rows + h.octaves[:, None] / _ROW).ravel()
+    steps = h.bins[ITL_BINS:].reshape(ITL_OCTAVES, _ROW + 1)
+    rows = jnp.cumsum(steps, axis=1)[:, :_ROW]
+    return h.bins[:ITL_BINS] + (rows + h.octaves[:, None] / _ROW).ravel()
 
 
 def _run_ramps(lines, split, n, weight):
