@@ -125,7 +125,7 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
                      ("batching", [b.value for b in app.grid.batching])):
         if len(set(names)) != len(names):
             raise ConfigError(f"grid.{d} = {names}: values must be distinct")
-    return [workload_tables(w) for w in options["workload"]]
+    return [workload_tables(w, app.data_dir) for w in options["workload"]]
 
 
 def prepare(app: GridApp, options: dict[str, list]) -> GridJob:

@@ -116,10 +116,10 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"search.optimizer = {s.optimizer!r} with options "
             f"{dict(s.optimizer_options)}: not an optax optimizer alias with these "
             f"options ({e})") from None
-    tables = workload_tables(app.workload)
+    tables = workload_tables(app.workload, app.data_dir)
     trace = None
     if app.workload.arrival == ArrivalKind.trace:
-        trace = load_trace(app.workload.trace).arrival_s
+        trace = load_trace(app.workload.trace, app.data_dir).arrival_s
     request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
     keep, excluded = [], []
     for h in hardware:

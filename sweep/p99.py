@@ -96,7 +96,7 @@ def part(app: GridApp, workloads, tables, hw_axis, model_axis, point_axes, coord
         for w, t, k in zip(workloads, tables, keys):
             trace = None
             if w.arrival == ArrivalKind.trace:
-                trace = load_trace(w.trace).arrival_s
+                trace = load_trace(w.trace, app.data_dir).arrival_s
             streams.append([sample_requests(k, t, app.latency.num_requests, r, trace)
                             for r in rates])
         requests = jax.tree.map(lambda *x: jnp.stack(x),

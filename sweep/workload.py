@@ -11,7 +11,8 @@ batching, the whole distribution as a sorted ``(values, probs)`` table:
   continuous value as the bins shrink (tested against a Monte-Carlo estimate).
 
 Traces are CSV (header row) or JSON lines, with columns named in the config.
-A bare file name is looked up among the shipped traces (``sweep/data``).
+A bare file name that is not a file is a registered public trace
+(``sweep.data``): a verified local copy, cached, or fetched from its origin.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 from sweep.config.schema import ConfigError, LengthDist, LengthKind, Trace, Workload
+from sweep.data import REGISTRY, DataError, fetch
 
 LOGNORMAL_BINS = 1024
 
@@ -37,17 +38,24 @@ class TraceData:
     columns: dict[str, np.ndarray]
 
 
-def resolve_trace_path(path: str) -> Path:
-    """An existing file: as given, or a shipped trace of that name."""
+def resolve_trace_path(path: str, data_dir: str | None = None) -> Path:
+    """An existing file as given; else the verified registered trace of that name.
+
+    Args:
+      data_dir: the folder of local copies (``app.data_dir``); None: the
+        ``SWEEP_DATA_DIR`` environment variable.
+    """
     p = Path(path).expanduser()
     if p.exists():
         return p
-    shipped = resources.files("sweep.data") / path
-    if shipped.is_file():
-        return Path(str(shipped))
+    if path in REGISTRY:
+        try:
+            return fetch(path, data_dir)
+        except DataError as e:
+            raise ConfigError(f"workload.trace.path = {path!r}: {e.reason}") from None
     raise ConfigError(
-        f"workload.trace.path = {path!r}: no such file (neither on disk nor a "
-        "shipped trace in sweep/data)"
+        f"workload.trace.path = {path!r}: no such file, nor a registered public "
+        f"trace ({', '.join(REGISTRY)}; see sweep-data list)"
     )
 
 
@@ -104,9 +112,13 @@ def _numbers(raw: list[str], key: str) -> np.ndarray:
     return v
 
 
-def load_trace(trace: Trace) -> TraceData:
-    """Reads and checks a trace file; raises ``ConfigError`` on bad content."""
-    path = resolve_trace_path(trace.path)
+def load_trace(trace: Trace, data_dir: str | None = None) -> TraceData:
+    """Reads and checks a trace file; raises ``ConfigError`` on bad content.
+
+    Args:
+      data_dir: as in ``resolve_trace_path``.
+    """
+    path = resolve_trace_path(trace.path, data_dir)
     header, rows = _read_rows(path, trace.format)
     wanted = [c for c in (trace.timestamp_column, trace.prompt_column,
                           trace.output_column) if c]
@@ -197,9 +209,13 @@ class WorkloadTables:
         return float(self.output_values @ self.output_probs)
 
 
-def workload_tables(w: Workload) -> WorkloadTables:
-    """Loads the trace (if any) and tabulates both length distributions."""
-    trace = load_trace(w.trace) if w.trace is not None else None
+def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
+    """Loads the trace (if any) and tabulates both length distributions.
+
+    Args:
+      data_dir: as in ``resolve_trace_path``.
+    """
+    trace = load_trace(w.trace, data_dir) if w.trace is not None else None
     cols = trace.columns if trace is not None else {}
     pv, pp = length_table(w.prompt, cols.get(w.trace.prompt_column) if trace else None)
     ov, op = length_table(w.output, cols.get(w.trace.output_column) if trace else None)

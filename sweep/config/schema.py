@@ -129,7 +129,8 @@ class LengthDist:
 class Trace:
     path: str = field(
         default=MISSING,
-        metadata={"help": "file; a bare name is looked up in the shipped sweep/data"},
+        metadata={"help": "a file; else a registered public trace's name (sweep-data "
+                  "list), fetched from its origin and verified"},
     )
     format: str = "csv"
     timestamp_column: str = ""
@@ -324,6 +325,11 @@ class GridApp:
         default=None, metadata={"help": "cube path; default <run dir>/cube.zarr"}
     )
     seed: int = 0
+    data_dir: str | None = field(
+        default=None,
+        metadata={"help": "folder of local copies of the public traces (verified, "
+                  "used without download); default $SWEEP_DATA_DIR"},
+    )
 
 
 @dataclass
@@ -412,3 +418,8 @@ class OptimizeApp:
         default=None, metadata={"help": "dataset path; default <run dir>/optimize.zarr"}
     )
     seed: int = 0
+    data_dir: str | None = field(
+        default=None,
+        metadata={"help": "folder of local copies of the public traces (verified, "
+                  "used without download); default $SWEEP_DATA_DIR"},
+    )
