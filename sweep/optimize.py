@@ -47,7 +47,7 @@ import numpy as np
 import xarray as xr
 
 from sweep import roofline, search
-from sweep.arrivals import route, split, workload_requests
+from sweep.arrivals import Requests, route, split, workload_requests
 from sweep.config.schema import ConfigError, Hardware, Model, OptimizeApp
 from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.latency import LatencyWorkload
@@ -337,6 +337,15 @@ def verification_requests(job: OptimizeJob, replicas: int) -> int:
     return min(s.verify_requests * replicas, s.verify_requests_max)
 
 
+def verification_stream(job: OptimizeJob, key) -> Requests:
+    """The verification stream: ``verify_requests_max`` requests at the
+    workload's full rate (host arrays); a configuration takes a prefix."""
+    app = job.app
+    return jax.tree.map(np.asarray, workload_requests(
+        jax.random.fold_in(key, 0), app.workload, job.tables,
+        app.search.verify_requests_max, app.workload.arrival_rate_per_s))
+
+
 def simulate_configs(job: OptimizeJob, configs: list[Config], key,
                      width: int) -> list[dict[str, float]]:
     """Simulates each configuration's replicas behind a load balancer.
@@ -357,12 +366,9 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
       with ``requests`` (simulated) added.
     """
     app, s = job.app, job.app.search
-    key_stream, key_route = jax.random.split(key)
-    stream = jax.tree.map(np.asarray, workload_requests(
-        key_stream, app.workload, job.tables, s.verify_requests_max,
-        app.workload.arrival_rate_per_s))
+    stream = verification_stream(job, key)
     routes = [route(verification_requests(job, c.replicas), c.replicas, s.routing,
-                    key_route) for c in configs]
+                    jax.random.fold_in(key, 1)) for c in configs]
     longest = max(int(np.bincount(r).max()) for r in routes)
     length = -(-longest // 64) * 64
     subs, mines, owner, row_config = [], [], [], []

@@ -38,7 +38,14 @@ import numpy as np
 
 from sweep import roofline
 from sweep.arrivals import workload_requests
-from sweep.config.schema import GridApp, LatencyMethod, Model, Overlong, Replay, Workload
+from sweep.config.schema import (
+    GridApp,
+    LatencyMethod,
+    Model,
+    Overlong,
+    Replay,
+    Workload,
+)
 from sweep.evaluate import blocking
 from sweep.latency import LatencyWorkload, latency_workload, surrogate
 from sweep.params import CONTINUOUS, OVERLONG, stack

@@ -333,8 +333,8 @@ class Slo:
     def __post_init__(self) -> None:
         _positive(self, f"slo[{self.name}]", "ttft_p99_s", "itl_p99_s")
         v = self.max_rejected_fraction
-        _check(math.isfinite(v) and 0 <= v <= 1, f"slo[{self.name}].max_rejected_fraction",
-               v, "must be in [0, 1]")
+        _check(math.isfinite(v) and 0 <= v <= 1,
+               f"slo[{self.name}].max_rejected_fraction", v, "must be in [0, 1]")
 
 
 @dataclass
