@@ -921,24 +921,28 @@ def pool(outcomes: SimOutcome, rows) -> SimOutcome:
       outcomes: ``SimOutcome`` with a leading axis ``K`` (one per scheduler).
       rows: bool ``(K,)``, the schedulers to pool (the others are ignored).
     """
-    def requests(x, fill):
-        return jnp.where(rows[:, None], x, fill).reshape(-1)
+    def mine(x, fill=0):
+        """``x`` where the row is pooled, else ``fill`` (in ``x``'s dtype)."""
+        keep = rows.reshape(rows.shape + (1,) * (x.ndim - 1))
+        return jnp.where(keep, x, jnp.asarray(fill, x.dtype))
 
-    dt = outcomes.ttft_s.dtype
+    def requests(x, fill=0):
+        return mine(x, fill).reshape(-1)
+
     return SimOutcome(
-        ttft_s=requests(outcomes.ttft_s, jnp.asarray(jnp.nan, dt)),
-        e2e_s=requests(outcomes.e2e_s, jnp.asarray(jnp.nan, dt)),
-        good=requests(outcomes.good, False),
-        itl_hist=jnp.where(rows[:, None], outcomes.itl_hist, 0.0).sum(0),
-        duration_s=jnp.where(rows, outcomes.duration_s, 0.0).max(),
-        preemptions=jnp.where(rows, outcomes.preemptions, 0).sum(),
-        steps=jnp.where(rows, outcomes.steps, 0).sum(),
-        iterations=jnp.where(rows, outcomes.iterations, 0).max(),
-        status=jax.lax.reduce(jnp.where(rows, outcomes.status, 0), jnp.int32(0),
+        ttft_s=requests(outcomes.ttft_s, jnp.nan),
+        e2e_s=requests(outcomes.e2e_s, jnp.nan),
+        good=requests(outcomes.good),
+        itl_hist=mine(outcomes.itl_hist).sum(0, dtype=outcomes.itl_hist.dtype),
+        duration_s=mine(outcomes.duration_s).max(),
+        preemptions=mine(outcomes.preemptions).sum(dtype=outcomes.preemptions.dtype),
+        steps=mine(outcomes.steps).sum(dtype=outcomes.steps.dtype),
+        iterations=mine(outcomes.iterations).max(),
+        status=jax.lax.reduce(mine(outcomes.status), jnp.zeros((), jnp.int32),
                               jax.lax.bitwise_or, (0,)),
-        served=requests(outcomes.served, False),
-        rejected=requests(outcomes.rejected, False),
-        output_tokens=requests(outcomes.output_tokens, jnp.asarray(0.0, dt)),
+        served=requests(outcomes.served),
+        rejected=requests(outcomes.rejected),
+        output_tokens=requests(outcomes.output_tokens),
     )
 
 
