@@ -10,8 +10,18 @@ batching, the whole distribution as a sorted ``(values, probs)`` table:
   its conditional median; ``E[max of B]`` from this table converges to the
   continuous value as the bins shrink (tested against a Monte-Carlo estimate).
 
-Traces are CSV (header row) or JSON lines, with columns named in the config.
-A bare file name is looked up among the shipped traces (``sweep/data``).
+Traces are CSV (header row) or JSON lines, with columns named in the config,
+read by pandas (quoted fields, a UTF-8 BOM, CRLF line ends). A bare file name
+is looked up among the shipped traces (``sweep/data``). Bad content (a
+non-number, a negative or decreasing timestamp, a length above
+``MAX_TRACE_TOKENS``, an all-zero length column, equal timestamps used for
+arrivals) raises ``ConfigError`` naming the column and line. A trace with
+both lengths also keeps its rows' (prompt, output) pairs in recorded order
+(``WorkloadTables.pairs``) for exact replay.
+
+``context_limit`` is the model's context rule (vLLM's ``max_model_len``),
+shared by the simulator and ``served_tables``, which conditions the tables on
+the requests a model serves.
 """
 
 from __future__ import annotations
