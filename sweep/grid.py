@@ -87,6 +87,19 @@ def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> 
             )
 
 
+def _check_context(app: GridApp, models: list[Model]) -> None:
+    """A grid context beyond a model's ``max_context_tokens`` cannot be served."""
+    for axis in ("context_tokens", "long_prompt_tokens"):
+        values = app.grid.axes[axis]
+        for m in models:
+            if m.max_context_tokens and max(values) > m.max_context_tokens:
+                raise ConfigError(
+                    f"grid.{axis} = {[int(v) for v in values]}: {max(values):,.0f} "
+                    f"tokens exceed model[{m.name}].max_context_tokens = "
+                    f"{m.max_context_tokens:,}; allowed: values <= "
+                    f"{m.max_context_tokens:,} (or leave that model out)")
+
+
 def _static_utilization(tables: list[WorkloadTables], concurrency) -> np.ndarray:
     """``E[out] / E[max of B outputs]`` per workload x concurrency (a small table)."""
     batch = jnp.asarray(concurrency, jnp.float32)
@@ -118,6 +131,7 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
     Raises:
       ConfigError: one line naming the field, its value and what is allowed.
     """
+    _check_context(app, options["model"])
     _check_fits(app, options["hardware"], options["model"])
     for d, names in (("hardware", [h.name for h in options["hardware"]]),
                      ("model", [m.name for m in options["model"]]),
@@ -162,8 +176,8 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
                   blocking(shape, app.grid.chunk_points), tables=(util,),
                   table_dims=((DIMS.index("workload"), DIMS.index("concurrency")),))]
     if app.latency.method != LatencyMethod.none:
-        part, rate_coord = p99.part(app, workloads, tables, hw_axis, model_axis,
-                                    point_axes, coords)
+        part, rate_coord = p99.part(app, workloads, tables, models, hw_axis,
+                                    model_axis, point_axes, coords)
         coords["arrival_rate_per_s"] = rate_coord
         parts.append(part)
     extra = {

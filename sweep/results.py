@@ -47,7 +47,10 @@ P99_VARIABLES: dict[str, tuple[str, str]] = {
     "e2e_p99_s": ("s", "p99 end-to-end latency"),
     "achieved_output_tokens_per_s": ("tokens/s", "achieved output rate"),
     "goodput_req_per_s": ("requests/s", "requests meeting the SLO per second"),
-    "slo_met": ("1", "p99 TTFT and ITL within the SLO"),
+    "rejected_fraction": ("1", "share of requests rejected (prompt + output above "
+                          "the model's max_context_tokens)"),
+    "slo_met": ("1", "p99 TTFT and ITL within the SLO, rejected share within "
+                "slo.max_rejected_fraction"),
     "latency_status": ("1", "latency model status flags (0 = ok)"),
 }
 
