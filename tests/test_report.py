@@ -46,9 +46,9 @@ def check_png(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def default_report(cube_path) -> Path:  # noqa: F811
-    """The report written where it goes by default: report/ beside the cube."""
+    """The report written where it goes by default: c.report/ beside c.zarr."""
     report([cube_path])
-    return cube_path.parent / "report"
+    return cube_path.parent / "c.report"
 
 
 def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
@@ -69,7 +69,7 @@ def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
     # the cube's own SLO (interactive) applies, through the documented proxies
     assert "step_s (decode step as ITL proxy" in md
     leftovers = [p.name for p in default_report.parent.iterdir()
-                 if p.name.startswith(".report")]
+                 if p.name.startswith(".") or p.suffix in (".lock", ".old")]
     assert leftovers == []
 
 
@@ -83,7 +83,8 @@ def test_summary_row_is_the_cheapest_feasible_point(default_report, cube_path): 
     assert f"| {np.nanmin(cost):.3f} |" in row
 
 
-def test_p99_cube_missing_variables_and_replacement(cube_path, tmp_path):  # noqa: F811
+def test_p99_cube_missing_variables_and_replacement(cube_path, default_report,
+                                                   tmp_path):
     ds = sweep.open_cube(cube_path).load()
     attrs = {"units": "s", "long_name": "p99 ITL"}
     p99 = ds.assign(itl_p99_s=(ds.step_s * 1.5).assign_attrs(attrs),
@@ -91,7 +92,7 @@ def test_p99_cube_missing_variables_and_replacement(cube_path, tmp_path):  # noq
     p99 = p99.drop_vars(["long_prefill_s", "long_prefill_worst_itl_s"])
     path = save(p99, tmp_path / "p99.zarr")
     out = tmp_path / "rep"
-    out.mkdir()
+    shutil.copytree(default_report, out)  # an earlier report, with a stray file
     (out / "stale.txt").write_text("old")
     report([path, "--out", out, "--itl-p99-s", "0.03", "--hardware", "l40s"])
     assert not (out / "stale.txt").exists()  # the old report is replaced whole
@@ -130,12 +131,13 @@ def test_not_a_cube(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["empty.zarr"]
 
 
-def test_bad_input_keeps_the_old_report(cube_path, tmp_path, capsys):  # noqa: F811
+def test_bad_input_keeps_the_old_report(cube_path, default_report, tmp_path,
+                                        capsys):
     ds = sweep.open_cube(cube_path).load()
     path = save(ds.drop_vars(["cost_per_mtok_out_usd", "kv_fits"]),
                 tmp_path / "thin.zarr")
     out = tmp_path / "rep"
-    out.mkdir()
+    shutil.copytree(default_report, out)
     (out / "report.md").write_text("old")
     err = fail([path, "--out", out], capsys)
     assert "lacks cost_per_mtok_out_usd, kv_fits" in err
@@ -155,7 +157,7 @@ def optimize_report(optimize_run) -> Path:
     """The report of the session's ``sweep-optimize`` dataset, where it goes."""
     assert optimize_run.proc.returncode == 0, optimize_run.proc.stderr
     report([optimize_run.path])
-    return optimize_run.path.parent / "report"
+    return optimize_run.path.parent / "opt.report"
 
 
 @pytest.mark.slow
