@@ -4,6 +4,11 @@ Each command first composes and validates its config outside Hydra's run
 (so that bad input gets one line and exit code 2, with no run directory and
 no compilation), then hands the command line to ``@hydra.main``, which
 composes again, creates the run directory and runs the job.
+
+Between the two, ``_place_run`` checks the output path (``sweep.outputs``)
+and adds the Hydra settings that place the run: with ``out=``, no run
+directory at all; without, a sweep continues the unfinished run of the same
+config under ``outputs/`` in its own directory.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from sweep import outputs
 from sweep.config.resolve import grid_options
 from sweep.config.schema import ConfigError
 from sweep.config.store import register_configs
-from sweep import outputs
 from sweep.outputs import OutputError
 
 CONFIG_MODULE = "sweep.conf"
@@ -71,20 +76,21 @@ def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _place_run(app: str, argv: list[str], *, command: str, default_name: str,
-               resume: bool) -> list[str]:
+def _place_run(app: str, argv: list[str], *, command: str, kind: str,
+               default_name: str, resume: bool) -> list[str]:
     """Checks ``out=`` and returns the Hydra overrides that place the run.
 
-    With ``out=``: the path is checked (``sweep.outputs.check_target``) and
-    Hydra writes nothing. Without, when ``resume``: the latest unfinished
-    ``default_name`` of the same config under the outputs root (the run
-    directory's pattern, ``outputs/*/*``) is continued in its own run
-    directory, and a line says which. The user's own ``hydra.*`` settings win.
+    With ``out=``: the path is checked for an output of ``kind``
+    (``sweep.outputs.check_target``) and Hydra writes nothing. Without, when
+    ``resume``: the latest unfinished ``default_name`` of the same config
+    under the outputs root (the run directory's pattern, ``outputs/*/*``) is
+    continued in its own run directory, and a line says which. The user's own
+    ``hydra.*`` settings win.
     """
     cfg = compose(config_name=app, overrides=argv, return_hydra_config=True)
     given = {o.split("=")[0].lstrip("+~") for o in argv}
     if cfg.out:
-        outputs.check_target(Path(cfg.out).expanduser(), f"out={cfg.out}")
+        outputs.check_target(Path(cfg.out).expanduser(), f"out={cfg.out}", kind)
         return [o for o in _NO_RUN_DIR if o.split("=")[0] not in given]
     if not resume or "hydra.run.dir" in given:
         return []
@@ -103,11 +109,11 @@ def _place_run(app: str, argv: list[str], *, command: str, default_name: str,
     return [f"hydra.run.dir={_quote(str(state.out.parent))}"]
 
 
-def _check_output(command: str, out: Path, label: str) -> None:
+def _check_output(command: str, out: Path, label: str, kind: str) -> None:
     """In the job: the output path is the tool's to write, and (under ``-m``)
     this job's alone; else one line and exit code 2."""
     try:
-        outputs.check_target(out, label)
+        outputs.check_target(out, label, kind)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
             outputs.claim(out, Path(hc.sweep.dir), hc.job.num, label)
@@ -213,13 +219,17 @@ def _grid_app(cfg: DictConfig) -> None:
         _fail("sweep-grid", e)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "cube.zarr"
-    _check_output("sweep-grid", out, f"out={job.app.out}" if job.app.out else str(out))
+    _check_output("sweep-grid", out, f"out={job.app.out}" if job.app.out else str(out),
+                  "cube")
     config_yaml = OmegaConf.to_yaml(cfg)
     attrs = results.provenance(config_yaml, job.app.seed, _overrides())
     blocks = sum(len(p.plan) for p in job.parts)
-    console.print(f"sweep-grid: {job.points:,} points in {blocks} block(s) -> {out}")
     try:
-        ds = grid.run(job, out, attrs, config_yaml, progress=_progress_bar(console))
+        with outputs.lock(out, grid.fingerprint(config_yaml, job)):
+            console.print(f"sweep-grid: {job.points:,} points in {blocks} block(s) "
+                          f"-> {out}")
+            ds = grid.run(job, out, attrs, config_yaml,
+                          progress=_progress_bar(console))
     except OutputError as e:
         _fail("sweep-grid", e)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
@@ -234,5 +244,6 @@ def grid_main() -> None:
     argv = sys.argv[1:]
     _preflight("sweep-grid", "grid", argv, _grid_check)
     sys.argv += _preflight("sweep-grid", "grid", argv, partial(
-        _place_run, command="sweep-grid", default_name="cube.zarr", resume=True)) or []
+        _place_run, command="sweep-grid", kind="cube", default_name="cube.zarr",
+        resume=True)) or []
     _grid_app()

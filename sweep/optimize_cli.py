@@ -127,7 +127,8 @@ def _optimize_app(cfg: DictConfig) -> None:
         _fail(COMMAND, e)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
-    _check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out))
+    _check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
+                  "optimize")
     err.print(f"{COMMAND}: {len(job.candidates)} candidates "
               f"({len(job.excluded)} excluded: do not fit) x {job.app.search.restarts}"
               f" restarts; {job.app.workload.name} at "
@@ -160,7 +161,8 @@ def main() -> None:
     argv = sys.argv[1:]
     _preflight_job = _preflight(COMMAND, "optimize", argv, _check)
     sys.argv += _preflight(COMMAND, "optimize", argv, partial(
-        _place_run, command=COMMAND, default_name="optimize.zarr", resume=False)
+        _place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",
+        resume=False)
     ) or []
     _enable_compilation_cache()
     _optimize_app()

@@ -214,14 +214,24 @@ def _holder(fd: int) -> str:
         return "another process"
 
 
+_held: dict[str, int] = {}  # lock file -> descriptor, of the locks this process holds
+
+
 @contextmanager
 def lock(target: Path, fingerprint: str = "") -> Iterator[None]:
     """Holds ``<target>.lock`` while the body writes ``target``.
+
+    Reentrant: within a process that holds it already (a command around the
+    library call that writes), it is a no-op.
 
     Raises:
       OutputError: another live process holds it (one line naming it).
     """
     path = lock_path(Path(target))
+    key = str(path.absolute())
+    if key in _held:
+        yield
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -249,9 +259,11 @@ def lock(target: Path, fingerprint: str = "") -> Iterator[None]:
             "fingerprint": fingerprint}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
+    _held[key] = fd
     try:
         yield
     finally:
+        del _held[key]
         with suppress(FileNotFoundError):
             os.unlink(path)  # while still held: an opener waiting on it retries
         os.close(fd)

@@ -83,8 +83,7 @@ def test_summary_row_is_the_cheapest_feasible_point(default_report, cube_path): 
     assert f"| {np.nanmin(cost):.3f} |" in row
 
 
-def test_p99_cube_missing_variables_and_replacement(cube_path, default_report,
-                                                   tmp_path):
+def test_p99_cube_missing_variables_and_replacement(cube_path, tmp_path):  # noqa: F811
     ds = sweep.open_cube(cube_path).load()
     attrs = {"units": "s", "long_name": "p99 ITL"}
     p99 = ds.assign(itl_p99_s=(ds.step_s * 1.5).assign_attrs(attrs),
@@ -92,7 +91,7 @@ def test_p99_cube_missing_variables_and_replacement(cube_path, default_report,
     p99 = p99.drop_vars(["long_prefill_s", "long_prefill_worst_itl_s"])
     path = save(p99, tmp_path / "p99.zarr")
     out = tmp_path / "rep"
-    shutil.copytree(default_report, out)  # an earlier report, with a stray file
+    report([path, "--out", out])  # an earlier report, then a stray file in it
     (out / "stale.txt").write_text("old")
     report([path, "--out", out, "--itl-p99-s", "0.03", "--hardware", "l40s"])
     assert not (out / "stale.txt").exists()  # the old report is replaced whole
@@ -127,21 +126,20 @@ def test_not_a_cube(tmp_path, capsys):
     assert "is not a result cube" in err and "missing.zarr" in err
     (tmp_path / "empty.zarr").mkdir()
     assert "is not a result cube" in fail([tmp_path / "empty.zarr"], capsys)
-    assert not (tmp_path / "report").exists()
+    assert not list(tmp_path.glob("*.report"))
     assert [p.name for p in tmp_path.iterdir()] == ["empty.zarr"]
 
 
-def test_bad_input_keeps_the_old_report(cube_path, default_report, tmp_path,
-                                        capsys):
+def test_bad_input_keeps_the_old_report(cube_path, tmp_path, capsys):  # noqa: F811
     ds = sweep.open_cube(cube_path).load()
     path = save(ds.drop_vars(["cost_per_mtok_out_usd", "kv_fits"]),
                 tmp_path / "thin.zarr")
     out = tmp_path / "rep"
-    shutil.copytree(default_report, out)
-    (out / "report.md").write_text("old")
+    report([cube_path, "--out", out])
+    old = (out / "report.md").read_text()
     err = fail([path, "--out", out], capsys)
     assert "lacks cost_per_mtok_out_usd, kv_fits" in err
-    assert (out / "report.md").read_text() == "old"
+    assert (out / "report.md").read_text() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "thin.zarr"]
     assert "no conf/slo/nope.yaml" in fail([cube_path, "--out", out, "--slo", "nope"],
                                            capsys)
@@ -195,3 +193,57 @@ def test_optimize_dataset_without_configs_is_refused(tmp_path, capsys):
     assert "config_cost_per_mtok_out_usd" in err and "dim config" in err
     assert "attribute vllm_flags" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["opt.zarr"]
+
+
+def test_reports_of_two_cubes_in_one_folder_are_apart(cube_path, default_report,
+                                                     tmp_path):
+    for name in ("a", "b"):
+        shutil.copytree(cube_path, tmp_path / f"{name}.zarr")
+    shutil.copytree(default_report, tmp_path / "a.report")
+    before = (tmp_path / "a.report" / "report.md").read_text()
+    report([tmp_path / "b.zarr"])
+    assert (tmp_path / "b.report" / "report.md").read_text().startswith(
+        "# Sweep report: b.zarr")
+    assert (tmp_path / "a.report" / "report.md").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.report", "a.zarr", "b.report", "b.zarr"]
+
+
+@pytest.mark.parametrize("case", ["foreign", "file", "cube"])
+def test_out_the_tool_must_not_replace_is_refused(cube_path, tmp_path, capsys,
+                                                  case):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    (tmp_path / "notes.txt").write_text("keep")
+    target, why = {
+        "foreign": (tmp_path / "mine", "exists and is not a sweep-report report"),
+        "file": (tmp_path / "notes.txt", "exists and is not a folder"),
+        "cube": (cube_path, "exists and is not a sweep-report report"),
+    }[case]
+    err = fail([cube_path, "--out", target], capsys)
+    assert err.startswith(f"sweep-report: error: --out {target}: {why}"), err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "notes.txt"]
+    sweep.open_cube(cube_path)  # intact
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("delete", "the chunk file is missing"),
+    ("truncate", "does not decode (its size is not the one its header states)")])
+def test_a_damaged_cube_is_refused(cube_path, tmp_path, capsys, damage, why):
+    # the report used to show a missing chunk as rows of dashes, exit code 0
+    var = "cost_per_mtok_out_usd"
+    chunk = next(p for p in (cube_path / var).iterdir() if p.name[0] != ".")
+    good = chunk.read_bytes()
+    try:
+        if damage == "delete":
+            chunk.unlink()
+        else:
+            chunk.write_bytes(good[: len(good) // 2])
+        err = fail([cube_path, "--out", tmp_path / "rep"], capsys)
+    finally:
+        chunk.write_bytes(good)
+    assert err == (f"sweep-report: error: {cube_path} is damaged: variable {var}, "
+                   f"chunk {chunk.name}: {why}; rerun the command that wrote it\n")
+    assert list(tmp_path.iterdir()) == []

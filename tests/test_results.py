@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -200,22 +200,36 @@ def test_a_partial_store_the_tool_did_not_write_is_refused(hydra_ctx, tmp_path):
 
 # --- one writer per output ---
 
-def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(hydra_ctx,
-                                                                 tmp_path):
-    job = _job()
+HOLD = """
+import sys, time
+from pathlib import Path
+from sweep import outputs
+with outputs.lock(Path(sys.argv[1]), "abc"):
+    print("held", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_second_writer_is_refused_and_a_killed_ones_lock_taken_over(
+        one_block, tmp_path):
+    job, _ = one_block
     out = tmp_path / "c.zarr"
-    with outputs.lock(out, "abc"):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
         info = json.loads(outputs.lock_path(out).read_text())
-        assert info["pid"] == os.getpid() and info["fingerprint"] == "abc"
-        with pytest.raises(outputs.OutputError,
-                           match=f"being written by pid {os.getpid()} on "
-                                 f"{socket.gethostname()} since "):
+        assert info["pid"] == holder.pid and info["fingerprint"] == "abc"
+        with pytest.raises(outputs.OutputError) as e:
             grid.run(job, out, {}, "x")
-    assert not out.exists() and not outputs.lock_path(out).exists()
-    # the lock file of a killed writer: no process holds it any more
-    outputs.lock_path(out).write_text(json.dumps(
-        {"pid": 2 ** 22 + 1, "host": socket.gethostname(), "fingerprint": "abc",
-         "started_utc": "2026-01-01T00:00:00+00:00"}))
+        assert str(e.value).startswith(
+            f"{out}: being written by pid {holder.pid} on {socket.gethostname()} "
+            "since ")
+    finally:
+        holder.kill()  # SIGKILL: its lock file stays behind
+        holder.wait()
+        holder.stdout.close()
+    assert not out.exists() and outputs.lock_path(out).exists()
     grid.run(job, out, {}, "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.zarr"]
 
