@@ -224,9 +224,9 @@ def test_a_second_writer_is_refused_then_the_cube_replaced(seed_run):
 def test_multirun_jobs_sharing_one_out_second_is_refused(tmp_path):
     proc = run(["-m", *SMALL, "grid.concurrency=[1],[8]", "out=m.zarr"], tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == ("sweep-grid: error: out=m.zarr: job 0 of this multirun writes "
-                    "it already; give each job its own output, e.g. "
-                    "out='cube_${hydra:job.num}.zarr'")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "sweep-grid: error: out=m.zarr: job 0 of this multirun writes it already; "
+        "give each job its own output, e.g. out='cube_${hydra:job.num}.zarr'")
     assert list(sweep.open_cube(tmp_path / "m.zarr").concurrency.values) == [1]
 
 

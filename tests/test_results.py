@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 import xarray as xr
-
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
