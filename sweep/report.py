@@ -29,7 +29,7 @@ import xarray as xr
 
 from sweep import outputs, plots
 from sweep.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, load_slo
-from sweep.results import DamagedCube, open_cube
+from sweep.results import DamagedCube, check_chunks, open_cube
 
 # what the summary table and every chart's reduction rely on
 CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_per_s",
@@ -101,19 +101,27 @@ def load(path: Path) -> xr.Dataset:
     except Exception as e:  # whatever the store's reader says, the path is no cube
         raise ReportError(f"{path} is not a result cube "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    try:
+        ds = ds.load()
+    except Exception as e:  # a chunk changed in place fails only when decoded
+        try:
+            check_chunks(path, decode=True)
+        except DamagedCube as damaged:
+            raise ReportError(str(damaged)) from e
+        raise
     if is_optimize(ds):
         require(path, ds, "optimize dataset", OPTIMIZE_VARIABLES, OPTIMIZE_DIMS,
                 OPTIMIZE_ATTRS)
         if not ds["chosen"].values.any():
             raise ReportError(f"{path}: no candidate of the optimize dataset is "
                               "marked chosen")
-        return ds.load()
+        return ds
     require(path, ds, "cube", CORE_VARIABLES, CORE_DIMS)
     for d in ("hardware", "model"):
         if d not in ds.dims:
             value = str(ds[d].values) if d in ds.coords else "-"
             ds = ds.drop_vars(d, errors="ignore").expand_dims({d: [value]})
-    return ds.load()
+    return ds
 
 
 def require(path: Path, ds: xr.Dataset, what: str, variables, dims,

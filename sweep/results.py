@@ -306,23 +306,27 @@ class DamagedCube(ValueError):
     """A cube store with a chunk missing or unreadable: one line for the user."""
 
 
-def _blosc_sizes_match(data: bytes) -> bool:
-    """Whether a blosc chunk is as long as its header says (blosc itself reads
-    past the end of a truncated one rather than failing)."""
+def _blosc_size_matches(head: bytes, size: int) -> bool:
+    """Whether a blosc chunk of ``size`` bytes starting with ``head`` is as long
+    as its header says (blosc itself reads past the end of a truncated one)."""
     # header: version, versionlz, flags, typesize, then uint32 LE nbytes,
     # blocksize, cbytes (c-blosc's README_HEADER.rst)
-    return len(data) >= 16 and int.from_bytes(data[12:16], "little") == len(data)
+    return len(head) >= 16 and int.from_bytes(head[12:16], "little") == size
 
 
-def check_chunks(path: Path) -> None:
-    """Checks that every chunk of every array of a zarr v2 store decodes to its
-    size and, in a store the tool wrote, that every chunk is there.
+def check_chunks(path: Path, decode: bool = False) -> None:
+    """Checks the chunk files of every array of a zarr v2 store.
 
-    zarr reads a missing chunk as fill values (NaN), so a deleted chunk file
-    would pass as points that do not fit. The tool writes every chunk's file
-    (``write_empty_chunks``), so in its stores (``sweep.outputs.MARKER``) a
-    missing one means damage; other writers may leave out chunks of fill
-    values only.
+    In a store the tool wrote, every chunk must have its file: zarr reads a
+    missing chunk as fill values (NaN), so a deleted chunk file would pass as
+    points that do not fit. The tool writes every chunk's file
+    (``write_empty_chunks``); other writers may leave out chunks of fill values
+    only. A blosc chunk (zarr's default codec) must be as long as its header
+    says, which catches a truncated or overwritten chunk without decoding it.
+
+    Args:
+      decode: also decode every chunk and check its decoded size (as costly
+        as loading the store).
 
     Raises:
       DamagedCube: naming the first bad variable and chunk.
@@ -330,7 +334,6 @@ def check_chunks(path: Path) -> None:
     import numcodecs
 
     complete = outputs.kind_of(path) is not None
-
     for meta_path in sorted(path.glob("**/.zarray")):
         array = meta_path.parent
         name = array.relative_to(path).as_posix()
@@ -351,15 +354,23 @@ def check_chunks(path: Path) -> None:
                 return DamagedCube(f"{path} is damaged: variable {name}, chunk {key}: "
                                    f"{why}; rerun the command that wrote it")
 
+            file = array / key
             try:
-                data = (array / key).read_bytes()
+                if not (blosc or decode):
+                    file.stat()
+                    continue
+                with open(file, "rb") as f:
+                    data = f.read() if decode else f.read(16)
+                    size = os.fstat(f.fileno()).st_size
             except FileNotFoundError:
                 if not complete:
                     continue
                 raise damaged("the chunk file is missing") from None
-            if blosc and not _blosc_sizes_match(data):
+            if blosc and not _blosc_size_matches(data, size):
                 raise damaged("does not decode (its size is not the one its header "
                               "states)")
+            if not decode:
+                continue
             try:
                 for codec in reversed(codecs):
                     data = codec.decode(data)
@@ -374,8 +385,10 @@ def open_cube(path: str | os.PathLike, *, chunks: str | dict | None = "auto"
               ) -> xr.Dataset:
     """Opens a result cube written by any sweep entry point.
 
-    Every chunk of a zarr store is checked first (present, decodes to its
-    size), so a damaged cube is refused here rather than read as NaNs.
+    The chunk files of a zarr store are checked first (``check_chunks``: each
+    there, each as long as its header says), so a damaged cube is refused
+    here rather than read as NaNs. A chunk whose bytes are changed but keep
+    their length fails only when decoded (``sweep-report`` names it then).
 
     Args:
       path: a ``.zarr`` store (or a netCDF file saved from a cube).

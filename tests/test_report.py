@@ -230,17 +230,23 @@ def test_out_the_tool_must_not_replace_is_refused(cube_path, tmp_path, capsys,
 
 @pytest.mark.parametrize("damage, why", [
     ("delete", "the chunk file is missing"),
-    ("truncate", "does not decode (its size is not the one its header states)")])
+    ("truncate", "does not decode (its size is not the one its header states)"),
+    ("scramble", "does not decode (RuntimeError)")])
 def test_a_damaged_cube_is_refused(cube_path, tmp_path, capsys, damage, why):
-    # the report used to show a missing chunk as rows of dashes, exit code 0
-    var = "cost_per_mtok_out_usd"
-    chunk = next(p for p in (cube_path / var).iterdir() if p.name[0] != ".")
+    # the report used to show a missing chunk as rows of dashes, exit code 0,
+    # and a corrupt one as blosc's traceback; scrambled, a compressed chunk
+    # (blosc header flag 0x02 unset: not stored as is) fails to decode
+    chunk = next(p for p in sorted(cube_path.glob("*/[0-9]*"))
+                 if p.read_bytes()[2] & 0x02 == 0)
+    var = chunk.parent.name
     good = chunk.read_bytes()
     try:
         if damage == "delete":
             chunk.unlink()
-        else:
+        elif damage == "truncate":
             chunk.write_bytes(good[: len(good) // 2])
+        else:  # same length, header kept: found only by decoding
+            chunk.write_bytes(good[:16] + b"\xff" * (len(good) - 16))
         err = fail([cube_path, "--out", tmp_path / "rep"], capsys)
     finally:
         chunk.write_bytes(good)
