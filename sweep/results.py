@@ -252,7 +252,7 @@ def create_steps(state: Progress, ds: xr.Dataset) -> list[Callable[[], None]]:
         state.done = set()
         state.save()
 
-    return [state.save, template, lambda: outputs.mark(tmp, "cube"), opened]
+    return [state.save, template, opened]
 
 
 def block_steps(out: Path, dims: tuple[str, ...], region: tuple[slice, ...],
@@ -284,14 +284,16 @@ def write_block(out: Path, dims: tuple[str, ...], region: tuple[slice, ...],
 
 
 def finish_steps(out: Path) -> list[Callable[[], None]]:
-    """``finish_store``'s steps, in order: consolidate the metadata
-    (repeatable); move the old cube aside, rename the new one into place and
-    remove the old one (``outputs.install_steps``); drop the bookkeeping (a
-    rerun that still finds it, without the partial store, starts over)."""
+    """``finish_store``'s steps, in order: mark the store as the tool's cube and
+    consolidate its metadata (both repeatable); move the old cube aside, rename
+    the new one into place and remove the old one (``outputs.install_steps``);
+    drop the bookkeeping (a rerun that still finds it, without the partial
+    store, starts over)."""
     import zarr
 
     tmp = partial_path(out)
-    return [lambda: zarr.consolidate_metadata(str(tmp), zarr_format=2),
+    return [lambda: outputs.mark(tmp, "cube"),
+            lambda: zarr.consolidate_metadata(str(tmp), zarr_format=2),
             *outputs.install_steps(tmp, out, "cube"), progress_path(out).unlink]
 
 

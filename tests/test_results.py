@@ -147,8 +147,8 @@ def test_a_kill_while_finishing_leaves_old_or_new(rerun, tmp_path):
             step()
         states.append(_state(folder, out))
         check(folder, out)
-    # consolidate, clear a leftover .old: old; old aside; new in place
-    assert states == [("cube", "old")] * 3 + [("aside", "old", True)] + [
+    # mark, consolidate, clear a leftover .old: old; old aside; new in place
+    assert states == [("cube", "old")] * 4 + [("aside", "old", True)] + [
         ("cube", "new")] * 3
 
 
