@@ -26,7 +26,8 @@ that, three rules keep a user's files safe:
 * **Old or new.** An old target is renamed to ``<target>.old`` before the new
   one is renamed into place, and removed after. A kill in between leaves the
   old output under ``.old`` and the new one complete under its temporary name;
-  the writer's next run removes the ``.old`` and finishes.
+  the next run of the command removes the ``.old`` (a sweep also installs the
+  finished cube it finds; a report or optimize dataset is written anew).
 
 Under Hydra's multirun (``-m``), jobs naming one output each claim it in the
 multirun's folder (``claim``): the second job naming it is refused instead of
