@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import p99, results
+from sweep import outputs, p99, results
 from sweep.config.schema import ConfigError, GridApp, Hardware, LatencyMethod, Model
 from sweep.cost import static_slot_utilization
 from sweep.evaluate import Blocking, blocking, iterate_blocks
@@ -201,6 +201,11 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     return GridJob(app, coords, parts, extra)
 
 
+def config_digest(config_yaml: str) -> str:
+    """Identifies a config alone: how a rerun without ``out=`` finds its cube."""
+    return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+
+
 def fingerprint(config_yaml: str, job: GridJob) -> str:
     """Identifies a sweep for resuming: same config and blocking, same blocks."""
     text = config_yaml + repr([(p.name, p.plan) for p in job.parts])
@@ -212,23 +217,31 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
     """Evaluates and writes every missing block; returns the opened cube.
 
     Args:
-      out: the cube's path.
+      out: the cube's path; an existing cube there is replaced at the end.
       progress: optional callable ``(done_blocks, total_blocks)``.
+
+    Raises:
+      OutputError: ``out`` is not the tool's to write, or another process is
+        writing it; raised before any evaluation.
     """
     out = Path(out)
+    outputs.check_target(out, str(out))
     fp = fingerprint(config_yaml, job)
-    ds = results.template(job.coords, job.parts, attrs, job.extra)
-    done = results.start_store(out, ds, fp)
     total = sum(len(p.plan) for p in job.parts)
-    if progress:
-        progress(len(done), total)
-    for part in job.parts:
-        skip = {int(k.split(":")[1]) for k in done if k.startswith(part.name + ":")}
-        for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
-                                                part.tables, part.table_dims, skip):
-            results.write_block(out, part.dims, region, values, fp, done,
-                                f"{part.name}:{b}")
-            if progress:
-                progress(len(done), total)
-    results.finish_store(out)
+    with outputs.lock(out, fp):
+        ds = results.template(job.coords, job.parts, attrs, job.extra)
+        state = results.start_store(out, ds, fp, config_digest(config_yaml), total)
+        if progress:
+            progress(len(state.done), total)
+        for part in job.parts:
+            skip = {int(k.split(":")[1]) for k in state.done
+                    if k.startswith(part.name + ":")}
+            for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
+                                                    part.tables, part.table_dims,
+                                                    skip):
+                results.write_block(out, part.dims, region, values, state,
+                                    f"{part.name}:{b}")
+                if progress:
+                    progress(len(state.done), total)
+        results.finish_store(out)
     return results.open_cube(out)

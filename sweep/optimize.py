@@ -35,8 +35,6 @@
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import roofline, search
+from sweep import outputs, roofline, search
 from sweep.arrivals import Requests, route, split, workload_requests
 from sweep.config.schema import ConfigError, Hardware, Model, OptimizeApp
 from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
@@ -735,11 +733,14 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
 
 
 def write(ds: xr.Dataset, out: Path) -> None:
-    """Writes the dataset to zarr under a temporary name, then renames it."""
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    ds.to_zarr(tmp, mode="w", consolidated=True, zarr_format=2)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    """Writes the dataset to zarr under a temporary name, then moves it into
+    place; an existing ``out`` is replaced only when the tool wrote it
+    (``sweep.outputs``; the caller holds ``out``'s lock)."""
+    import zarr
+
+    with outputs.staged(out) as tmp:
+        ds.to_zarr(tmp, mode="w", consolidated=False, zarr_format=2,
+                   write_empty_chunks=True)  # every chunk's file: see check_chunks
+        outputs.mark(tmp, "optimize")
+        zarr.consolidate_metadata(str(tmp), zarr_format=2)
+        outputs.install(tmp, out, "optimize")
