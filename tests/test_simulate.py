@@ -22,18 +22,20 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from sweep.arrivals import Requests, sample_requests
+from sweep import simulate as sim
 from sweep.config.resolve import grid_options
 from sweep.config.schema import ArrivalKind
 from sweep.params import (
     CONTINUOUS,
+    REJECT,
     REQUEST,
     STATIC,
+    TRUNCATE,
     HardwareParams,
     ModelParams,
     hardware_params,
     model_params,
 )
-from sweep import simulate as sim
 from sweep.simulate import (
     ITL_MANTISSA_BITS,
     STATUS_SLOTS,
@@ -42,7 +44,7 @@ from sweep.simulate import (
     simulate_requests,
     summarize,
 )
-from sweep.workload import WorkloadTables, load_trace, workload_tables
+from sweep.workload import WorkloadTables, context_limit, load_trace, workload_tables
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference_scheduler import simulate_reference, step_time_s  # noqa: E402
@@ -58,9 +60,9 @@ def h100(dtype, memory_bytes=80e9):
         3.35e12, 9.89e14, memory_bytes, 4.5e11, 4.29, 1.0, 1.0, 0.0, 1.0)))
 
 
-def qwen3_8b(dtype):
+def qwen3_8b(dtype, max_context_tokens=np.inf):
     return ModelParams(*(dtype(x) for x in (
-        8.19e9, 0.0, 8.19e9, 36, 32, 8, 128, 4096, 1.0, 2, 2)))
+        8.19e9, 0.0, 8.19e9, 36, 32, 8, 128, 4096, 1.0, 2, 2, max_context_tokens)))
 
 
 def random_requests(seed, rate=20.0):
@@ -76,30 +78,42 @@ def sim64():
     run's percentiles are checked against the physical floor."""
     @jax.jit
     def run(hw, model, conc, budget, arrival, prompt, output, batching, ttft_slo,
-            itl_slo):
+            itl_slo, overlong, mine):
         return simulate_requests(hw, model, 1.0, conc, budget,
                                  Requests(arrival, prompt, output), batching,
-                                 ttft_slo, itl_slo, max_slots=SLOTS)
+                                 ttft_slo, itl_slo, overlong, mine, max_slots=SLOTS)
 
     def call(arrival, prompt, output, conc=8, budget=512, batching=CONTINUOUS,
-             memory_bytes=80e9, ttft_slo=np.inf, itl_slo=np.inf):
+             memory_bytes=80e9, ttft_slo=np.inf, itl_slo=np.inf,
+             max_context_tokens=np.inf, overlong=REJECT, mine=None):
+        mine = np.ones(len(arrival), bool) if mine is None else mine
         with jax.enable_x64(True):
-            out = run(h100(np.float64, memory_bytes), qwen3_8b(np.float64),
+            out = run(h100(np.float64, memory_bytes),
+                      qwen3_8b(np.float64, max_context_tokens),
                       np.float64(conc), np.float64(budget), arrival, prompt, output,
-                      np.int32(batching), np.float64(ttft_slo), np.float64(itl_slo))
+                      np.int32(batching), np.float64(ttft_slo), np.float64(itl_slo),
+                      np.int32(overlong), mine)
             out = jax.tree.map(np.asarray, out)
-        assert_above_floor(out, h100(np.float64, memory_bytes), qwen3_8b(np.float64),
-                           1.0, prompt, output)
+        assert_above_floor(out, h100(np.float64, memory_bytes),
+                           qwen3_8b(np.float64, max_context_tokens), 1.0, prompt,
+                           output, overlong)
         return out
     return call
 
 
-def assert_above_floor(outcome, hw, model, tp, prompt, output):
-    """TTFT and ITL percentiles of a ``SimOutcome`` at or above ``floors_s``."""
+def assert_above_floor(outcome, hw, model, tp, prompt, output, overlong=REJECT):
+    """TTFT and ITL percentiles of a ``SimOutcome``'s served requests at or
+    above ``floors_s`` of the prompts as served."""
     q = np.array([0.0, 50.0, 90.0, 99.0])
-    ttft_floor, itl_floor = floors_s(hw, model, tp, prompt)
-    assert np.all(np.percentile(outcome.ttft_s, q) >= ttft_floor)
-    gaps = (np.maximum(np.round(output), 1) - 1).sum()
+    served = outcome.served
+    if not served.any():
+        return
+    prompt, _, _ = context_limit(np.maximum(np.round(prompt), 1.0),
+                                 np.maximum(np.round(output), 1.0),
+                                 float(model.max_context_tokens), overlong == TRUNCATE)
+    ttft_floor, itl_floor = floors_s(hw, model, tp, prompt[served])
+    assert np.all(np.percentile(outcome.ttft_s[served], q) >= ttft_floor)
+    gaps = (outcome.output_tokens[served] - 1).sum()
     if gaps:
         with jax.enable_x64(True):
             itl = np.asarray(itl_percentiles(
@@ -200,6 +214,75 @@ def test_preemptions_happen_and_match(sim64):
     arrival, prompt, output = random_requests(3)
     got = sim64(arrival, prompt, output, 8, 512, CONTINUOUS, WEIGHTS + KV_BYTES * 3000)
     assert got.preemptions > 0
+
+
+# (seed, batching, concurrency, budget, memory, overlong): prompts up to 1,500
+# and outputs up to 300 tokens against a 1,000-token context
+OVERLONG_CASES = [
+    (30, CONTINUOUS, 8, 512, 80e9, REJECT),
+    (31, CONTINUOUS, 8, 512, WEIGHTS + KV_BYTES * 2500, REJECT),
+    (32, STATIC, 4, 1024, 80e9, REJECT),
+    (33, CONTINUOUS, 8, 512, WEIGHTS + KV_BYTES * 2500, TRUNCATE),
+    (34, REQUEST, 8, 256, 80e9, TRUNCATE),
+]
+
+
+@pytest.mark.parametrize("seed,batching,conc,budget,memory,overlong", OVERLONG_CASES)
+def test_overlong_requests_match_reference(sim64, seed, batching, conc, budget, memory,
+                                           overlong):
+    """Requests beyond the context are rejected (or cut) as in the reference."""
+    arrival, prompt, output = random_requests(seed)
+    context = 1000
+    got = sim64(arrival, prompt, output, conc, budget, batching, memory, 0.3, 0.02,
+                context, overlong)
+    ref = simulate_reference(h100(np.float64, memory), qwen3_8b(np.float64), 1.0,
+                             conc, budget, arrival, prompt, output, batching,
+                             max_context_tokens=context,
+                             truncate=overlong == TRUNCATE)
+    beyond = prompt + output > context
+    assert 0 < beyond.sum() < R
+    np.testing.assert_array_equal(got.rejected, ref.rejected)
+    np.testing.assert_array_equal(got.rejected, beyond & (overlong == REJECT))
+    np.testing.assert_array_equal(got.served, ~ref.rejected)
+    assert got.status == 0 and got.steps == ref.steps
+    assert got.preemptions == ref.preemptions
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    # the histogram holds exactly the served requests' gaps
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
+    with jax.enable_x64(True):
+        res = jax.tree.map(np.asarray, summarize(jax.tree.map(jnp.asarray, got)))
+    served = ~ref.rejected
+    np.testing.assert_allclose(res.rejected_fraction, ref.rejected.mean(), rtol=1e-12)
+    # percentiles over the served requests only
+    np.testing.assert_allclose(
+        [res.ttft_p50_s, res.ttft_p99_s, res.e2e_p99_s],
+        [*np.percentile(ref.ttft_s[served], [50, 99]),
+         np.percentile(ref.e2e_s[served], 99)], rtol=1e-9)
+    # the histogram's own accuracy is tested above; here: the served gaps
+    np.testing.assert_allclose(res.itl_p99_s, np.percentile(ref.itl_s, 99), rtol=0.01)
+    kept_output = np.where(
+        overlong == TRUNCATE, np.minimum(output, context - np.maximum(
+            context - output, 1)), output)
+    np.testing.assert_allclose(res.output_tokens_per_s,
+                               kept_output[served].sum() / ref.duration_s, rtol=1e-9)
+
+
+def test_requests_not_mine_are_as_if_absent(sim64):
+    """A replica's share of a stream (``mine``) runs as that sub-stream alone."""
+    arrival, prompt, output = random_requests(40, rate=60.0)
+    mine = np.arange(R) % 3 == 1
+    got = sim64(arrival, prompt, output, 4, 512, mine=mine)
+    ref = simulate_reference(h100(np.float64), qwen3_8b(np.float64), 1.0, 4, 512,
+                             arrival[mine], prompt[mine], output[mine])
+    np.testing.assert_allclose(got.ttft_s[mine], ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s[mine], ref.e2e_s, rtol=1e-9, atol=1e-12)
+    assert np.isnan(got.ttft_s[~mine]).all()
+    assert not got.served[~mine].any() and not got.rejected.any()
+    assert got.steps == ref.steps
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
 
 
 def test_one_request_alone(sim64):
@@ -366,6 +449,7 @@ BIG_ROWS = [
     ("lognormal_cv3", "h100_sxm", 1, 64, 512),
 ]
 HEAVY_ROW = 10  # long_prompts at budget 2048: checked against the reference
+LONG_CONTEXT_TOKENS = 131_072  # Qwen3-8B's context with YaRN (its model card)
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +470,9 @@ def run_big_rows():
     for i, w in enumerate(options["workload"]):
         # above the recorded pace, so queues form
         streams[w.name] = shipped_stream(w, 1.0 if w.name == "seed_chat" else 2.0, i)
-    model = model_params(options["model"][0])
+    # with YaRN rope scaling, as its model card serves 100k-token prompts
+    model = model_params(options["model"][0])._replace(
+        max_context_tokens=LONG_CONTEXT_TOKENS)
     params = {h.name: (hardware_params(h, app.grid.gpu_memory_utilization), model)
               for h in options["hardware"]}
     rows_streams = [streams[row[0]] for row in BIG_ROWS]
@@ -396,7 +482,7 @@ def run_big_rows():
         req = Requests(arrival, prompt, output)
         out = simulate_requests(hw, model, tp, conc, budget, req, CONTINUOUS,
                                 max_slots=BIG_SLOTS)
-        return out, summarize(out, req)
+        return out, summarize(out)
 
     run = jax.jit(jax.vmap(one))
     results = {}
@@ -437,10 +523,11 @@ def test_float32_equals_x64(big):
 
 
 def test_itl_histogram_holds_every_gap_in_float32(big):
-    streams, _, results = big
-    gaps = np.array([(np.maximum(np.round(st[2]), 1) - 1).sum() for st in streams])
+    _, _, results = big
     for dt, rtol in (("float32", 1e-4), ("float64", 1e-9)):
-        hist = results[dt][0].itl_hist
+        out = results[dt][0]
+        gaps = np.where(out.served, out.output_tokens - 1, 0).sum(axis=1)
+        hist = out.itl_hist
         np.testing.assert_allclose(hist.sum(axis=1), gaps, rtol=rtol, err_msg=dt)
         # rounding leaves no bin negative beyond a sliver of a gap
         assert hist.min() > -1e-2, dt
@@ -462,8 +549,7 @@ def test_mi300x_tp8_itl_is_a_decode_step(big):
     """Qwen3-8B at TP 8 on MI300X: decode steps of ~0.39 ms grow by ~3.5 ns a
     token, so a run's samples crowd into a few bins (the case whose ITLs once
     read the histogram's 7.6 us floor)."""
-    streams, params, results = big
-    hw, model = params[1]
+    streams, _, results = big
     step = (2 * 8.19e9) / (8 * 5.3e12)  # the weights read once, by hand
     gaps = (np.maximum(np.round(streams[1][2]), 1) - 1).sum()
     for dt, (out, res) in results.items():
@@ -480,7 +566,9 @@ def test_float32_itl_against_the_reference_on_long_prompts(big):
     _, _, tp, conc, budget = BIG_ROWS[HEAVY_ROW]
     hw, model = params[HEAVY_ROW]
     arrival, prompt, output = streams[HEAVY_ROW]
-    ref = simulate_reference(hw, model, tp, conc, budget, arrival, prompt, output)
+    ref = simulate_reference(hw, model, tp, conc, budget, arrival, prompt, output,
+                             max_context_tokens=LONG_CONTEXT_TOKENS)
+    assert not ref.rejected.any()
     exact, exact_res = jax.tree.map(lambda x: x[HEAVY_ROW], results["float64"])
     assert exact_res.steps == ref.steps and exact_res.preemptions == ref.preemptions
     np.testing.assert_allclose(exact.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
@@ -511,8 +599,8 @@ def test_itl_histogram_places_ramps_exactly():
     want = np.zeros(sim.ITL_BINS)
     for x0, x1, mid, end in ramps:
         if x1 > x0:
-            want += mid * np.clip(np.minimum(edges[1:], x1) - np.maximum(edges[:-1], x0),
-                                  0.0, None) / (x1 - x0)
+            overlap = np.minimum(edges[1:], x1) - np.maximum(edges[:-1], x0)
+            want += mid * np.clip(overlap, 0.0, None) / (x1 - x0)
         else:
             want[np.searchsorted(edges, x0, side="right") - 1] += mid
         for x in (x0, x1):
