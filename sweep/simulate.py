@@ -136,6 +136,7 @@ arrival). ``output_tokens_per_s`` uses the same span.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -489,18 +490,25 @@ def _itl_add(h: _Itl, ramps, points) -> _Itl:
     m0 = jnp.where(inner, rho * (end0 - _edge(k0, dt)), 0.0)
     m1 = jnp.where(inner & (o1 > o0) & (j1 > 0),
                    rho * (_edge(k1 + 1, dt) - start1), 0.0)
+    # a row's sum past its last bin is discarded: the run's mass in k0's row
+    # needs ending only when k1 is in the same row
     row0, row1 = ITL_BINS + o0 * (_ROW + 1), ITL_BINS + o1 * (_ROW + 1)
-    step_idx = [row0 + j0 + 1, row0 + jnp.where(o1 == o0, j1, _ROW), row1, row1 + j1]
+    step_idx = [row0 + j0 + 1, row1, row1 + j1]
     octave = jnp.arange(ITL_OCTAVES, dtype=jnp.int32)
-    whole = (octave[None, :] > o0[:, None]) & (octave[None, :] < o1[:, None])
     octave_s = _edge((octave + 1) << ITL_MANTISSA_BITS, dt) - _edge(
         octave << ITL_MANTISSA_BITS, dt)
-    octave_mass = jnp.where(whole, rho[:, None] * octave_s[None, :], 0.0).sum(axis=0)
+    # elementwise over the few ramps rather than reductions: under vmap every
+    # reduction is a kernel of its own on each loop turn
+    octave_mass = functools.reduce(jnp.add, (
+        jnp.where((octave > o0[i]) & (octave < o1[i]), rho[i] * octave_s, 0.0)
+        for i in range(rho.shape[0])))
     some = jnp.concatenate([(w_mid > 0) | (w_end > 0), pw > 0])
-    lo = jnp.min(jnp.where(some, jnp.concatenate([x0, px]), jnp.inf))
-    hi = jnp.max(jnp.where(some, jnp.concatenate([x1, px]), -jnp.inf))
+    lo = functools.reduce(jnp.minimum, jnp.where(
+        some, jnp.concatenate([x0, px]), jnp.inf))
+    hi = functools.reduce(jnp.maximum, jnp.where(
+        some, jnp.concatenate([x1, px]), -jnp.inf))
     idx = jnp.concatenate([mass_idx, *step_idx])
-    val = jnp.concatenate([mass_val, m0, -m0, m1, -m1])
+    val = jnp.concatenate([mass_val, m0, m1, -jnp.where(o1 == o0, m0, m1)])
     return _Itl(bins=h.bins.at[idx].add(val), octaves=h.octaves + octave_mass,
                 lo_s=jnp.minimum(h.lo_s, lo), hi_s=jnp.maximum(h.hi_s, hi))
 
