@@ -11,7 +11,10 @@ configurations:
 * Vidur (PyPI ``vidur``), when it is installed and runs offline.
 
 Run ``python benchmarks/simulate_throughput.py --configs 64 --requests 200``
-for a quick check.
+for a quick check. ``--compare OLD.py`` times another version of
+``sweep/simulate.py`` (e.g. ``git show main:sweep/simulate.py > OLD.py``) on
+the same first pass, the two calls taking turns ``--repeats`` times in this
+process, so a loaded machine slows both alike.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ def grid(configs: int):
     return conc, budget
 
 
-def _compiled(hw, model, requests, conc, budget, slots):
-    f = jax.jit(jax.vmap(partial(simulate, max_slots=slots),
+def _compiled(hw, model, requests, conc, budget, slots, fn=simulate):
+    f = jax.jit(jax.vmap(partial(fn, max_slots=slots),
                          in_axes=(None, None, None, 0, 0, None, None)))
     args = (jax.tree.map(jnp.float32, hw), jax.tree.map(jnp.float32, model), 1.0,
             jnp.asarray(conc), jnp.asarray(budget), requests, CONTINUOUS)
@@ -99,6 +102,25 @@ def run_jax(hw, model, requests, conc, budget, slots):
     return out, compile_s, run_s, len(redo)
 
 
+def compare(path, hw, model, requests, conc, budget, slots, repeats):
+    """Run times ``(repeats, 2)`` of ``path``'s ``simulate`` and this one, in turns."""
+    spec = importlib.util.spec_from_file_location("simulate_baseline", path)
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+    slots = min(slots, int(conc.max()))
+    calls = [_compiled(hw, model, requests, conc, budget, slots, fn)[0]
+             for fn in (baseline.simulate, simulate)]
+    for call in calls:
+        call()
+    times = np.zeros((repeats, 2))
+    for i in range(repeats):
+        for j, call in enumerate(calls):
+            t0 = time.perf_counter()
+            call()
+            times[i, j] = time.perf_counter() - t0
+    return times
+
+
 def run_reference(hw, model, requests, conc, budget, count):
     arr, p, o = (np.asarray(x, np.float64) for x in requests)
     t0 = time.perf_counter()
@@ -119,6 +141,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--reference-configs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compare", metavar="SIMULATE_PY",
+                    help="another sweep/simulate.py to time against this one")
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--slots", type=int, default=64,
                     help="slot array size of the first pass (configurations whose "
                     "running set fills it are rerun with the largest concurrency)")
@@ -147,6 +172,14 @@ def main() -> None:
               f"{np.percentile(r.ttft_s, 99):.4f} vs {float(out.ttft_p99_s[i]):.4f} s, "
               f"p99 ITL {np.percentile(r.itl_s, 99):.5f} vs "
               f"{float(out.itl_p99_s[i]):.5f} s")
+    if a.compare:
+        t = compare(a.compare, hw, model, requests, conc, budget, a.slots, a.repeats)
+        kreq = a.configs * a.requests / 1000
+        print(f"compare: {a.compare}: best {t[:, 0].min():.2f} s = "
+              f"{kreq / t[:, 0].min():.1f} config-kreq/s; this: best "
+              f"{t[:, 1].min():.2f} s = {kreq / t[:, 1].min():.1f} config-kreq/s; "
+              f"time ratio this/that: median {np.median(t[:, 1] / t[:, 0]):.3f} "
+              f"over {a.repeats} pairs")
     print(f"vidur : {vidur_status()}")
 
 

@@ -88,10 +88,45 @@ tokens of every request) arrive as runs of linearly growing values, so they
 go into a histogram: each octave from ``ITL_MIN_S`` (7.6 us) to 128 s is cut
 into ``2**ITL_MANTISSA_BITS`` = 512 equal bins (a value's float exponent and
 leading mantissa bits, so no logarithm), each at most 0.2 % of its values
-wide. A run adds a uniform density over ``[first - s/2, last + s/2]`` (``s``
-= its per-step increment), spread exactly over the bins it covers. A
-reported ITL percentile lies within one bin (plus ``s/2``) of the interval
-between the two order statistics NumPy interpolates between.
+wide. A run piece of steps ``first, first + s, ..., last`` (``s`` = its
+per-step increment) gives each decoding request one sample per step: half a
+step's samples go to ``first`` and to ``last``, the rest spread uniformly over
+``[first, last]`` and exactly over the bins it covers; event steps and
+recompute gaps are points. The histogram's count of samples below ``x`` then
+lies between the exact counts below ``x - s/2`` and ``x + s/2``, so:
+
+  a reported ITL percentile lies within ``delta`` = one bin (``2**-9`` of the
+  value) + ``s/2`` of the interval between the two order statistics NumPy
+  interpolates between, ``s`` the largest increment of the runs there;
+
+and it is clipped to the smallest and largest gap, which are kept exactly, so
+it is never below one decode step. ``s`` is at most ``budget *
+kv_bytes_per_token / (tp * bandwidth)`` while memory-bound and ``attention
+FLOPs per key * budget**2 / (tp * peak FLOPs)`` while compute-bound (a prompt
+chunk's cached prefix grows by a chunk a step): nanoseconds to microseconds
+for decode-only runs, 1.25 ms for Qwen3-8B chunks of 2,048 on an H100
+(measured on 100k-token prompts: p99 0.4 % above the exact one, p50 and p90
+within 1e-5).
+
+Precision. Float32, the default, gives the float64 figures: p99 TTFT, ITL and
+end-to-end within 0.01 % on the tests' 13 configurations (every shipped
+workload, 100k-token prompts, budgets 512-16,384, 2-256 running), within
+0.03 % on 126 more. Within a run piece's octaves, the mass it adds to each covered
+bin is the same; it is kept as a +/- pair in that octave's own row, and whole
+octaves it spans as one mass each (``_Itl``), so every stored value is a mass
+no larger than a run's own, and rounding (2**-24 of a bin's running sum per
+addition) stays in the octave where it happens: the total is the number of
+gaps to 1e-5 and no bin is below -0.01 gap. (Before, densities (gaps per
+second, huge for narrow runs) were summed across the whole histogram and their
+float32 residue multiplied by widths that double per octave: p99 ITL off by up
+to -76 % on those 126 configurations, and at TP 8 on an MI300X every ITL
+percentile at the 7.6 us floor.) The clock is a pair of floats
+(``_clock_add``) and a request's times are kept from its own arrival, so a
+float32 clock hours into a stream still resolves microseconds. What remains is
+float32's rounding of the step times themselves (about 1e-7 of each): an
+arrival that close to a step's end can join a step apart from float64 (a
+configuration's step count differs by one in 9 of those 126), which moved no
+p99 by more than 0.03 %.
 
 Goodput: a request is good when its TTFT <= ``ttft_slo_s`` and its largest
 inter-token gap <= ``itl_slo_s``; ``goodput_req_per_s`` is good requests over
@@ -101,6 +136,7 @@ arrival). ``output_tokens_per_s`` uses the same span.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -165,6 +201,8 @@ class SimOutcome(NamedTuple):
     e2e_s: jax.Array  # shape=(R,); both NaN for requests not served
     good: jax.Array  # shape=(R,), bool
     itl_hist: jax.Array  # shape=(ITL_BINS,), gaps per bin
+    itl_min_s: jax.Array  # the smallest gap (inf: none)
+    itl_max_s: jax.Array  # the largest gap (-inf: none)
     duration_s: jax.Array
     preemptions: jax.Array
     steps: jax.Array
@@ -190,9 +228,36 @@ class SimOutcome(NamedTuple):
 # FLAGS: PADDING (static batching: done, still decoding padding) | BAD (a
 #   recompute gap exceeded the ITL SLO)
 (F_ARRIVAL, F_FIRST, F_LAST_TOKEN, F_GAP) = range(4)
-# FIRST: first-token time; LAST_TOKEN: last token before a preemption; GAP: a
-#   recompute gap not yet in the histogram (-1: none)
+# FIRST: first-token time minus arrival (the TTFT); LAST_TOKEN: last token before
+#   a preemption, minus arrival; GAP: a recompute gap not yet in the histogram
+#   (-1: none). Times are kept from the arrival because the clock is a pair
+#   (``_clock_add``) and a request's times need only its own magnitude.
 PADDING, BAD = 1, 2
+
+
+_ROW = 1 << ITL_MANTISSA_BITS  # bins per octave
+
+
+class _Itl(NamedTuple):
+    """The ITL histogram while it fills (``_itl_add``; ``_itl_hist`` assembles it).
+
+    A run's uniform density covers whole bins between its end bins. Within
+    one octave every bin has the same width, so a run adds the same mass to
+    each of its bins there: that mass is kept as a +/- pair of changes in the
+    octave's own row (after the bins' own masses in ``bins``, summed along
+    the row at the end), and the run's octaves covered entirely go to
+    ``octaves``. Nothing a run adds
+    reaches another octave, and every stored value is a mass at most the
+    run's own, never a density: a density times a width that doubles per
+    octave is what let float32 rounding grow without bound.
+    """
+
+    bins: jax.Array  # shape=(ITL_BINS + ITL_OCTAVES * (_ROW + 1),): the mass
+    #   placed in each bin, then each octave's row of per-bin mass changes (one
+    #   scatter a turn); a row's last entry (one past its bins) is discarded
+    octaves: jax.Array  # shape=(ITL_OCTAVES,), mass spread over a whole octave
+    lo_s: jax.Array  # smallest gap so far (inf: none yet)
+    hi_s: jax.Array  # largest gap so far (-inf: none yet)
 
 
 class _State(NamedTuple):
@@ -206,7 +271,8 @@ class _State(NamedTuple):
     n_free: jax.Array
     wait_stack: jax.Array  # shape=(S,), preempted slots, last preempted on top
     n_wait: jax.Array
-    t_s: jax.Array  # end of the last step
+    t_s: jax.Array  # end of the last step: t_s + t_lo_s (``_clock_add``)
+    t_lo_s: jax.Array
     steps: jax.Array  # steps so far (the next step's global index)
     next_req: jax.Array  # first request never admitted
     admissions: jax.Array
@@ -219,7 +285,8 @@ class _State(NamedTuple):
     sum_base: jax.Array  # BASE summed over DECODE slots
     kv_prefill: jax.Array  # NEED summed over PREFILL slots
     event_step: jax.Array  # the last step that finished a prompt: its index,
-    event_s: jax.Array  # its end time,
+    event_s: jax.Array  # its end time (event_s + event_lo_s),
+    event_lo_s: jax.Array
     event_slow: jax.Array  # and the slow-step counter after it
     iterations: jax.Array
     preemptions: jax.Array
@@ -231,8 +298,7 @@ class _State(NamedTuple):
     ttft_s: jax.Array
     e2e_s: jax.Array
     good: jax.Array
-    hist_mass: jax.Array  # ITL mass placed directly in a bin
-    hist_dens: jax.Array  # ITL density changes (mass per second) at bin starts
+    itl: _Itl  # the ITL histogram being filled
 
 
 class _Ctx(NamedTuple):
@@ -387,38 +453,93 @@ def _edge(k, dt):
     return jax.lax.bitcast_convert_type((k.astype(ity) + lo) << shift, dt)
 
 
-def _ramp(x0, x1, weight):
-    """Histogram updates for mass ``weight`` spread uniformly over ``[x0, x1]``.
+def _itl_empty(dt) -> _Itl:
+    return _Itl(bins=jnp.zeros(ITL_BINS + ITL_OCTAVES * (_ROW + 1), dt),
+                octaves=jnp.zeros(ITL_OCTAVES, dt),
+                lo_s=jnp.asarray(jnp.inf, dt), hi_s=jnp.asarray(-jnp.inf, dt))
 
-    Returns ``(mass_index, mass_value, dens_index, dens_value)``, two of each;
-    the bin masses always add up to ``weight``.
+
+def _itl_add(h: _Itl, ramps, points) -> _Itl:
+    """Adds ramps and points (arrays of any one shape each) to the histogram.
+
+    ``ramps = (x0, x1, w_mid, w_end)``: mass ``w_mid`` spread uniformly over
+    ``[x0, x1]`` plus ``w_end`` at each end; ``points = (x, w)``: mass ``w``
+    at ``x``. Entries with no mass change nothing.
     """
+    x0, x1, w_mid, w_end = (jnp.ravel(v) for v in ramps)
+    px, pw = (jnp.ravel(v) for v in points)
     dt = x0.dtype
-    k0, k1 = _bin(x0), _bin(x1)
+    # values beyond the histogram's ends count in its first and last bins
+    c0, c1 = x0, jnp.maximum(x1, x0)
+    k0, k1 = _bin(c0), _bin(c1)
     same = k0 == k1
-    rho = weight / jnp.where(same, 1.0, x1 - x0)
-    mass_idx = jnp.stack([k0, k1])
-    mass_val = jnp.stack([
-        jnp.where(same, weight, rho * (_edge(k0 + 1, dt) - x0)),
-        jnp.where(same, 0.0, rho * (x1 - _edge(k1, dt))),
+    rho = w_mid / jnp.where(same, 1.0, c1 - c0)
+    end0 = _edge(k0 + 1, dt)
+    start1 = _edge(k1, dt)
+    mass_idx = jnp.concatenate([k0, k1, _bin(px)])
+    mass_val = jnp.concatenate([
+        jnp.where(same, w_mid + 2.0 * w_end, rho * (end0 - c0) + w_end),
+        jnp.where(same, 0.0, rho * (c1 - start1) + w_end),
+        pw,
     ])
-    interior = jnp.where(k1 > k0 + 1, rho, 0.0)
-    dens_idx = jnp.stack([jnp.minimum(k0 + 1, ITL_BINS - 1), k1])
-    dens_val = jnp.stack([interior, -interior])
-    return mass_idx, mass_val, dens_idx, dens_val
+    # bins strictly between k0 and k1: per-bin mass rho * (bin width) in the
+    # octaves of k0 and k1, whole octaves in between
+    inner = k1 > k0 + 1
+    o0, j0 = k0 >> ITL_MANTISSA_BITS, k0 & (_ROW - 1)
+    o1, j1 = k1 >> ITL_MANTISSA_BITS, k1 & (_ROW - 1)
+    m0 = jnp.where(inner, rho * (end0 - _edge(k0, dt)), 0.0)
+    m1 = jnp.where(inner & (o1 > o0) & (j1 > 0),
+                   rho * (_edge(k1 + 1, dt) - start1), 0.0)
+    # a row's sum past its last bin is discarded: the run's mass in k0's row
+    # needs ending only when k1 is in the same row
+    row0, row1 = ITL_BINS + o0 * (_ROW + 1), ITL_BINS + o1 * (_ROW + 1)
+    step_idx = [row0 + j0 + 1, row1, row1 + j1]
+    octave = jnp.arange(ITL_OCTAVES, dtype=jnp.int32)
+    octave_s = _edge((octave + 1) << ITL_MANTISSA_BITS, dt) - _edge(
+        octave << ITL_MANTISSA_BITS, dt)
+    # elementwise over the few ramps rather than reductions: under vmap every
+    # reduction is a kernel of its own on each loop turn
+    octave_mass = functools.reduce(jnp.add, (
+        jnp.where((octave > o0[i]) & (octave < o1[i]), rho[i] * octave_s, 0.0)
+        for i in range(rho.shape[0])))
+    some = jnp.concatenate([(w_mid > 0) | (w_end > 0), pw > 0])
+    lo = functools.reduce(jnp.minimum, jnp.where(
+        some, jnp.concatenate([x0, px]), jnp.inf))
+    hi = functools.reduce(jnp.maximum, jnp.where(
+        some, jnp.concatenate([x1, px]), -jnp.inf))
+    idx = jnp.concatenate([mass_idx, *step_idx])
+    val = jnp.concatenate([mass_val, m0, m1, -jnp.where(o1 == o0, m0, m1)])
+    return _Itl(bins=h.bins.at[idx].add(val), octaves=h.octaves + octave_mass,
+                lo_s=jnp.minimum(h.lo_s, lo), hi_s=jnp.maximum(h.hi_s, hi))
+
+
+def _itl_hist(h: _Itl):
+    """Gaps per bin, shape ``(ITL_BINS,)``."""
+    steps = h.bins[ITL_BINS:].reshape(ITL_OCTAVES, _ROW + 1)
+    rows = jnp.cumsum(steps, axis=1)[:, :_ROW]
+    return h.bins[:ITL_BINS] + (rows + h.octaves[:, None] / _ROW).ravel()
 
 
 def _run_ramps(lines, split, n, weight):
-    """``(x0, x1, mass)`` of the ITL samples of a run's first ``n`` steps (2 pieces)."""
+    """The ITL samples of a run's first ``n`` steps as ramps (2 pieces).
+
+    A piece of ``count`` steps ``first, first + s, ..., last`` gives each of
+    ``weight`` requests one sample per step: half a step's mass at each end
+    and the rest spread uniformly over ``[first, last]``. Its cumulative
+    count is then within half a sample of the exact one at every value, i.e.
+    within ``s/2`` in value, and no mass leaves ``[first, last]``.
+    """
     jc, (a, s), (b, r) = split
     k = jnp.minimum(jc, n)
-    lo = jnp.stack([jnp.zeros_like(k), k]).astype(a.dtype)
-    count = jnp.stack([k, n - k]).astype(a.dtype)
+    dt = a.dtype
+    lo = jnp.stack([jnp.zeros_like(k), k]).astype(dt)
+    count = jnp.stack([k, n - k]).astype(dt)
     c0, c = jnp.stack([a, b]), jnp.stack([s, r])
     first = c0 + c * lo + lines[4]
-    x0 = first - c / 2.0
-    x1 = jnp.maximum(first + c * (count - 1.0) + c / 2.0, x0)
-    return x0, x1, weight * count
+    inner = jnp.maximum(count - 1.0, 0.0)
+    last = first + c * inner
+    return (first, last, weight * inner,
+            jnp.where(count > 0, weight / 2.0, 0.0).astype(dt))
 
 
 class _Column(list):
@@ -439,6 +560,26 @@ def _store(fields, j, do, col: _Column):
     return tuple(
         x if new is old else x.at[j].set(jnp.asarray(new, x.dtype), mode="drop")
         for x, new, old in zip(fields, col, col.read, strict=True))
+
+
+def _clock_add(hi, lo, x):
+    """``(hi, lo) + x`` for a clock kept as the unevaluated sum ``hi + lo``.
+
+    Error-free addition (TwoSum) carries ``hi + x``'s rounding into ``lo``, so
+    the clock keeps about twice the float's precision: in float32 a clock
+    hours into a stream still resolves microseconds, so arrivals fall on the
+    same side of a step's end as in float64 and TTFTs do not drift.
+    """
+    total = hi + x
+    back = total - hi
+    lo = lo + ((hi - (total - back)) + (x - back))
+    new = total + lo
+    return new, lo - (new - total)
+
+
+def _since(hi, lo, x):
+    """``hi + lo - x``: time from ``x`` to the clock ``(hi, lo)``."""
+    return (hi - x) + lo
 
 
 def _n(flag):
@@ -475,7 +616,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     num_req = cx.arrival_s.shape[0]
     active = ~s.done
     cont = cx.continuous
-    k, t = s.steps, s.t_s
+    k, t, t_lo = s.steps, s.t_s, s.t_lo_s
     n_run, n_dec, n_real = s.n_run, s.n_dec, s.n_real
     n_wait, n_free = s.n_wait, s.n_free
     sum_base, kv_prefill = s.sum_base, s.kv_prefill
@@ -490,7 +631,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     p = fifo[head % size]
     c, f = _Column(ints, p), _Column(floats, p)
     recompute = c[I_EMITTED] > 0
-    gap = s.event_s - f[F_LAST_TOKEN]
+    gap = _since(s.event_s, s.event_lo_s, f[F_ARRIVAL]) - f[F_LAST_TOKEN]
     base = c[I_PROMPT] + c[I_EMITTED] - s.event_step
     kv_prefill = kv_prefill - jnp.where(do_tr, c[I_NEED], 0)
     c[I_STATE] = DECODE
@@ -498,7 +639,8 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     c[I_LAST] = s.event_step + c[I_OUTPUT] - c[I_EMITTED] - 1
     c[I_SLOW_FROM] = s.event_slow
     c[I_FLAGS] = c[I_FLAGS] | jnp.where(recompute & (gap > cx.itl_slo_s), BAD, 0)
-    f[F_FIRST] = jnp.where(recompute, f[F_FIRST], s.event_s)
+    f[F_FIRST] = jnp.where(recompute, f[F_FIRST],
+                           _since(s.event_s, s.event_lo_s, f[F_ARRIVAL]))
     f[F_GAP] = jnp.where(recompute, gap, -1.0)
     ints, floats = _store(ints, p, do_tr, c), _store(floats, p, do_tr, f)
     n_dec, n_real = n_dec + _n(do_tr), n_real + _n(do_tr)
@@ -517,12 +659,12 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     next_last = jnp.min(jnp.where(real & ~fin, last, _BIG))
     do_fin = active & (n_fin > 0)
     c, f = _Column(ints, r), _Column(floats, r)
-    ttft_r = f[F_FIRST] - f[F_ARRIVAL]
+    ttft_r = f[F_FIRST]
     slow_r = c[I_SLOW] + s.slow_steps - c[I_SLOW_FROM]
     good_r = (ttft_r <= cx.ttft_slo_s) & (slow_r == 0) & ((c[I_FLAGS] & BAD) == 0)
     out = jnp.where(do_fin, c[I_REQ], num_req)
     ttft_s = s.ttft_s.at[out].set(ttft_r, mode="drop")
-    e2e_s = s.e2e_s.at[out].set(t - f[F_ARRIVAL], mode="drop")
+    e2e_s = s.e2e_s.at[out].set(_since(t, t_lo, f[F_ARRIVAL]), mode="drop")
     good = s.good.at[out].set(good_r, mode="drop")
     # histogram points of this turn: (value, weight)
     fin_gap = (f[F_GAP], jnp.where(do_fin & (f[F_GAP] >= 0), 1.0, 0.0))
@@ -574,7 +716,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     c[I_STATE] = WAIT
     c[I_EMITTED] = emitted_v
     c[I_NEED] = c[I_PROMPT] + emitted_v
-    f[F_LAST_TOKEN] = jnp.where(v_dec, t, f[F_LAST_TOKEN])
+    f[F_LAST_TOKEN] = jnp.where(v_dec, _since(t, t_lo, f[F_ARRIVAL]), f[F_LAST_TOKEN])
     f[F_GAP] = -1.0
     ints, floats = _store(ints, v, do_pre, c), _store(floats, v, do_pre, f)
     blocked = blocked | (do_pre & (kv > cx.capacity) & (n_run > 1))
@@ -586,7 +728,8 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     has_new = a < cx.num_served
     from_wait = n_wait > 0
     idle = active & ~blocked & (n_run == 0) & ~from_wait & has_new
-    t = jnp.where(idle, jnp.maximum(t, cx.arrival_s[a_c]), t)
+    jump = idle & (cx.arrival_s[a_c] - t > t_lo)
+    t, t_lo = jnp.where(jump, cx.arrival_s[a_c], t), jnp.where(jump, 0.0, t_lo)
     # static batches fill slots 0, 1, ...
     fresh_slot = jnp.where(cont, free_stack[jnp.maximum(n_free - 1, 0)], n_run)
     slot = jnp.where(from_wait, wait_stack[jnp.maximum(n_wait - 1, 0)], fresh_slot)
@@ -594,7 +737,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     head_prompt = jnp.where(from_wait, c[I_PROMPT], cx.prompt[a_c])
     head_output = jnp.where(from_wait, c[I_OUTPUT], cx.output[a_c])
     head_need = jnp.where(from_wait, c[I_NEED], cx.prompt[a_c])
-    arrived = from_wait | (has_new & (cx.arrival_s[a_c] <= t))
+    arrived = from_wait | (has_new & (cx.arrival_s[a_c] - t <= t_lo))
     empty = n_run == 0
     batch_prompt = jnp.where(empty, 0, s.batch_prompt)
     batch_output = jnp.where(empty, 0, s.batch_output)
@@ -631,7 +774,8 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     batch_output = jnp.where(do_adm, jnp.maximum(batch_output, head_output),
                              batch_output)
     b_c = jnp.minimum(next_req, num_req - 1)
-    again = (n_wait > 0) | ((next_req < cx.num_served) & (cx.arrival_s[b_c] <= t))
+    again = (n_wait > 0) | ((next_req < cx.num_served)
+                            & (cx.arrival_s[b_c] - t <= t_lo))
     blocked = blocked | (do_adm & again & (n_run < cx.concurrency))
 
     # 4. advance: a run of unchanged steps, then the step finishing a prompt
@@ -658,7 +802,8 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     )
     split = _pieces(lines, horizon)
     # the next new request, if it could join at a later step's start
-    j_arr = _first_step_reaching(lines, split, horizon, cx.arrival_s[b_c] - t)
+    j_arr = _first_step_reaching(lines, split, horizon,
+                                 (cx.arrival_s[b_c] - t) - t_lo)
     admissible = (cont & (n_wait == 0) & (next_req < cx.num_served)
                   & (n_run < cx.concurrency) & (j_arr <= horizon)
                   & (kv + n_dec * jnp.minimum(j_arr, horizon) + cx.prompt[b_c]
@@ -671,7 +816,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     slow_run = n_lin - _count_at_most(lines, n_lin, cx.itl_slo_s)
     n_lin, event, split, lines, run_s, slow_run = _materialize(
         turn, (n_lin, event, split, lines, run_s, slow_run))
-    run_x0, run_x1, run_w = _run_ramps(lines, split, n_lin, n_real.astype(dt))
+    ramps = _run_ramps(lines, split, n_lin, n_real.astype(dt))
 
     # the event step: decodes plus chunks of every prompt the budget reaches
     q = prefilled + chunk * n_lin
@@ -690,17 +835,14 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
         jnp.zeros((), dt),
     )
     event_s = _step_time(e_lines, jnp.zeros((), jnp.int32))
-    t_run = t + run_s
-    t_e = t_run + event_s
+    t_run = _clock_add(t, t_lo, run_s)
+    t_e = _clock_add(*t_run, event_s)
     slow_steps = s.slow_steps + jnp.where(
         go, slow_run + _n(event & (event_s > cx.itl_slo_s)), 0)
 
     points = jnp.stack([fin_gap[0], pre_gap[0], event_s]).astype(dt)
     point_w = jnp.stack([fin_gap[1], pre_gap[1],
                          jnp.where(event, n_real, 0).astype(dt)]).astype(dt)
-    mass_idx, mass_val, dens_idx, dens_val = _ramp(
-        jnp.concatenate([run_x0, points]), jnp.concatenate([run_x1, points]),
-        jnp.concatenate([run_w, point_w]))
     new = _State(
         ints=ints,
         floats=floats,
@@ -712,7 +854,8 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
         n_free=n_free,
         wait_stack=wait_stack,
         n_wait=n_wait,
-        t_s=jnp.where(go, jnp.where(event, t_e, t_run), t),
+        t_s=jnp.where(go, jnp.where(event, t_e[0], t_run[0]), t),
+        t_lo_s=jnp.where(go, jnp.where(event, t_e[1], t_run[1]), t_lo),
         steps=k + jnp.where(go, n_lin + _n(event), 0),
         next_req=next_req,
         admissions=s.admissions + _n(do_adm),
@@ -722,7 +865,8 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
         n_run=n_run, n_dec=n_dec, n_real=n_real, sum_base=sum_base,
         kv_prefill=kv_prefill,
         event_step=jnp.where(event, k + n_lin, s.event_step),
-        event_s=jnp.where(event, t_e, s.event_s),
+        event_s=jnp.where(event, t_e[0], s.event_s),
+        event_lo_s=jnp.where(event, t_e[1], s.event_lo_s),
         event_slow=jnp.where(event, slow_steps, s.event_slow),
         iterations=s.iterations + _n(active),
         preemptions=s.preemptions + _n(do_pre),
@@ -735,8 +879,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
         ttft_s=ttft_s,
         e2e_s=e2e_s,
         good=good,
-        hist_mass=s.hist_mass.at[mass_idx.ravel()].add(mass_val.ravel()),
-        hist_dens=s.hist_dens.at[dens_idx.ravel()].add(dens_val.ravel()),
+        itl=_itl_add(s.itl, ramps, (points, point_w)),
     )
     # sums of int32 are int64 under x64: keep the carry's dtypes
     return jax.tree.map(lambda x, old: x.astype(old.dtype), new, s)
@@ -753,15 +896,15 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
         # popped from the end: slot 0 first
         free_stack=jnp.arange(max_slots - 1, -1, -1, dtype=jnp.int32),
         n_free=jnp.asarray(max_slots, jnp.int32), wait_stack=zi, n_wait=i0,
-        t_s=jnp.zeros((), dt), steps=i0, next_req=i0, admissions=i0,
-        queued=i0, prefilled=i0, slow_steps=i0, n_run=i0, n_dec=i0, n_real=i0,
-        sum_base=i0, kv_prefill=i0, event_step=i0,
-        event_s=jnp.zeros((), dt), event_slow=i0, iterations=i0, preemptions=i0,
+        t_s=jnp.zeros((), dt), t_lo_s=jnp.zeros((), dt), steps=i0, next_req=i0,
+        admissions=i0, queued=i0, prefilled=i0, slow_steps=i0, n_run=i0, n_dec=i0,
+        n_real=i0, sum_base=i0, kv_prefill=i0, event_step=i0,
+        event_s=jnp.zeros((), dt), event_lo_s=jnp.zeros((), dt), event_slow=i0,
+        iterations=i0, preemptions=i0,
         batch_open=jnp.zeros((), bool), batch_prompt=i0, batch_output=i0, status=i0,
         done=jnp.zeros((), bool),
         ttft_s=jnp.full(num_req, jnp.nan, dt), e2e_s=jnp.full(num_req, jnp.nan, dt),
-        good=jnp.zeros(num_req, bool), hist_mass=jnp.zeros(ITL_BINS, dt),
-        hist_dens=jnp.zeros(ITL_BINS, dt),
+        good=jnp.zeros(num_req, bool), itl=_itl_empty(dt),
     )
 
 
@@ -839,35 +982,41 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
                            block, init)
     status = s.status | jnp.where(s.done, 0, STATUS_RAN_OUT)
     inverse = jnp.argsort(order)
-    dens = jnp.cumsum(s.hist_dens)
-    edges = _edge(jnp.arange(ITL_BINS + 1, dtype=jnp.int32), dt)
     return SimOutcome(
         ttft_s=s.ttft_s[inverse], e2e_s=s.e2e_s[inverse], good=s.good[inverse],
-        itl_hist=s.hist_mass + dens * jnp.diff(edges),
-        duration_s=s.t_s, preemptions=s.preemptions, steps=s.steps,
+        itl_hist=_itl_hist(s.itl), itl_min_s=s.itl.lo_s, itl_max_s=s.itl.hi_s,
+        duration_s=s.t_s + s.t_lo_s, preemptions=s.preemptions, steps=s.steps,
         iterations=s.iterations, status=status, served=served,
         rejected=offered & ~fits, output_tokens=output,
     )
 
 
-def itl_percentiles(itl_hist, num_gaps, q):
-    """Percentiles of the ITL histogram (NumPy's linear method, within one bin).
+def itl_percentiles(itl_hist, num_gaps, q, lo_s=-jnp.inf, hi_s=jnp.inf):
+    """Percentiles of the ITL histogram (NumPy's linear method; bound in the
+    module docstring).
 
     Args:
       itl_hist: ``SimOutcome.itl_hist``.
       num_gaps: the number of samples (``sum(output - 1)``).
       q: percentiles in ``[0, 100]``, shape ``(Q,)``.
+      lo_s, hi_s: the smallest and largest gap (``SimOutcome.itl_min_s`` and
+        ``itl_max_s``): every percentile lies between them, which also holds
+        interpolation inside the first and last occupied bins to the truth.
     """
     dt = itl_hist.dtype
     edges = _edge(jnp.arange(ITL_BINS + 1, dtype=jnp.int32), dt)
-    cum = jnp.cumsum(itl_hist)
+    # running sums within each octave, then over octaves: rounding grows with
+    # 512 and 24 terms, not 12,288
+    rows = jnp.cumsum(itl_hist.reshape(ITL_OCTAVES, _ROW), axis=1)
+    before_row = jnp.cumsum(rows[:, -1]) - rows[:, -1]
+    cum = (rows + before_row[:, None]).ravel()
     n = jnp.asarray(num_gaps, dt)
     # the k-th order statistic (0-based) sits at cumulative count k + 1/2
     target = jnp.clip(jnp.asarray(q, dt) / 100.0 * (n - 1.0) + 0.5, 0.0, cum[-1])
     k = jnp.clip(jnp.searchsorted(cum, target, side="left"), 0, ITL_BINS - 1)
     before = cum[k] - itl_hist[k]
     frac = jnp.clip((target - before) / jnp.maximum(itl_hist[k], 1e-30), 0.0, 1.0)
-    value = edges[k] + frac * (edges[k + 1] - edges[k])
+    value = jnp.clip(edges[k] + frac * (edges[k + 1] - edges[k]), lo_s, hi_s)
     return jnp.where(n > 0, value, jnp.nan)
 
 
@@ -886,7 +1035,8 @@ def summarize(outcome: SimOutcome) -> SimResult:
                             jnp.array([50.0, 99.0], dt))
     output = jnp.where(served, outcome.output_tokens, 0.0)
     itl = itl_percentiles(outcome.itl_hist, jnp.maximum(output - 1.0, 0.0).sum(),
-                          jnp.array([50.0, 90.0, 99.0], dt))
+                          jnp.array([50.0, 90.0, 99.0], dt), outcome.itl_min_s,
+                          outcome.itl_max_s)
     duration = outcome.duration_s
     offered = (served | outcome.rejected).sum(dtype=jnp.int32)
 
@@ -934,6 +1084,8 @@ def pool(outcomes: SimOutcome, rows) -> SimOutcome:
         e2e_s=requests(outcomes.e2e_s, jnp.nan),
         good=requests(outcomes.good),
         itl_hist=mine(outcomes.itl_hist).sum(0, dtype=outcomes.itl_hist.dtype),
+        itl_min_s=mine(outcomes.itl_min_s, jnp.inf).min(),
+        itl_max_s=mine(outcomes.itl_max_s, -jnp.inf).max(),
         duration_s=mine(outcomes.duration_s).max(),
         preemptions=mine(outcomes.preemptions).sum(dtype=outcomes.preemptions.dtype),
         steps=mine(outcomes.steps).sum(dtype=outcomes.steps.dtype),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import csv
+
+import helpers
 import numpy as np
 import pytest
 from test_cli import run
 
 import sweep
+from sweep.workload import resolve_trace_path
 
 BASE = ["hardware=h100_sxm", "model=qwen3_8b", "grid.tensor_parallel=[1]",
         "grid.context_tokens=[1500]", "grid.traffic_tokens_per_day=[1e8]"]
@@ -45,6 +49,19 @@ def test_simulated_slo_met_matches_the_slo_group(simulated):
     # slo=interactive: p99 TTFT <= 1 s and p99 ITL <= 50 ms
     want = (ds.ttft_p99_s <= 1.0) & (ds.itl_p99_s <= 0.05)
     assert (ds.slo_met == want).all()
+
+
+def test_simulated_percentiles_never_below_one_decode_step(simulated):
+    """No p50/p99 below one step of one sequence (H100 SXM, Qwen3-8B, TP 1;
+    the SPEC's hand formulas): a first token needs a step that reads the
+    weights, every gap a step decoding at least the trace's shortest prompt."""
+    ds, _ = simulated
+    with open(resolve_trace_path("azure_llm_2023_conv.csv"), newline="") as f:
+        shortest = min(int(row["ContextTokens"]) for row in csv.DictReader(f))
+    for name in ("ttft_p50_s", "ttft_p99_s", "e2e_p99_s"):
+        assert (ds[name] >= helpers.step(1, 0, 0)).all(), name
+    for name in ("itl_p50_s", "itl_p99_s"):
+        assert (ds[name] >= helpers.decode(1, max(shortest, 1))).all(), name
 
 
 def test_higher_rate_never_lowers_p99_ttft(simulated):

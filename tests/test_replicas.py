@@ -92,7 +92,9 @@ def test_split_replicas_pool_every_request(job):
         hist = sum(o.itl_hist for o in outs)
         gaps = sum(float((np.round(np.asarray(o.output_tokens)) - 1).sum())
                    for o in outs)
-        itl = np.asarray(itl_percentiles(hist, gaps, jnp.array([50.0, 99.0])))
+        itl = np.asarray(itl_percentiles(
+            hist, gaps, jnp.array([50.0, 99.0]), min(o.itl_min_s for o in outs),
+            max(o.itl_max_s for o in outs)))
         np.testing.assert_allclose([sim["itl_p50_s"], sim["itl_p99_s"]], itl,
                                    rtol=1e-5)
         duration = max(float(o.duration_s) for o in outs)
