@@ -15,19 +15,26 @@ a second run with the same shapes skips that.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from sweep.cli import CONFIG_MODULE, _fail, _overrides, _preflight
+from sweep.cli import (
+    CONFIG_MODULE,
+    _fail,
+    _overrides,
+    _preflight,
+    quiet_backend_probe,
+)
+from sweep.config.resolve import config_yaml, restore, stash_lists
 from sweep.config.schema import ConfigError
+from sweep.plan import optimize_plan
 
 COMMAND = "sweep-optimize"
 INFEASIBLE_EXIT = 3
@@ -107,28 +114,30 @@ def _enable_compilation_cache() -> None:
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="optimize",
             version_base="1.3")
 def _optimize_app(cfg: DictConfig) -> None:
+    import jax
+
     from sweep import optimize, results
 
+    quiet_backend_probe()
     err = Console(stderr=True)
-    # JAX reports at INFO which accelerator plugins are absent; Hydra shows INFO
-    logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         job = _preflight_job or _check("optimize", _overrides())
     except ConfigError as e:
         _fail(COMMAND, e)
     out = Path(job.app.out) if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
-    err.print(f"{COMMAND}: {len(job.candidates)} candidates "
-              f"({len(job.excluded)} excluded: do not fit) x {job.app.search.restarts}"
-              f" restarts; {job.app.workload.name} at "
-              f"{job.app.workload.arrival_rate_per_s:g} req/s")
+    plan = optimize_plan(job.app, len(job.candidates), job.settings)
+    err.print(f"{COMMAND}: {job.app.workload.name} at "
+              f"{job.app.workload.arrival_rate_per_s:g} req/s; "
+              f"{len(job.excluded)} candidate(s) excluded (do not fit); "
+              f"{plan.line(jax.default_backend())}",
+              markup=False, highlight=False, soft_wrap=True)
     try:
         outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)
         sys.exit(INFEASIBLE_EXIT)
-    config_yaml = OmegaConf.to_yaml(cfg)
-    attrs = results.provenance(config_yaml, job.app.seed, _overrides())
+    attrs = results.provenance(config_yaml(cfg), job.app.seed, restore(_overrides()))
     ds = optimize.to_dataset(job, outcome, attrs)
     optimize.write(ds, out)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
@@ -147,4 +156,6 @@ def main() -> None:
     global _preflight_job
     _preflight_job = _preflight(COMMAND, "optimize", sys.argv[1:], _check)
     _enable_compilation_cache()
+    # Hydra parses the command line again: hand it the stashed long lists
+    sys.argv[1:] = stash_lists(sys.argv[1:])
     _optimize_app()
