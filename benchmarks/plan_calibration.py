@@ -9,9 +9,14 @@ the constants the pairs imply:
 * simulator: 64 configurations x 2,000 and x 20,000 requests at 64 slots,
   x 2,000 at 512 slots, and 256 configurations x 2,000 at 64 slots;
 * surrogate: 64 and 65,536 configurations;
-* optimize: ``search=quick`` (one and two rounds are what the log shows).
+* optimize: ``search=quick`` (its log gives the first round's time).
 
-    python benchmarks/plan_calibration.py [--only roofline,simulate,...]
+With ``--xla`` it instead compiles (does not run) the p99 block of four
+simulator shapes and the roofline block in-process and prints XLA's own
+buffer sizes (``Compiled.memory_analysis()``): exact, and the same on any
+machine, which the resident-memory differences of loaded runs are not.
+
+    python benchmarks/plan_calibration.py [--only roofline,simulate,...] [--xla]
 
 The results and the constants chosen from them are in benchmarks/README.md
 ("Run plans"). Time constants depend on the machine and its load; memory
@@ -94,10 +99,70 @@ def run(command: str, args: list[str], cwd: Path, env: dict) -> dict:
             "plan_mem": m["mem"] if m else "?", "log": text}
 
 
+XLA_CASES = {
+    # name: (overrides on SIM, configurations, requests, slots)
+    "sim 64 x 2k x 64": (["grid.concurrency=[8,16,32,64]",
+                          "latency.num_requests=2000"], 64, 2000, 64),
+    "sim 64 x 20k x 64": (["grid.concurrency=[8,16,32,64]",
+                           "latency.num_requests=20000"], 64, 20000, 64),
+    "sim 64 x 2k x 512": (["grid.concurrency=[8,16,32,512]",
+                           "latency.num_requests=2000"], 64, 2000, 512),
+    "sim 256 x 2k x 64": (["grid.concurrency=${range:4,64,16}",
+                           "latency.num_requests=2000"], 256, 2000, 64),
+    "surrogate 256": (["grid.concurrency=${range:4,64,16}", "latency=surrogate"],
+                      256, 0, 0),
+}
+
+
+def xla_buffers() -> None:
+    """XLA's buffer sizes of compiled blocks, and the constants they imply."""
+    import jax.numpy as jnp
+    from hydra import initialize_config_module
+
+    from sweep import grid
+    from sweep.config.resolve import grid_options
+    from sweep.config.store import register_configs
+    from sweep.evaluate import evaluate_region
+
+    register_configs()
+    sizes = {}
+    with initialize_config_module("sweep.conf", version_base="1.3"):
+        cases = {**XLA_CASES, "roofline": (RUNS["roofline"][1][1], 0, 0, 0)}
+        for name, (extra, *_) in cases.items():
+            overrides = extra if name == "roofline" else [*SIM, *extra]
+            base, options = grid_options("grid", overrides)
+            part = grid.prepare(base, options).parts[-1]
+            plan = part.plan
+            compiled = evaluate_region.lower(
+                part.fn, part.axes, part.tables, jnp.zeros(len(plan.shape), jnp.int32),
+                shape=plan.shape, chunks=plan.chunks, table_dims=part.table_dims
+            ).compile()
+            m = compiled.memory_analysis()
+            sizes[name] = total = (m.temp_size_in_bytes + m.argument_size_in_bytes
+                                   + m.output_size_in_bytes)
+            print(f"{name:18} block of {plan.size:>9,}: temp "
+                  f"{m.temp_size_in_bytes:>12,} B, arguments "
+                  f"{m.argument_size_in_bytes:>10,} B, outputs "
+                  f"{m.output_size_in_bytes:>11,} B ({total / plan.size:,.1f} B per "
+                  "point)", flush=True)
+    a, b = sizes["sim 64 x 2k x 64"], sizes["sim 64 x 20k x 64"]
+    per_req = (b - a) / (64 * 18_000)
+    per_slot = (sizes["sim 64 x 2k x 512"] - a) / (64 * 448)
+    per_config = (sizes["sim 256 x 2k x 64"] - a) / 192 - 2000 * per_req - 64 * (
+        per_slot)
+    print(f"  -> simulator: {per_req:.1f} B per config-request, {per_slot:.0f} B per "
+          f"config-slot, {per_config:,.0f} B per config; surrogate: "
+          f"{sizes['surrogate 256'] / 256:,.0f} B per config")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=",".join(RUNS))
+    p.add_argument("--xla", action="store_true")
     args = p.parse_args()
+    if args.xla:
+        xla_buffers()
+        return
     env = dict(os.environ)
     # a fresh compilation cache: every run compiles, as a user's first run does
     env["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="plan-cal-cache-")

@@ -123,6 +123,10 @@ def _padded(tables: list[WorkloadTables]) -> list[WorkloadParams]:
 def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
     """Every check of a sweep's input, with no JAX work; returns the length tables.
 
+    Tensor-parallel sizes against each model's heads and each hardware's
+    node, the model fitting somewhere, distinct options, the workloads'
+    traces and tables, and the plan's peak memory against the budget.
+
     Raises:
       ConfigError: one line naming the field, its value and what is allowed.
     """

@@ -110,6 +110,11 @@ def group_options(group: str, app: str, overrides: list[str]) -> list[str]:
 
 
 def _one_line(e: BaseException) -> str:
+    inner = e
+    while inner is not None:  # a check of ours raised inside a resolver
+        if isinstance(inner, ConfigError):
+            return str(inner)
+        inner = inner.__cause__ or inner.__context__
     cause = e.__cause__ or e.__context__
     text = str(cause if isinstance(cause, OmegaConfBaseException) else e)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]

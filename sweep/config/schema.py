@@ -234,7 +234,7 @@ def axis_range(start, stop, num, scale="linear") -> list[float]:
     """
     key = f"range:{start},{stop},{num},{scale}"
     _check(isinstance(num, int) and 1 <= num <= MAX_AXIS_VALUES, key, num,
-           f"num must be an integer in [1, {MAX_AXIS_VALUES:,}]")
+           f"num must be an integer in [1, {MAX_AXIS_VALUES}]")
     _check(scale in ("linear", "log"), key, scale, "scale must be linear or log")
     try:
         start, stop = float(start), float(stop)
@@ -256,8 +256,8 @@ def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float,
                   high: float = MAX_TOKENS) -> list[float]:
     values = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     _check(len(values) > 0, key, values, "must list at least one value")
-    _check(len(values) <= MAX_AXIS_VALUES, key, f"{len(values):,} values",
-           f"at most {MAX_AXIS_VALUES:,} values per axis")
+    _check(len(values) <= MAX_AXIS_VALUES, key, f"{len(values)} values",
+           f"at most {MAX_AXIS_VALUES} values per axis")
     out = []
     for v in values:
         _check(isinstance(v, (int, float)) and not isinstance(v, bool)
