@@ -252,7 +252,6 @@ class SweepAccessor:
                 masked = var.where(mask)
                 dims = [d for d in self._ds.dims if d in masked.dims]
                 out[name] = masked.transpose(*dims).assign_attrs(var.attrs)
-
         out["feasible"] = mask
         out.attrs["feasible"] = mask.attrs["feasible"]
         return out
