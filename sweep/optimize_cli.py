@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -25,10 +26,13 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from sweep import outputs
 from sweep.cli import (
     CONFIG_MODULE,
+    _check_output,
     _fail,
     _overrides,
+    _place_run,
     _preflight,
     quiet_backend_probe,
 )
@@ -124,8 +128,10 @@ def _optimize_app(cfg: DictConfig) -> None:
         job = _preflight_job or _check("optimize", _overrides())
     except ConfigError as e:
         _fail(COMMAND, e)
-    out = Path(job.app.out) if job.app.out else Path(
+    out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
+    _check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
+                  "optimize")
     plan = optimize_plan(job.app, len(job.candidates), job.settings)
     err.print(f"{COMMAND}: {job.app.workload.name} at "
               f"{job.app.workload.arrival_rate_per_s:g} req/s; "
@@ -133,13 +139,16 @@ def _optimize_app(cfg: DictConfig) -> None:
               f"{plan.line(jax.default_backend())}",
               markup=False, highlight=False, soft_wrap=True)
     try:
-        outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
+        with outputs.lock(out):  # held from before the search to the write
+            outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
+            attrs = results.provenance(config_yaml(cfg), job.app.seed,
+                                       restore(_overrides()))
+            optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)
         sys.exit(INFEASIBLE_EXIT)
-    attrs = results.provenance(config_yaml(cfg), job.app.seed, restore(_overrides()))
-    ds = optimize.to_dataset(job, outcome, attrs)
-    optimize.write(ds, out)
+    except outputs.OutputError as e:
+        _fail(COMMAND, e)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     console = Console(width=max(Console().width, 200))
     console.print(result_table(job, outcome))
@@ -154,8 +163,11 @@ def _optimize_app(cfg: DictConfig) -> None:
 def main() -> None:
     """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
     global _preflight_job
-    _preflight_job = _preflight(COMMAND, "optimize", sys.argv[1:], _check)
+    # Hydra's grammar is quadratic in a list's length: long lists go by stash
+    argv = stash_lists(sys.argv[1:])
+    _preflight_job = _preflight(COMMAND, "optimize", argv, _check)
+    sys.argv[1:] = argv + (_preflight(COMMAND, "optimize", argv, partial(
+        _place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",
+        resume=False)) or [])
     _enable_compilation_cache()
-    # Hydra parses the command line again: hand it the stashed long lists
-    sys.argv[1:] = stash_lists(sys.argv[1:])
     _optimize_app()

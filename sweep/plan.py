@@ -27,6 +27,7 @@ from pathlib import Path
 
 from sweep.config.schema import ConfigError, LatencyMethod
 from sweep.evaluate import Blocking, blocking
+from sweep.results import BOOLEAN, P99_VARIABLES, ROOFLINE_VARIABLES
 
 # -- measured constants (benchmarks/README.md, "Run plans") --------------------
 # Time, on the 2-core CPU machine when quiet: the rates of the quiet reruns of
@@ -77,10 +78,6 @@ STREAM_BYTES_PER_REQUEST = 12
 """A request stream: arrival, prompt and output, float32 each."""
 SUMMARY_BYTES_PER_POINT = 100.0
 """The summary table's reading of a cube (up to ``LOAD_POINTS``)."""
-ROOFLINE_DISK_BYTES_PER_POINT = 53
-"""13 float32 variables and one bool per point, before compression."""
-P99_DISK_BYTES_PER_CONFIG = 37
-"""8 float32 variables, one bool, one int32 per configuration."""
 OPTIMIZE_DISK_BYTES_PER_EVALUATION = 8
 """optimize.zarr keeps the configurations of the last search."""
 
@@ -168,6 +165,11 @@ def budget(max_memory_gb: float) -> tuple[float, str]:
                                   f"{gb(total)}; set max_memory_gb to change it")
 
 
+def _disk_bytes(variables) -> int:
+    """Bytes per point of these cube variables before compression."""
+    return sum(1 if name in BOOLEAN else 4 for name in variables)
+
+
 def _padded(plan: Blocking) -> int:
     """Configurations evaluated, a block sticking out of the cube counted whole."""
     return len(plan) * plan.size
@@ -204,7 +206,7 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
     time_s = ROOFLINE_FIXED_S + _padded(roof) / ROOFLINE_POINTS_PER_S
     block_bytes = roof.size * ROOFLINE_BYTES_PER_POINT
     memory, driver = block_bytes, f"grid.chunk_points = {g.chunk_points}"
-    disk = points * ROOFLINE_DISK_BYTES_PER_POINT
+    disk = points * _disk_bytes(ROOFLINE_VARIABLES)
     what = f"{points:,} points in {len(roof):,} block(s)"
     method = app.latency.method
     if method != LatencyMethod.none:
@@ -214,7 +216,7 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
                      sizes["token_budget"], len(g.batching), rates)
         p99 = blocking(p99_shape, app.latency.chunk_configs)
         configs = math.prod(p99_shape)
-        disk += configs * P99_DISK_BYTES_PER_CONFIG
+        disk += configs * _disk_bytes(P99_VARIABLES)
         if method == LatencyMethod.simulate:
             n = app.latency.num_requests
             slots = int(max(g.axes["concurrency"]))
@@ -253,18 +255,25 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
     padded = candidates + (-candidates % PAD)
     evaluations = padded * s.restarts * (s.steps + settings.integer_steps)
     slots = max(64, 1 << (s.concurrency_max - 1).bit_length())
-    sim_s, sim_bytes = simulation(s.verify_top, s.verify_requests, slots,
-                                  s.verify_top)
+    # a verified configuration of R replicas simulates R rows of at most
+    # verify_requests requests each, min(verify_requests x R,
+    # verify_requests_max) in all, from one stream of verify_requests_max
+    replicas = min(s.replicas_max, -(-s.verify_requests_max // s.verify_requests))
+    rows = 1 << (s.verify_top * replicas - 1).bit_length()
+    sim_s, sim_bytes = simulation(rows, s.verify_requests, slots, 0)
+    sim_bytes += s.verify_requests_max * STREAM_BYTES_PER_REQUEST
     round_s = evaluations / SEARCH_EVALUATIONS_PER_S + sim_s
     first = SEARCH_FIXED_S + SIM_FIXED_S + round_s
     memory, driver = SEARCH_FIXED_BYTES, f"search.restarts = {s.restarts}"
     if sim_bytes > memory:
         memory, driver = sim_bytes, (
             f"search.verify_requests = {s.verify_requests} with search.verify_top = "
-            f"{s.verify_top} and {slots} slots (search.concurrency_max)")
+            f"{s.verify_top}, search.verify_requests_max = {s.verify_requests_max} "
+            f"and {slots} slots (search.concurrency_max)")
     what = (f"{candidates} candidate(s) x {s.restarts} restarts: {evaluations:,} "
-            f"surrogate evaluations and up to {s.verify_top} simulations of "
-            f"{s.verify_requests:,} requests a round, at most {s.rounds} round(s)")
+            f"surrogate evaluations and up to {s.verify_top} verified "
+            f"configurations of <= {s.verify_requests_max:,} requests a round, at "
+            f"most {s.rounds} round(s)")
     limit, source = budget(app.max_memory_gb)
     return Plan(what, first + (s.rounds - 1) * round_s, BASE_BYTES + memory,
                 OPTIMIZE_DISK_BYTES_PER_EVALUATION * evaluations, limit, source,
