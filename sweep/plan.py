@@ -64,7 +64,7 @@ ROOFLINE_BYTES_PER_POINT = 90.0
 """Per point of a roofline block: 53 bytes of XLA output, and host copies."""
 SIM_FIXED_BYTES = 0.35e9
 """The simulator's compilation and runtime, beyond the base."""
-SIM_BYTES_PER_CONFIG_REQUEST = 20.0
+SIM_BYTES_PER_CONFIG_REQUEST = 21.0
 SIM_BYTES_PER_CONFIG_SLOT = 200.0
 SIM_BYTES_PER_CONFIG = 0.2e6
 """XLA's buffers for a simulator block: per configuration and request (its

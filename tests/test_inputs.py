@@ -111,6 +111,7 @@ def test_optimize_preflight_refuses(hydra_ctx):
     assert msg.startswith("search.tensor_parallel = 3: model[qwen3_8b] has 32 query")
     msg = refused(optimize_check, "optimize", ["hardware=h100_sxm",
                                                "search.verify_requests=16000000",
+                                               "search.verify_requests_max=16000000",
                                                "max_memory_gb=2"])
     assert msg.startswith("search.verify_requests = 16000000 with search.verify_top")
 
