@@ -19,6 +19,15 @@ reads the cube's own variables.
   masked); ``pareto`` is the usual non-dominated filter (both axes maximised);
   ``to_serving_flags`` maps one point to vLLM's engine arguments
   (https://docs.vllm.ai/en/latest/configuration/engine_args.html).
+* On a p99 cube (``latency=simulate|surrogate``) the latency variables live
+  on the latency axes (with ``arrival_rate_per_s``, without the context,
+  long-prompt and traffic axes); the mask spans the union of both, so a
+  point's feasibility depends on every axis either depends on.
+* On the dataset of ``sweep-optimize`` (dims ``candidate``, ``config``) the
+  points are the candidates: ``feasible`` keeps those with an answer meeting
+  their targets and applies limits to their p99s (simulated where verified,
+  surrogate otherwise); ``cheapest("candidate")`` and ``pareto`` work as on
+  a cube; ``to_serving_flags(candidate=i)`` gives a candidate's flags.
 """
 
 from __future__ import annotations
@@ -40,6 +49,11 @@ SCENARIO_DIMS = ("workload", "context_tokens", "long_prompt_tokens",
                  "traffic_tokens_per_day", "arrival_rate_per_s")
 # Axes an operator chooses for one hardware x model.
 CONFIG_DIMS = ("tensor_parallel", "concurrency", "token_budget", "batching")
+
+
+def is_optimize(ds: xr.Dataset) -> bool:
+    """Whether ``ds`` is the dataset of ``sweep-optimize`` (not a grid cube)."""
+    return "candidate" in ds.dims or "config" in ds.dims
 
 
 class ServingFlags(NamedTuple):
@@ -166,11 +180,16 @@ class SweepAccessor:
           A bool DataArray over the cube's dims; its ``feasible`` attribute
           states the criterion applied, naming any proxy used.
         """
-        self._require("kv_fits")
         limits = load_slo(slo) if slo is not None else {}
         for name, value in (("ttft_p99_s", ttft_p99_s), ("itl_p99_s", itl_p99_s)):
             if value is not None:
                 limits[name] = float(value)
+        for name, limit in limits.items():
+            if not (np.isfinite(limit) and limit > 0):
+                raise ValueError(f"{name} = {limit:g}: must be a finite number > 0")
+        if is_optimize(self._ds):
+            return self._candidate_mask(limits)
+        self._require("kv_fits")
         ds = self._ds
         mask = ds["kv_fits"].astype(bool)
         criteria = ["kv_fits"]
@@ -183,12 +202,33 @@ class SweepAccessor:
             mask = mask & ok
             criteria.append("token_budget >= concurrency")
         for name, limit in limits.items():
-            if not (np.isfinite(limit) and limit > 0):
-                raise ValueError(f"{name} = {limit:g}: must be a finite number > 0")
             value, what = self._latency(name)
             mask = mask & (value <= limit)
             criteria.append(f"{what} <= {limit:g} s")
-        mask = mask.transpose(*ds["kv_fits"].dims)
+        # over the union of the criteria's dims (a p99 cube's latency variables
+        # add arrival_rate_per_s, its KV check context_tokens), in cube order
+        mask = mask.transpose(*[d for d in ds.dims if d in mask.dims])
+        return mask.rename("feasible").assign_attrs(
+            feasible=" & ".join(criteria), long_name="feasible", units="1")
+
+    def _candidate_mask(self, limits: dict[str, float]) -> xr.DataArray:
+        """``feasible_mask`` of a ``sweep-optimize`` dataset, over its candidates.
+
+        A candidate is feasible when the search found it an answer meeting its
+        surrogate targets, and each limit holds for its p99, simulated where
+        the candidate was verified and from the surrogate otherwise.
+        """
+        ds = self._ds
+        self._require("meets_targets", "verified")
+        mask = ds["meets_targets"].astype(bool)
+        criteria = ["meets_targets"]
+        for name, limit in limits.items():
+            self._require(f"simulated_{name}", f"surrogate_{name}")
+            value = xr.where(ds["verified"], ds[f"simulated_{name}"],
+                             ds[f"surrogate_{name}"])
+            mask = mask & (value <= limit)
+            criteria.append(f"{name} (simulated where verified, else surrogate) <= "
+                            f"{limit:g} s")
         return mask.rename("feasible").assign_attrs(
             feasible=" & ".join(criteria), long_name="feasible", units="1")
 
@@ -196,16 +236,22 @@ class SweepAccessor:
                  itl_p99_s: float | None = None) -> xr.Dataset:
         """The cube with every point that fails the limits masked out.
 
-        Float variables over the cube's dims become NaN at infeasible points
-        (so that ``cheapest`` and ``pareto`` skip them); the mask itself is
+        Float variables of a deployment point (those over any of
+        ``CONFIG_DIMS``) become NaN at infeasible points (so that ``cheapest``
+        and ``pareto`` skip them), spread over the mask's dims where they lack
+        some: on a p99 cube the cost gains ``arrival_rate_per_s``, since
+        whether a point meets the SLO depends on the rate. The mask itself is
         added as the bool variable ``feasible``. Arguments as in
         ``feasible_mask``; with none, only ``kv_fits`` is applied.
         """
         mask = self.feasible_mask(slo, ttft_p99_s=ttft_p99_s, itl_p99_s=itl_p99_s)
         out = self._ds.copy()
+        point_dims = {"candidate"} if is_optimize(self._ds) else set(CONFIG_DIMS)
         for name, var in self._ds.data_vars.items():
-            if var.dtype.kind == "f" and set(mask.dims) <= set(var.dims):
-                out[name] = var.where(mask).assign_attrs(var.attrs)
+            if var.dtype.kind == "f" and set(var.dims) & point_dims:
+                masked = var.where(mask)
+                dims = [d for d in self._ds.dims if d in masked.dims]
+                out[name] = masked.transpose(*dims).assign_attrs(var.attrs)
         out["feasible"] = mask
         out.attrs["feasible"] = mask.attrs["feasible"]
         return out
@@ -281,7 +327,10 @@ class SweepAccessor:
           ``--gpu-memory-utilization`` (from the run's config), with the
           replicas the traffic needs when the cube has them.
         """
-        pt = self._ds.sel(sel)
+        ds = self._ds
+        if is_optimize(ds):  # one candidate's answer: its variables only
+            ds = ds[[v for v in ds.data_vars if ds[v].dims == ("candidate",)]]
+        pt = ds.sel(sel)
         open_dims = [d for d, n in pt.sizes.items() if n > 1]
         if open_dims:
             raise ValueError("to_serving_flags needs one point; also select "
@@ -291,10 +340,13 @@ class SweepAccessor:
         if "batching" in pt.coords and str(pt["batching"].values) != "continuous":
             raise ValueError(f"batching={pt['batching'].values}: vLLM serves with "
                              "continuous batching; select batching='continuous'")
+        if "meets_targets" in pt and not bool(pt["meets_targets"]):
+            raise ValueError(f"the candidate {sel} has no configuration meeting its "
+                             "targets (meets_targets False)")
         if "kv_fits" in pt and not bool(pt["kv_fits"]):
             raise ValueError(f"the point {sel} does not fit in memory (kv_fits False)")
-        if {"token_budget", "concurrency"} <= set(pt.coords) and int(
-                pt["token_budget"]) < int(pt["concurrency"]):
+        if {"token_budget", "concurrency"} <= set(pt.variables) and float(
+                pt["token_budget"]) < float(pt["concurrency"]):
             raise ValueError(f"token_budget {int(pt['token_budget'])} < concurrency "
                              f"{int(pt['concurrency'])}: vLLM needs "
                              "max_num_batched_tokens >= max_num_seqs")
@@ -302,7 +354,7 @@ class SweepAccessor:
         for dim, flag in (("tensor_parallel", "--tensor-parallel-size"),
                           ("concurrency", "--max-num-seqs"),
                           ("token_budget", "--max-num-batched-tokens")):
-            if dim in pt.coords:
+            if dim in pt.variables and np.isfinite(float(pt[dim])):
                 flags[flag] = int(pt[dim])
         util = config_value(self._ds, "gpu_memory_utilization")
         if util is not None:

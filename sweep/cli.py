@@ -3,7 +3,10 @@
 Each command first composes and validates its config outside Hydra's run
 (so that bad input gets one line and exit code 2, with no run directory and
 no compilation), then hands the command line to ``@hydra.main``, which
-composes again, creates the run directory and runs the job.
+creates the run directory and runs the job on the preflight's config. Before
+the first block, ``sweep-grid`` prints its plan (``sweep.plan``); while it
+runs, its progress (``sweep.progress``); at the end, the cheapest feasible
+point per scenario (``sweep.summary``).
 
 Between the two, ``_place_run`` checks the output path (``sweep.outputs``)
 and adds the Hydra settings that place the run: with ``out=``, no run
@@ -14,27 +17,28 @@ config under ``outputs/`` in its own directory.
 from __future__ import annotations
 
 import glob
+import logging
 import re
 import sys
 from functools import partial
 from pathlib import Path
 
 import hydra
-import numpy as np
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from sweep import outputs
-from sweep.config.resolve import grid_options
+from sweep.config.resolve import config_yaml, grid_options, restore, stash_lists
 from sweep.config.schema import ConfigError
 from sweep.config.store import register_configs
 from sweep.outputs import OutputError
+from sweep.plan import grid_plan
+from sweep.progress import BlockProgress
+from sweep.summary import summary_table
 
 CONFIG_MODULE = "sweep.conf"
 register_configs()
@@ -101,7 +105,7 @@ def _place_run(app: str, argv: list[str], *, command: str, kind: str,
     with open_dict(cfg):
         del cfg["hydra"]  # what the job's config is (``@hydra.main`` drops it)
     state = results.find_unfinished(folders, default_name,
-                                    grid.config_digest(OmegaConf.to_yaml(cfg)))
+                                    grid.config_digest(config_yaml(cfg)))
     if state is None:
         return []
     print(f"{command}: resuming the unfinished sweep in {state.out} "
@@ -128,122 +132,82 @@ def _overrides() -> list[str]:
     return [*searchpath, *overrides.task]
 
 
-def _progress_bar(console: Console):
-    """A progress callback that draws a bar once a job has several blocks."""
-    state = {}
+def quiet_backend_probe() -> None:
+    """Keeps JAX's probing for absent accelerators out of the output.
 
-    def update(done: int, total: int) -> None:
-        if total <= 1:
-            return
-        if "bar" not in state:
-            bar = Progress("{task.description}", BarColumn(),
-                           "{task.completed}/{task.total} blocks",
-                           TimeElapsedColumn(), TimeRemainingColumn(),
-                           console=console, transient=True)
-            bar.start()
-            state["bar"] = bar
-            state["task"] = bar.add_task("evaluating", total=total)
-        state["bar"].update(state["task"], completed=done)
-        if done >= total:
-            state["bar"].stop()
-
-    return update
-
-
-def summary_table(ds) -> Table:
-    """Cheapest fitting point per hardware x model, and the largest concurrency.
-
-    When the cube has p99 metrics, the cheapest point that also meets the SLO,
-    with its p99 TTFT and ITL.
+    JAX logs at INFO each backend it fails to find (``Unable to initialize
+    backend 'tpu'``) and Hydra prints INFO; only that logger is raised to
+    WARNING, so JAX's warnings and errors, and a platform the user asked for
+    with ``JAX_PLATFORMS`` that fails, still show.
     """
-    cost = ds["cost_per_mtok_out_usd"]
-    slo = "slo_met" in ds
-    if slo:
-        cost = cost.where(ds["slo_met"])
-    title = ("cheapest point meeting the p99 SLO" if slo else
-             "cheapest point that fits") + ", per hardware x model"
-    table = Table(title=title)
-    cols = ["hardware", "model", "TP", "conc.", "context tok", "batching",
-            "ITL ms", "tok/s/user", "USD/1M out", "max conc."]
-    if slo:
-        cols[6:6] = ["budget tok", "req/s", "p99 TTFT s", "p99 ITL ms"]
-    for col in cols:
-        left = col in ("hardware", "model", "batching")
-        table.add_column(col, justify="left" if left else "right", no_wrap=True)
-    for h in ds.hardware.values:
-        for m in ds.model.values:
-            c = cost.sel(hardware=h, model=m)
-            if bool(np.isnan(c.values).all()):
-                table.add_row(h, m, *[""] * (len(cols) - 4),
-                              "meets no SLO" if slo else "does not fit", "")
-                continue
-            pos = np.unravel_index(np.nanargmin(c.values), c.shape)
-            pt = ds.sel(hardware=h, model=m).isel(dict(zip(c.dims, pos)))
-            row = [h, m, str(int(pt.tensor_parallel)), str(int(pt.concurrency)),
-                   f"{int(pt.context_tokens):,}", str(pt.batching.values),
-                   f"{float(pt.step_s) * 1e3:.2f}",
-                   f"{float(pt.user_tokens_per_s):,.0f}",
-                   f"{float(pt.cost_per_mtok_out_usd):.3f}",
-                   f"{int(pt.max_concurrency_fit):,}"]
-            if slo:
-                row[6:6] = [f"{int(pt.token_budget):,}",
-                            f"{float(pt.arrival_rate_per_s):g}",
-                            f"{float(pt.ttft_p99_s):.3f}",
-                            f"{float(pt.itl_p99_s) * 1e3:.2f}"]
-            table.add_row(*row)
-    return table
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 
-def _grid_check(app: str, overrides: list[str]) -> None:
+def _grid_check(app: str, overrides: list[str]):
     """The preflight: compose and check, but stack and sample nothing."""
     from sweep import grid
 
-    grid.check(*grid_options(app, overrides))
+    base, options = grid_options(app, overrides)
+    grid.check(base, options)
+    return base, options
 
 
-def _grid_job(app: str, overrides: list[str]):
-    from sweep import grid
-
-    return grid.prepare(*grid_options(app, overrides))
+# what the preflight composed from the same command line (Hydra's own
+# settings aside, which do not change it); None when Hydra flags skip it
+_preflight_options = None
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="grid",
             version_base="1.3")
 def _grid_app(cfg: DictConfig) -> None:
+    import jax
+
     from sweep import grid, results
 
+    quiet_backend_probe()
     console = Console(stderr=True)
     try:
-        job = _grid_job("grid", _overrides())
+        base, options = _preflight_options or grid_options("grid", _overrides())
+        job = grid.prepare(base, options)
     except ConfigError as e:
         _fail("sweep-grid", e)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "cube.zarr"
     _check_output("sweep-grid", out, f"out={job.app.out}" if job.app.out else str(out),
                   "cube")
-    config_yaml = OmegaConf.to_yaml(cfg)
-    attrs = results.provenance(config_yaml, job.app.seed, _overrides())
-    blocks = sum(len(p.plan) for p in job.parts)
+    yaml_text = config_yaml(cfg)
+    attrs = results.provenance(yaml_text, job.app.seed, restore(_overrides()))
+    plan = grid_plan(base, options)
+    progress = BlockProgress(console, "sweep-grid",
+                             [(p.name, len(p.plan)) for p in job.parts])
     try:
-        with outputs.lock(out, grid.fingerprint(config_yaml, job)):
-            console.print(f"sweep-grid: {job.points:,} points in {blocks} block(s) "
-                          f"-> {out}")
-            ds = grid.run(job, out, attrs, config_yaml,
-                          progress=_progress_bar(console))
+        with outputs.lock(out, grid.fingerprint(yaml_text, job)):
+            console.print(f"sweep-grid: {plan.line(jax.default_backend())} -> {out}",
+                          markup=False, highlight=False, soft_wrap=True)
+            try:
+                ds = grid.run(job, out, attrs, yaml_text, progress=progress)
+            finally:
+                progress.close()
     except OutputError as e:
         _fail("sweep-grid", e)
+    table, notes = summary_table(ds)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
-    Console(width=max(Console().width, 200)).print(summary_table(ds))
-    console.print("USD/1M out: at full load (every slot busy); "
-                  "effective_cost_per_mtok_out_usd in the cube prices the traffic")
+    Console(width=max(Console().width, 200)).print(table)
+    for note in notes:
+        console.print(note, markup=False)
+    console.print("USD/1M out: at full load (every slot busy); replicas: for the "
+                  "row's traffic; effective_cost_per_mtok_out_usd in the cube "
+                  "prices the traffic")
     console.print(f"cube written to {out}")
 
 
 def grid_main() -> None:
     """``sweep-grid [hydra overrides]``: evaluate a grid, write ``cube.zarr``."""
-    argv = sys.argv[1:]
-    _preflight("sweep-grid", "grid", argv, _grid_check)
-    sys.argv += _preflight("sweep-grid", "grid", argv, partial(
+    global _preflight_options
+    # Hydra's grammar is quadratic in a list's length: long lists go by stash
+    argv = stash_lists(sys.argv[1:])
+    _preflight_options = _preflight("sweep-grid", "grid", argv, _grid_check)
+    sys.argv[1:] = argv + (_preflight("sweep-grid", "grid", argv, partial(
         _place_run, command="sweep-grid", kind="cube", default_name="cube.zarr",
-        resume=True)) or []
+        resume=True)) or [])
     _grid_app()

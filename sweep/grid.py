@@ -22,7 +22,14 @@ import numpy as np
 import xarray as xr
 
 from sweep import outputs, p99, results
-from sweep.config.schema import ConfigError, GridApp, Hardware, LatencyMethod, Model
+from sweep.config.schema import (
+    ConfigError,
+    GridApp,
+    Hardware,
+    LatencyMethod,
+    Model,
+    check_tensor_parallel,
+)
 from sweep.cost import static_slot_utilization
 from sweep.evaluate import Blocking, blocking, iterate_blocks
 from sweep.params import (
@@ -33,6 +40,7 @@ from sweep.params import (
     model_params,
     stack,
 )
+from sweep.plan import grid_plan
 from sweep.point import DIMS, grid_point
 from sweep.roofline import weight_bytes
 from sweep.workload import WorkloadTables, workload_tables
@@ -128,9 +136,15 @@ def _padded(tables: list[WorkloadTables]) -> list[WorkloadParams]:
 def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
     """Every check of a sweep's input, with no JAX work; returns the length tables.
 
+    Tensor-parallel sizes against each model's heads and each hardware's
+    node, the model fitting somewhere, distinct options, the workloads'
+    traces and tables, and the plan's peak memory against the budget.
+
     Raises:
       ConfigError: one line naming the field, its value and what is allowed.
     """
+    check_tensor_parallel("grid.tensor_parallel", app.grid.axes["tensor_parallel"],
+                          options["hardware"], options["model"])
     _check_context(app, options["model"])
     _check_fits(app, options["hardware"], options["model"])
     for d, names in (("hardware", [h.name for h in options["hardware"]]),
@@ -139,7 +153,9 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
                      ("batching", [b.value for b in app.grid.batching])):
         if len(set(names)) != len(names):
             raise ConfigError(f"grid.{d} = {names}: values must be distinct")
-    return [workload_tables(w, app.data_dir) for w in options["workload"]]
+    tables = [workload_tables(w, app.data_dir) for w in options["workload"]]
+    grid_plan(app, options).check_memory()
+    return tables
 
 
 def prepare(app: GridApp, options: dict[str, list]) -> GridJob:

@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,11 +47,18 @@ import xarray as xr
 
 from sweep import outputs, roofline, search
 from sweep.arrivals import Requests, route, split, workload_requests
-from sweep.config.schema import ConfigError, Hardware, Model, OptimizeApp
+from sweep.config.schema import (
+    ConfigError,
+    Hardware,
+    Model,
+    OptimizeApp,
+    check_tensor_parallel,
+)
 from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.latency import LatencyWorkload
 from sweep.p99 import served_workload
 from sweep.params import CONTINUOUS, OVERLONG, hardware_params, model_params, stack
+from sweep.plan import optimize_plan
 from sweep.simulate import STATUS_RAN_OUT, pool, simulate_requests, summarize
 from sweep.workload import WorkloadTables, workload_tables
 
@@ -116,6 +124,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"search.optimizer = {s.optimizer!r} with options "
             f"{dict(s.optimizer_options)}: not an optax optimizer alias with these "
             f"options ({e})") from None
+    check_tensor_parallel("search.tensor_parallel", s.tp_values, hardware, models)
     tables = workload_tables(app.workload, app.data_dir)
     served = {m.name: served_workload(tables, app.workload, m) for m in models}
     limit = app.slo.max_rejected_fraction
@@ -155,7 +164,9 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"one average request ({request_kv:,.0f} KV tokens) beside the weights; "
             f"allowed: larger search.tensor_parallel "
             f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
-    return OptimizeJob(app, keep, excluded, tables, served, settings_of(app))
+    job = OptimizeJob(app, keep, excluded, tables, served, settings_of(app))
+    optimize_plan(app, len(keep), job.settings).check_memory()
+    return job
 
 
 def options(app_name: str, overrides: list[str]):
@@ -288,6 +299,17 @@ def _surrogate_infeasible(job: OptimizeJob, res: search.SearchResult) -> str:
                 f"max_num_batched_tokens {int(res.token_budget[c, r, k])}, "
                 f"{r_max} replicas")
 
+    util = res.reach["utilization"][:n]
+    if np.isfinite(util).any() and np.nanmin(util) >= 1.0:
+        i = int(np.nanargmin(util))
+        u = float(util.flat[i])
+        per_replica = job.app.workload.arrival_rate_per_s / r_max
+        return (f"infeasible at search.replicas_max = {r_max}: each of {r_max} "
+                f"replicas would receive {per_replica:.4g} req/s, {u:.3g}x what the "
+                f"least loaded configuration serves ({where(i)}); allowed: "
+                f"search.replicas_max >= {math.ceil(r_max * u):,} (about the "
+                "replicas that keep each below capacity; the SLO needs more), or a "
+                "lower workload.arrival_rate_per_s")
     i_itl = int(np.nanargmin(np.where(np.isfinite(itl), itl, np.nan)))
     i_ttft = int(np.nanargmin(np.where(np.isfinite(ttft), ttft, np.nan)))
     best_itl, best_ttft = float(itl.flat[i_itl]), float(ttft.flat[i_ttft])

@@ -15,7 +15,6 @@ a second run with the same shapes skips that.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from functools import partial
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
@@ -35,8 +34,11 @@ from sweep.cli import (
     _overrides,
     _place_run,
     _preflight,
+    quiet_backend_probe,
 )
+from sweep.config.resolve import config_yaml, restore, stash_lists
 from sweep.config.schema import ConfigError
+from sweep.plan import optimize_plan
 
 COMMAND = "sweep-optimize"
 INFEASIBLE_EXIT = 3
@@ -116,11 +118,12 @@ def _enable_compilation_cache() -> None:
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="optimize",
             version_base="1.3")
 def _optimize_app(cfg: DictConfig) -> None:
+    import jax
+
     from sweep import optimize, results
 
+    quiet_backend_probe()
     err = Console(stderr=True)
-    # JAX reports at INFO which accelerator plugins are absent; Hydra shows INFO
-    logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         job = _preflight_job or _check("optimize", _overrides())
     except ConfigError as e:
@@ -129,15 +132,17 @@ def _optimize_app(cfg: DictConfig) -> None:
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
     _check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
                   "optimize")
-    err.print(f"{COMMAND}: {len(job.candidates)} candidates "
-              f"({len(job.excluded)} excluded: do not fit) x {job.app.search.restarts}"
-              f" restarts; {job.app.workload.name} at "
-              f"{job.app.workload.arrival_rate_per_s:g} req/s")
+    plan = optimize_plan(job.app, len(job.candidates), job.settings)
+    err.print(f"{COMMAND}: {job.app.workload.name} at "
+              f"{job.app.workload.arrival_rate_per_s:g} req/s; "
+              f"{len(job.excluded)} candidate(s) excluded (do not fit); "
+              f"{plan.line(jax.default_backend())}",
+              markup=False, highlight=False, soft_wrap=True)
     try:
         with outputs.lock(out):  # held from before the search to the write
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
-            config_yaml = OmegaConf.to_yaml(cfg)
-            attrs = results.provenance(config_yaml, job.app.seed, _overrides())
+            attrs = results.provenance(config_yaml(cfg), job.app.seed,
+                                       restore(_overrides()))
             optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)
@@ -158,11 +163,11 @@ def _optimize_app(cfg: DictConfig) -> None:
 def main() -> None:
     """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
     global _preflight_job
-    argv = sys.argv[1:]
+    # Hydra's grammar is quadratic in a list's length: long lists go by stash
+    argv = stash_lists(sys.argv[1:])
     _preflight_job = _preflight(COMMAND, "optimize", argv, _check)
-    sys.argv += _preflight(COMMAND, "optimize", argv, partial(
+    sys.argv[1:] = argv + (_preflight(COMMAND, "optimize", argv, partial(
         _place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",
-        resume=False)
-    ) or []
+        resume=False)) or [])
     _enable_compilation_cache()
     _optimize_app()

@@ -28,7 +28,7 @@ import numpy as np
 import xarray as xr
 
 from sweep import outputs, plots
-from sweep.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, load_slo
+from sweep.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, is_optimize, load_slo
 from sweep.results import DamagedCube, check_chunks, open_cube
 
 # what the summary table and every chart's reduction rely on
@@ -81,11 +81,6 @@ GRID_OPTIONS = ("slo", "ttft_p99_s", "itl_p99_s", "hardware", "model")
 
 class ReportError(ValueError):
     """Bad input to the report: one line for the user."""
-
-
-def is_optimize(ds: xr.Dataset) -> bool:
-    """Whether ``ds`` is the dataset of ``sweep-optimize`` (not a grid cube)."""
-    return "candidate" in ds.dims or "config" in ds.dims
 
 
 def load(path: Path) -> xr.Dataset:

@@ -71,6 +71,9 @@ METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
            "utilization")
 """Surrogate outputs kept for every evaluated integer configuration."""
 
+REACH = ("ttft_p99_s", "itl_p99_s", "utilization")
+"""Surrogate outputs kept at ``replicas_max``: the best a configuration reaches."""
+
 
 class Candidates(NamedTuple):
     """The discrete choices, stacked along axis 0 (leaves of shape ``(C,)``)."""
@@ -156,7 +159,7 @@ class SearchResult(NamedTuple):
     token_budget: np.ndarray  # (C, R, N)
     replicas: np.ndarray  # (C, R, N) fewest meeting the targets (replicas_max if none)
     metrics: dict[str, np.ndarray]  # METRICS at those replicas, each (C, R, N)
-    reach: dict[str, np.ndarray]  # ttft/itl p99 at replicas_max, each (C, R, N)
+    reach: dict[str, np.ndarray]  # REACH at replicas_max, each (C, R, N)
     evaluations: int  # surrogate value-and-gradient evaluations in all
 
 
@@ -204,7 +207,7 @@ class _Carry(NamedTuple):
     concurrency: jax.Array  # (N,)
     token_budget: jax.Array  # (N,)
     metrics: dict  # METRICS -> (N,)
-    reach: dict  # "ttft_p99_s", "itl_p99_s" -> (N,)
+    reach: dict  # REACH -> (N,)
     max_abs_grad: jax.Array
     nonfinite_steps: jax.Array  # int32
 
@@ -308,7 +311,7 @@ def _compiled(settings: Settings):
             replicas=jnp.full(NEIGHBOURS, r_max, jnp.int32),
             concurrency=nan, token_budget=nan,
             metrics={m: nan for m in METRICS},
-            reach={m: nan for m in ("ttft_p99_s", "itl_p99_s")},
+            reach={m: nan for m in REACH},
             max_abs_grad=jnp.float32(0.0), nonfinite_steps=jnp.int32(0),
         )
         xs = (jnp.arange(total), jnp.asarray(scale, f32))

@@ -1,5 +1,6 @@
 """Shared fixtures: strict JAX promotion, composed configs, a PRNG key, and
-the outputs of one ``sweep-grid`` and one ``sweep-optimize`` run a session.
+the outputs of the ``sweep-grid`` and ``sweep-optimize`` runs shared by a
+session (a roofline, a surrogate and a simulated cube, an optimize dataset).
 
 The public traces come from ``SWEEP_DATA_DIR``; unset, it defaults to the
 ``shared/data`` folder beside the checkout (CI's layout), or beside the main
@@ -109,3 +110,42 @@ def optimize_run(tmp_path_factory, jax_cache_env) -> OptimizeRun:
                           cwd=root, capture_output=True, text=True, timeout=900,
                           env=jax_cache_env)
     return OptimizeRun(root / "opt.zarr", proc)
+
+
+@dataclass(frozen=True)
+class GridRun:
+    path: Path  # the cube
+    proc: subprocess.CompletedProcess
+
+
+def _grid_run(root: Path, args: list[str], env: dict[str, str]) -> GridRun:
+    proc = subprocess.run([script("sweep-grid"), *args, "out=cube.zarr"], cwd=root,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return GridRun(root / "cube.zarr", proc)
+
+
+P99_BASE = ["model=qwen3_8b", "grid.tensor_parallel=[1]",
+            "grid.context_tokens=[1500,4000]", "grid.traffic_tokens_per_day=[1e8]"]
+
+
+@pytest.fixture(scope="session")
+def simulated_run(tmp_path_factory, jax_cache_env) -> GridRun:
+    """A ``latency=simulate`` cube by the installed ``sweep-grid``: two arrival
+    rates, two contexts, static and continuous batching (once a session)."""
+    return _grid_run(tmp_path_factory.mktemp("simulated"), [
+        *P99_BASE, "hardware=h100_sxm", "workload=azure_conv_2023",
+        "grid.arrival_rate_per_s=[1,4]", "grid.concurrency=[16,64]",
+        "grid.token_budget=[512,2048]", "grid.batching=[static,continuous]",
+        "latency=simulate", "latency.num_requests=300"], jax_cache_env)
+
+
+@pytest.fixture(scope="session")
+def surrogate_run(tmp_path_factory, jax_cache_env) -> GridRun:
+    """A ``latency=surrogate`` cube by the installed ``sweep-grid``: two GPUs,
+    two contexts, the workload's own rate set to 3 req/s (once a session)."""
+    return _grid_run(tmp_path_factory.mktemp("surrogate"), [
+        *P99_BASE, "grid.hardware=[h100_sxm,l40s]", "workload=seed_chat",
+        "workload.arrival_rate_per_s=3", "grid.concurrency=[1,8,64]",
+        "grid.token_budget=[512,2048]", "grid.batching=[static,continuous]",
+        "latency=surrogate"], jax_cache_env)

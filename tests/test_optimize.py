@@ -38,7 +38,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "sweep-optimize: error: search.tensor_parallel = 0.0: every value must be "
-        ">= 1"]
+        "in [1, 16777216]"]
     assert not (tmp_path / "outputs").exists()
 
 

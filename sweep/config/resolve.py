@@ -10,9 +10,22 @@ every listed GPU.
 
 Every failure becomes one ``ConfigError`` line naming the key, the value and
 what is allowed.
+
+Long numeric lists. Hydra's override grammar visits a list's elements through
+a lookup that scans the list from its start (quadratic: one composition with
+10,000 values took 24 s, benchmarks/README.md "Config parsing", and a run
+composes a dozen times), and OmegaConf builds one node per value (0.1 to
+0.4 ms each). ``stash_lists`` therefore
+parses a plain list of numbers given to a numeric axis on the command line
+itself, keeps the values in this process and hands Hydra the interpolation
+``${axis_values:KEY}`` instead, which resolves to the Python list when the
+config is converted to objects. ``config_yaml`` and ``restore`` put the
+values back where a config or the command line is recorded.
 """
 
 from __future__ import annotations
+
+import re
 
 from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
@@ -25,6 +38,70 @@ from sweep.config.schema import ConfigError
 
 SWEPT_GROUPS = ("hardware", "model", "workload")
 
+LIST_KEYS = tuple(f"grid.{a}" for a in (
+    "tensor_parallel", "concurrency", "token_budget", "context_tokens",
+    "long_prompt_tokens", "traffic_tokens_per_day", "arrival_rate_per_s")) + (
+    "search.tensor_parallel",)
+"""Numeric axes whose command-line lists ``stash_lists`` parses itself."""
+
+STASH_MIN_VALUES = 64
+"""Shorter lists go through Hydra as usual (its error messages, its records)."""
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_stash: dict[str, tuple[str, list[int | float]]] = {}  # key -> (override, values)
+
+
+def _placeholder(key: str) -> str:
+    return "${axis_values:" + key + "}"
+
+
+def stashed_values(key: str) -> list[int | float]:
+    """The OmegaConf resolver ``axis_values``: a stashed list, by its key."""
+    if key not in _stash:
+        raise KeyError(f"axis_values:{key}: no list of that key on the command line")
+    return _stash[key][1]
+
+
+def stash_lists(overrides: list[str]) -> list[str]:
+    """The overrides with long plain-number axis lists swapped for placeholders."""
+    out = []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and key in LIST_KEYS and value[:1] == "[" and value[-1:] == "]":
+            items = [x.strip() for x in value[1:-1].split(",")]
+            if len(items) >= STASH_MIN_VALUES and all(
+                    _FLOAT.fullmatch(x) for x in items):
+                _stash[key] = (o, [int(x) if _INT.fullmatch(x) else float(x)
+                                   for x in items])
+                out.append(f"{key}={_placeholder(key)}")
+                continue
+        out.append(o)
+    return out
+
+
+def restore(overrides: list[str]) -> list[str]:
+    """The overrides as the user wrote them (placeholders swapped back).
+
+    Hydra's record of the command line holds the placeholder, or, once read
+    through the config, the list it resolved to.
+    """
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        original, values = _stash.get(key, (o, None))
+        out.append(original if value in (_placeholder(key), str(values)) else o)
+    return out
+
+
+def config_yaml(cfg) -> str:
+    """``OmegaConf.to_yaml(cfg)`` with stashed lists written out in full."""
+    text = OmegaConf.to_yaml(cfg)
+    for key, (_, values) in _stash.items():
+        text = text.replace(_placeholder(key),
+                            "[" + ", ".join(repr(v) for v in values) + "]")
+    return text
+
 
 def group_options(group: str, app: str, overrides: list[str]) -> list[str]:
     """Options of a config group (user search paths included), less ``base_*``."""
@@ -34,6 +111,11 @@ def group_options(group: str, app: str, overrides: list[str]) -> list[str]:
 
 
 def _one_line(e: BaseException) -> str:
+    inner = e
+    while inner is not None:  # a check of ours raised inside a resolver
+        if isinstance(inner, ConfigError):
+            return str(inner)
+        inner = inner.__cause__ or inner.__context__
     cause = e.__cause__ or e.__context__
     text = str(cause if isinstance(cause, OmegaConfBaseException) else e)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -102,6 +184,7 @@ def grid_options(app: str, overrides: list[str], section: str = "grid",
     Returns:
       ``(app_config, {group: [config objects]})``.
     """
+    overrides = stash_lists(overrides)
     base = compose_object(app, overrides)
     named = _named_groups(overrides)
     names = {}
@@ -117,9 +200,11 @@ def grid_options(app: str, overrides: list[str], section: str = "grid",
         if listed is not None and len(set(listed)) != len(listed):
             raise ConfigError(
                 f"{section}.{group} = {listed}: options must be distinct")
-    # compose option i of every group together: max(len) compositions in all
+    # compose option i of every group together: max(len) compositions in all;
+    # the section's own overrides (its axes) cannot change a group's options
     kept = [o for o in overrides
-            if o.split("=")[0].lstrip("+~") not in (*SWEPT_GROUPS, "experiment")]
+            if o.split("=")[0].lstrip("+~") not in (*SWEPT_GROUPS, "experiment")
+            and not o.lstrip("+~").startswith(f"{section}.")]
     experiment = [o for o in overrides if o.split("=")[0].lstrip("+~") == "experiment"]
     out = {g: [] for g in groups}
     count = max(len(v) if v is not None else 1 for v in names.values())

@@ -25,13 +25,28 @@ def _check(ok: bool, key: str, value, allowed: str) -> None:
         raise ConfigError(f"{key} = {value!r}: {allowed}")
 
 
-def _positive(obj, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        _check(
-            isinstance(value, (int, float)) and math.isfinite(value) and value > 0,
-            f"{prefix}.{name}", value, "must be a finite number > 0",
-        )
+# Ranges sit far outside any real deployment (1,000x beyond the shipped
+# figures or more, both ways) and keep every float32 product and quotient of
+# the model finite and nonzero; integer counts stay at or below 2**24, below
+# which float32 holds every integer exactly (the model computes in float32).
+MAX_TOKENS = 2**24
+
+
+def _bound(x: float) -> str:
+    """A range's end: ``%g`` where that is exact, else in full."""
+    short = f"{x:g}"
+    if float(short) == x:
+        return short
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _in_range(obj, prefix: str, name: str, low: float, high: float) -> None:
+    """``low <= value <= high``, a finite number."""
+    value = getattr(obj, name)
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and low <= value <= high)
+    _check(ok, f"{prefix}.{name}" if prefix else name, value,
+           f"must be a finite number in [{_bound(low)}, {_bound(high)}]")
 
 
 class LengthKind(Enum):
@@ -89,16 +104,23 @@ class Hardware:
     step_overhead_s: float = field(
         default=0.0, metadata={"help": "fixed time added to every scheduler step"}
     )
+    max_gpus_per_node: int = field(
+        default=8,
+        metadata={"help": "GPUs one node holds: the largest tensor-parallel size "
+                  "(tensor parallelism across nodes is not modelled)"},
+    )
 
     def __post_init__(self) -> None:
         p = f"hardware[{self.name}]"
-        _positive(self, p, "memory_bandwidth_bytes_per_s", "peak_flops_per_s",
-                  "memory_bytes", "interconnect_bytes_per_s", "usd_per_gpu_hour")
-        for name in ("mbu", "mfu"):
-            v = getattr(self, name)
-            _check(0 < v <= 1, f"{p}.{name}", v, "must be in (0, 1]")
-        _check(self.step_overhead_s >= 0, f"{p}.step_overhead_s",
-               self.step_overhead_s, "must be >= 0")
+        for name, low, high in (("memory_bandwidth_bytes_per_s", 1e6, 1e15),
+                                ("peak_flops_per_s", 1e6, 1e18),
+                                ("memory_bytes", 1e6, 1e14),
+                                ("interconnect_bytes_per_s", 1e3, 1e15),
+                                ("usd_per_gpu_hour", 1e-6, 1e4),
+                                ("mbu", 1e-3, 1), ("mfu", 1e-3, 1)):
+            _in_range(self, p, name, low, high)
+        _in_range(self, p, "step_overhead_s", 0, 3600)
+        _in_range(self, p, "max_gpus_per_node", 1, 1024)
 
 
 @dataclass
@@ -125,12 +147,22 @@ class Model:
 
     def __post_init__(self) -> None:
         p = f"model[{self.name}]"
+        for name, low, high in (("params", 1, 1e14), ("active_params", 1, 1e14),
+                                ("weight_dtype_bytes", 0.125, 16),
+                                ("kv_dtype_bytes", 0.125, 16)):
+            _in_range(self, p, name, low, high)
+        for name, high in (("layers", 10_000), ("q_heads", 100_000),
+                           ("kv_heads", 100_000), ("head_dim", 100_000),
+                           ("hidden_size", 10_000_000), ("num_experts", 100_000),
+                           ("experts_per_token", 100_000)):
+            _in_range(self, p, name, 1, high)
+        _in_range(self, p, "max_context_tokens", 0, MAX_TOKENS)
         _check(self.max_context_tokens == 0 or self.max_context_tokens >= 2,
                f"{p}.max_context_tokens", self.max_context_tokens,
                "must be 0 (no limit) or >= 2")
-        _positive(self, p, "params", "active_params", "layers", "q_heads", "kv_heads",
-                  "head_dim", "hidden_size", "num_experts", "experts_per_token",
-                  "weight_dtype_bytes", "kv_dtype_bytes")
+        _check(self.q_heads % self.kv_heads == 0, f"{p}.kv_heads", self.kv_heads,
+               f"must divide q_heads ({self.q_heads}): each KV head serves "
+               "q_heads / kv_heads query heads")
         _check(self.active_params <= self.params, f"{p}.active_params",
                self.active_params, f"must be <= params ({self.params:g})")
         _check(self.experts_per_token <= self.num_experts, f"{p}.experts_per_token",
@@ -193,7 +225,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         p = f"workload[{self.name}]"
-        _positive(self, p, "arrival_rate_per_s")
+        _in_range(self, p, "arrival_rate_per_s", 1e-9, 1e12)
         if self.replay == Replay.exact:
             _check(self.prompt.kind == LengthKind.trace
                    and self.output.kind == LengthKind.trace, f"{p}.replay", "exact",
@@ -210,17 +242,26 @@ class Workload:
                 _check(len(d.values) > 0 and len(d.values) == len(d.probs),
                        f"{key}.values", list(d.values),
                        "must be non-empty and as long as probs")
-                _check(all(v >= 1 for v in d.values), f"{key}.values",
-                       list(d.values), "every length must be >= 1 token")
-                _check(all(q >= 0 for q in d.probs) and sum(d.probs) > 0,
-                       f"{key}.probs", list(d.probs),
-                       "must be >= 0 with a positive sum")
+                _check(all(math.isfinite(v) and 1 <= v <= MAX_TOKENS
+                           for v in d.values), f"{key}.values", list(d.values),
+                       f"every length must be in [1, {MAX_TOKENS}] tokens")
+                _check(all(math.isfinite(q) and q >= 0 for q in d.probs)
+                       and sum(d.probs) > 0, f"{key}.probs", list(d.probs),
+                       "must be finite, >= 0, with a positive sum")
             elif d.kind == LengthKind.lognormal:
-                _positive(d, key, "mean_tokens", "sigma")
+                _in_range(d, key, "mean_tokens", 1, MAX_TOKENS)
+                _in_range(d, key, "sigma", 1e-3, 10)
             else:
                 column = getattr(self.trace, f"{side}_column", "") if self.trace else ""
                 _check(bool(column), f"{p}.trace.{side}_column", column,
                        f"{side}.kind=trace needs workload.trace.{side}_column")
+            # unused by other kinds, but never nonsense
+            _in_range(d, key, "mean_tokens", 0, MAX_TOKENS)
+            _in_range(d, key, "sigma", 0, 10)
+            _in_range(d, key, "max_tokens", 0, MAX_TOKENS)
+
+
+MAX_AXIS_VALUES = 10_000_000
 
 
 def axis_range(start, stop, num, scale="linear") -> list[float]:
@@ -232,9 +273,15 @@ def axis_range(start, stop, num, scale="linear") -> list[float]:
     to merge a list over a mapping.)
     """
     key = f"range:{start},{stop},{num},{scale}"
-    _check(isinstance(num, int) and num >= 1, key, num, "num must be an integer >= 1")
+    _check(isinstance(num, int) and 1 <= num <= MAX_AXIS_VALUES, key, num,
+           f"num must be an integer in [1, {MAX_AXIS_VALUES}]")
     _check(scale in ("linear", "log"), key, scale, "scale must be linear or log")
-    start, stop = float(start), float(stop)
+    try:
+        start, stop = float(start), float(stop)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: start and stop must be numbers") from None
+    _check(math.isfinite(start) and math.isfinite(stop), key, (start, stop),
+           "start and stop must be finite")
     if num == 1:
         return [start]
     if scale == "log":
@@ -245,17 +292,25 @@ def axis_range(start, stop, num, scale="linear") -> list[float]:
     return [start + (stop - start) * i / (num - 1) for i in range(num)]
 
 
-def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float) -> list[float]:
+def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float,
+                  high: float = MAX_TOKENS) -> list[float]:
     values = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     _check(len(values) > 0, key, values, "must list at least one value")
+    _check(len(values) <= MAX_AXIS_VALUES, key, f"{len(values)} values",
+           f"at most {MAX_AXIS_VALUES} values per axis")
     out = []
     for v in values:
-        _check(isinstance(v, (int, float)) and math.isfinite(v), key, v,
-               "must be a number")
+        _check(isinstance(v, (int, float)) and not isinstance(v, bool)
+               and math.isfinite(v), key, v, "must be a number")
         v = float(round(v)) if integer else float(v)
-        _check(v >= low, key, v, f"every value must be >= {low:g}")
+        _check(low <= v <= high, key, v,
+               f"every value must be in [{_bound(low)}, {_bound(high)}]")
         out.append(v)
-    _check(len(set(out)) == len(out), key, out, "values must be distinct")
+    if len(set(out)) != len(out):
+        seen: set[float] = set()
+        twice = next(v for v in out if v in seen or seen.add(v))
+        raise ConfigError(f"{key}: {twice:g} appears more than once; values must be "
+                          "distinct")
     return out
 
 
@@ -306,18 +361,16 @@ class Grid:
                                                 integer=True, low=1),
             "traffic_tokens_per_day": _numeric_axis(
                 self.traffic_tokens_per_day, "grid.traffic_tokens_per_day",
-                integer=False, low=1e-300),
+                integer=False, low=1e-6, high=1e18),
         }
         if len(self.arrival_rate_per_s) > 0:
             self.axes["arrival_rate_per_s"] = _numeric_axis(
                 self.arrival_rate_per_s, "grid.arrival_rate_per_s", integer=False,
-                low=1e-9)
+                low=1e-9, high=1e12)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
-        _check(0 < self.gpu_memory_utilization <= 1, "grid.gpu_memory_utilization",
-               self.gpu_memory_utilization, "must be in (0, 1]")
-        _check(self.chunk_points >= 1, "grid.chunk_points", self.chunk_points,
-               "must be >= 1")
+        _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
+        _in_range(self, "grid", "chunk_points", 1, 2**31 - 1)
 
 
 @dataclass
@@ -332,10 +385,9 @@ class Slo:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, f"slo[{self.name}]", "ttft_p99_s", "itl_p99_s")
-        v = self.max_rejected_fraction
-        _check(math.isfinite(v) and 0 <= v <= 1,
-               f"slo[{self.name}].max_rejected_fraction", v, "must be in [0, 1]")
+        for name in ("ttft_p99_s", "itl_p99_s"):
+            _in_range(self, f"slo[{self.name}]", name, 1e-9, 1e9)
+        _in_range(self, f"slo[{self.name}]", "max_rejected_fraction", 0, 1)
 
 
 @dataclass
@@ -352,10 +404,18 @@ class Latency:
     )
 
     def __post_init__(self) -> None:
-        _check(self.num_requests >= 1, "latency.num_requests", self.num_requests,
-               "must be >= 1")
-        _check(self.chunk_configs >= 1, "latency.chunk_configs", self.chunk_configs,
-               "must be >= 1")
+        _in_range(self, "latency", "num_requests", 1, MAX_TOKENS)
+        _in_range(self, "latency", "chunk_configs", 1, 2**20)
+
+
+MAX_MEMORY_HELP = ("refuse a run whose estimated peak memory exceeds this many "
+                   "GB; 0: 80 % of this machine's physical memory")
+
+
+def _check_run_settings(app) -> None:
+    """The fields every app has: the seed and the memory budget."""
+    _in_range(app, "", "seed", 0, 2**63 - 1)
+    _in_range(app, "", "max_memory_gb", 0, 1e9)
 
 
 @dataclass
@@ -377,6 +437,10 @@ class GridApp:
         metadata={"help": "folder of local copies of the public traces (verified, "
                   "used without download); default $SWEEP_DATA_DIR"},
     )
+    max_memory_gb: float = field(default=0.0, metadata={"help": MAX_MEMORY_HELP})
+
+    def __post_init__(self) -> None:
+        _check_run_settings(self)
 
 
 @dataclass
@@ -436,10 +500,16 @@ class Search:
     def __post_init__(self) -> None:
         self.tp_values = _numeric_axis(self.tensor_parallel, "search.tensor_parallel",
                                        integer=True, low=1)
-        for name in ("steps", "restarts", "concurrency_min", "token_budget_min",
-                     "levels_per_octave", "replicas_max", "verify_top", "rounds"):
-            _check(getattr(self, name) >= 1, f"search.{name}", getattr(self, name),
-                   "must be >= 1")
+        for name, high in (("steps", 100_000), ("restarts", 10_000),
+                           ("concurrency_min", MAX_TOKENS),
+                           ("concurrency_max", MAX_TOKENS),
+                           ("token_budget_min", MAX_TOKENS),
+                           ("token_budget_max", MAX_TOKENS),
+                           ("levels_per_octave", 64), ("replicas_max", 2**20),
+                           ("verify_top", 1_000), ("verify_requests", MAX_TOKENS),
+                           ("verify_requests_max", MAX_TOKENS),
+                           ("rounds", 100)):
+            _in_range(self, "search", name, 1, high)
         _check(self.concurrency_max >= self.concurrency_min, "search.concurrency_max",
                self.concurrency_max, f"must be >= concurrency_min "
                f"({self.concurrency_min})")
@@ -451,12 +521,12 @@ class Search:
         _check(self.verify_requests_max >= self.verify_requests,
                "search.verify_requests_max", self.verify_requests_max,
                f"must be >= verify_requests ({self.verify_requests})")
-        _positive(self, "search", "learning_rate", "penalty_weight",
-                  "penalty_scale_start", "penalty_scale_end")
+        for name in ("learning_rate", "penalty_weight", "penalty_scale_start",
+                     "penalty_scale_end"):
+            _in_range(self, "search", name, 1e-9, 1e6)
         for name in ("final_learning_rate_fraction", "gpu_memory_utilization",
                      "tighten_margin"):
-            v = getattr(self, name)
-            _check(0 < v <= 1, f"search.{name}", v, "must be in (0, 1]")
+            _in_range(self, "search", name, 1e-3, 1)
         for group in ("hardware", "model"):
             listed = list(getattr(self, group))
             _check(len(set(listed)) == len(listed), f"search.{group}", listed,
@@ -481,3 +551,43 @@ class OptimizeApp:
         metadata={"help": "folder of local copies of the public traces (verified, "
                   "used without download); default $SWEEP_DATA_DIR"},
     )
+    max_memory_gb: float = field(default=0.0, metadata={"help": MAX_MEMORY_HELP})
+
+    def __post_init__(self) -> None:
+        _check_run_settings(self)
+
+
+def tp_splits_heads(model: Model, tp: int) -> bool:
+    """Whether vLLM can shard ``model``'s attention over ``tp`` GPUs.
+
+    vLLM requires ``q_heads % tp == 0`` (``ModelConfig.verify_with_parallel_config``)
+    and splits the KV heads evenly, or replicates them when there are fewer
+    than GPUs, which needs ``kv_heads % tp == 0`` or ``tp % kv_heads == 0``
+    (``QKVParallelLinear``, vllm/model_executor/layers/linear.py).
+    """
+    return model.q_heads % tp == 0 and (model.kv_heads % tp == 0
+                                        or tp % model.kv_heads == 0)
+
+
+def check_tensor_parallel(key: str, sizes, hardware: list[Hardware],
+                          models: list[Model]) -> None:
+    """Every tensor-parallel size fits in one node and splits every model's heads.
+
+    Raises:
+      ConfigError: naming the size, the hardware or model, and the sizes allowed.
+    """
+    for t in (int(s) for s in sizes):
+        for h in hardware:
+            _check(t <= h.max_gpus_per_node, key, t,
+                   f"more than hardware[{h.name}].max_gpus_per_node = "
+                   f"{h.max_gpus_per_node} (tensor parallelism across nodes is not "
+                   f"modelled); allowed: <= {h.max_gpus_per_node}")
+        for m in models:
+            if not tp_splits_heads(m, t):
+                top = min(h.max_gpus_per_node for h in hardware)
+                ok = [s for s in range(1, top + 1) if tp_splits_heads(m, s)]
+                raise ConfigError(
+                    f"{key} = {t}: model[{m.name}] has {m.q_heads} query and "
+                    f"{m.kv_heads} KV heads, which vLLM cannot split over {t} GPUs "
+                    f"(q_heads divisible by TP; kv_heads divisible by TP or TP by "
+                    f"kv_heads); allowed: {', '.join(map(str, ok))}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from sweep.config.resolve import stashed_values
 from sweep.config.schema import (
     Grid,
     GridApp,
@@ -37,4 +38,5 @@ def register_configs() -> None:
     cs.store(group="search", name="base_search", node=Search)
     cs.store(name="base_optimize_app", node=OptimizeApp)
     OmegaConf.register_new_resolver("range", axis_range, replace=True)
+    OmegaConf.register_new_resolver("axis_values", stashed_values, replace=True)
     _done = True
