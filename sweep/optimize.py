@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import roofline, search
+from sweep import roofline, search, status
 from sweep.arrivals import sample_requests
 from sweep.config.schema import (
     ArrivalKind,
@@ -53,7 +53,7 @@ from sweep.config.schema import (
 from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.latency import latency_workload
 from sweep.params import CONTINUOUS, hardware_params, model_params, stack
-from sweep.simulate import STATUS_RAN_OUT, simulate
+from sweep.simulate import simulate
 from sweep.workload import WorkloadTables, load_trace, workload_tables
 
 PAD = 8
@@ -337,7 +337,7 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
 def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
     """Whether simulated p99s are within the SLO (and the simulation finished)."""
     slo = job.app.slo
-    return (int(sim["status"]) & STATUS_RAN_OUT == 0
+    return (int(sim["status"]) & status.INVALID == 0
             and sim["ttft_p99_s"] <= slo.ttft_p99_s
             and sim["itl_p99_s"] <= slo.itl_p99_s)
 

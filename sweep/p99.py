@@ -67,7 +67,7 @@ class SimulatePoint:
 
 def surrogate_point(hw, model, lw, tp, concurrency, token_budget, batching, rate, slo):
     """One configuration through the surrogate (continuous batching only)."""
-    r = surrogate(hw, model, lw, tp, concurrency, token_budget, rate)
+    r = surrogate(hw, model, lw, tp, concurrency, token_budget, rate, slo[0], slo[1])
     ok = (roofline.kv_capacity_tokens(hw, model, tp) >= 1.0) & (batching == CONTINUOUS)
     return _summary(r, slo, ok, r["status"])
 

@@ -61,7 +61,8 @@ import numpy as np
 import optax
 
 from sweep._numerics import softplus
-from sweep.latency import OK, LatencyWorkload, surrogate
+from sweep.latency import LatencyWorkload, surrogate
+from sweep.status import OK
 from sweep.params import HardwareParams, ModelParams
 
 NEIGHBOURS = 4

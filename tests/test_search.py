@@ -17,7 +17,8 @@ from hydra import compose
 from omegaconf import OmegaConf
 
 from sweep import search
-from sweep.latency import OK, latency_workload, surrogate
+from sweep.latency import latency_workload, surrogate
+from sweep.status import OK
 from sweep.params import hardware_params, model_params, stack
 from sweep.workload import workload_tables
 
