@@ -128,4 +128,7 @@ def quantile(cdf, levels, lo, hi, iters=32):
     a, b = jax.lax.fori_loop(0, iters, body, (log_lo, log_hi))
     q0 = jax.lax.stop_gradient(jnp.exp(0.5 * (a + b)))
     value, density = jax.jvp(cdf, (q0,), (jnp.ones_like(q0),))
+    # a CDF built on a lattice can be flat at the quantile: floor its density
+    # (relative to the quantile) so that the implicit gradient stays finite
+    density = jnp.maximum(density, 1e-3 * levels / q0)
     return q0 + implicit_step(value - levels, density)
