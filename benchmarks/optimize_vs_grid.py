@@ -21,7 +21,8 @@ token budget, ``levels_per_octave``) x integer replicas in
   subset: ``--optuna``), one surrogate value each.
 
 Then both optax's and the grid's answers run once through the simulator
-(``--requests`` per replica, Poisson or trace arrivals at ``rate / replicas``),
+(``--requests`` per replica; one stream at the full rate split over the
+replicas round-robin, as ``sweep-optimize`` verifies),
 without ``sweep-optimize``'s tightening rounds: the feasibility rate shows
 what those rounds have to repair. Finally ``sweep-optimize``'s own loop
 (``sweep.optimize.run``: search, simulate the cheapest answers, tighten the
@@ -48,11 +49,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from sweep import optimize, search
-from sweep.arrivals import sample_requests
 from sweep.config.store import register_configs
 from sweep.latency import OK, surrogate
-from sweep.params import CONTINUOUS, hardware_params, model_params, stack
-from sweep.simulate import STATUS_RAN_OUT, simulate
 
 register_configs()
 
@@ -230,46 +228,26 @@ def run_optuna(job, cands_one, settings, trials, seed):
     return best.value, tuple(best.user_attrs["config"]), wall
 
 
-@jax.jit
-def _simulate_all(hw, model, tp, c, b, requests, ttft, itl):
-    def one(hw, model, tp, c, b, req, ttft, itl):
-        return simulate(hw, model, tp, c, b, req, CONTINUOUS, ttft, itl,
-                        max_slots=1024)
-    return jax.vmap(one)(hw, model, tp, c, b, requests, ttft, itl)
-
-
 def simulate_answers(jobs, answers, requests_per_replica, key):
-    """Simulator verdict per (scenario, config): p99s within the SLO."""
-    items = [(s, cfg) for s, cfg in answers]
+    """Simulator verdict per (scenario, config): p99s within the SLO.
+
+    Each scenario's configurations go through ``sweep-optimize``'s own
+    verification (``optimize.simulate_configs``: one stream at the full rate
+    split over the replicas by the load balancer).
+    """
     verdict = {}
-    width = 64
-    for a in range(0, len(items), width):
-        batch = items[a:a + width]
-        batch = batch + [batch[0]] * (width - len(batch))
-        reqs = []
-        for s, (i, c, b, r) in batch:
-            job = jobs[s]
-            rate = job.app.workload.arrival_rate_per_s / r
-            reqs.append(sample_requests(key, job.tables, requests_per_replica, rate,
-                                        job.trace_arrival_s))
-        reqs = jax.tree.map(lambda *x: jnp.stack(x), *reqs)
-        cands = [jobs[s].candidates[i] for s, (i, *_) in batch]
-        util = jobs[0].app.search.gpu_memory_utilization
-        f32 = jnp.float32
-        out = _simulate_all(
-            stack([hardware_params(x.hardware, util) for x in cands]),
-            stack([model_params(x.model) for x in cands]),
-            jnp.asarray([x.tp for x in cands], f32),
-            jnp.asarray([cfg[1] for _, cfg in batch], f32),
-            jnp.asarray([cfg[2] for _, cfg in batch], f32), reqs,
-            jnp.asarray([jobs[s].app.slo.ttft_p99_s for s, _ in batch], f32),
-            jnp.asarray([jobs[s].app.slo.itl_p99_s for s, _ in batch], f32))
-        for k, (s, cfg) in enumerate(items[a:a + width]):
-            slo = jobs[s].app.slo
-            ok = (int(out.status[k]) & STATUS_RAN_OUT == 0
-                  and float(out.ttft_p99_s[k]) <= slo.ttft_p99_s
-                  and float(out.itl_p99_s[k]) <= slo.itl_p99_s)
-            verdict[(s, cfg)] = ok
+    by_scenario = {}
+    for s, cfg in answers:
+        by_scenario.setdefault(s, []).append(cfg)
+    for s, cfgs in by_scenario.items():
+        job = jobs[s]
+        job.app.search.verify_requests = requests_per_replica
+        job.app.search.verify_requests_max = max(job.app.search.verify_requests_max,
+                                                 requests_per_replica)
+        configs = [optimize.Config(i, c, b, r, {}, 0.0, 0.0) for i, c, b, r in cfgs]
+        sims = optimize.simulate_configs(job, configs, key, len(configs))
+        for cfg, sim in zip(cfgs, sims):
+            verdict[(s, cfg)] = optimize.met(job, sim)
     return verdict
 
 

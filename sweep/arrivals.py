@@ -4,12 +4,19 @@ Arrivals are a Poisson process at ``arrival_rate_per_s`` (independent
 exponential gaps, the usual open-loop load model of serving benchmarks such as
 vLLM's ``benchmark_serving.py --request-rate``), or a trace's own timestamps
 stretched so that their mean rate equals the target rate (its burstiness is
-kept). Prompt and output lengths are drawn independently from the workload's
-tables (``sweep.workload.WorkloadTables``), so a discrete mixture, a binned
-lognormal and a trace's empirical distribution are sampled alike.
+kept). Lengths are either
 
-``sample_requests`` is jittable and vmappable over keys and rates; the tables
-and the number of requests are constants.
+* sampled (``workload.replay=sampled``, ``sample_requests``): prompt and
+  output drawn independently from the workload's tables
+  (``sweep.workload.WorkloadTables``), so a discrete mixture, a binned
+  lognormal and a trace's empirical distribution are sampled alike; or
+* replayed (``workload.replay=exact``, ``replay_requests``): the trace's rows
+  in recorded order with their recorded (prompt, output) pairs, its first
+  request at time 0.
+
+Both are jittable and vmappable over keys and rates; the tables and the number
+of requests are constants. ``route`` and ``split`` share one stream among
+replicas as a load balancer does.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.config.schema import ArrivalKind, Replay, Routing, Workload
 from sweep.workload import WorkloadTables
 
 
@@ -35,7 +43,8 @@ def _trace_arrivals_s(trace_arrival_s: np.ndarray, num_requests: int) -> np.ndar
     """``num_requests`` offsets from a trace, repeating it when it is shorter.
 
     A repeat starts one mean gap after the previous copy ends, so the mean rate
-    of the result is the trace's mean rate.
+    of the result is the trace's mean rate. (``workload_tables`` refuses a
+    trace with fewer than two distinct timestamps before this is reached.)
     """
     t = np.asarray(trace_arrival_s, dtype=np.float64)
     t = t - t[0]
@@ -89,3 +98,87 @@ def sample_requests(key, workload_tables: WorkloadTables, num_requests: int,
         output_tokens=draw(k_output, workload_tables.output_values,
                            workload_tables.output_probs),
     )
+
+
+def replay_requests(key, workload_tables: WorkloadTables, num_requests: int,
+                    arrival_rate_per_s, trace_arrivals: bool) -> Requests:
+    """The trace's first ``num_requests`` rows in recorded order (exact replay).
+
+    Each request keeps its recorded (prompt, output) pair
+    (``WorkloadTables.pairs``); a shorter trace repeats from its first row.
+
+    Args:
+      key: PRNG key (Poisson arrivals only).
+      workload_tables: with ``pairs`` (constants).
+      num_requests: static.
+      arrival_rate_per_s: mean arrival rate (traced scalar).
+      trace_arrivals: arrivals at the recorded offsets
+        ``(t_i - t_0) * trace_rate / arrival_rate_per_s`` (the first at 0,
+        ``trace_rate = (n - 1) / span`` over the rows replayed), repeated as
+        in ``sample_requests``; otherwise Poisson, as there.
+    """
+    pairs = workload_tables.pairs
+    rows = np.arange(num_requests) % len(pairs)
+    rate = jnp.asarray(arrival_rate_per_s, jnp.float32)
+    if trace_arrivals:
+        t = workload_tables.pair_arrival_s
+        offsets = _trace_arrivals_s(t, num_requests)
+        # in units of the trace's mean gap, then at the target rate
+        arrival = jnp.asarray(offsets * ((len(t) - 1) / (t[-1] - t[0])),
+                              jnp.float32) / rate
+    else:
+        gaps = jax.random.exponential(key, (num_requests,), jnp.float32)
+        arrival = jnp.cumsum(gaps) / rate
+    return Requests(arrival_s=arrival,
+                    prompt_tokens=jnp.asarray(pairs[rows, 0], jnp.float32),
+                    output_tokens=jnp.asarray(pairs[rows, 1], jnp.float32))
+
+
+def workload_requests(key, workload: Workload, workload_tables: WorkloadTables,
+                      num_requests: int, arrival_rate_per_s) -> Requests:
+    """A workload's stream: its ``replay`` and ``arrival`` settings applied."""
+    trace = workload.arrival == ArrivalKind.trace
+    if workload.replay == Replay.exact:
+        return replay_requests(key, workload_tables, num_requests,
+                               arrival_rate_per_s, trace)
+    return sample_requests(key, workload_tables, num_requests, arrival_rate_per_s,
+                           workload_tables.trace_arrival_s if trace else None)
+
+
+def route(num_requests: int, replicas: int, routing: Routing, key) -> np.ndarray:
+    """The replica of each request (in arrival order), as a load balancer picks.
+
+    ``round_robin``: request ``i`` goes to replica ``i mod replicas``;
+    ``random``: each to a uniformly random replica, independently (``key``).
+    """
+    if routing == Routing.round_robin:
+        return np.arange(num_requests) % replicas
+    return np.asarray(jax.random.randint(jax.random.fold_in(key, replicas),
+                                         (num_requests,), 0, replicas))
+
+
+def split(requests: Requests, replica: np.ndarray, replicas: int,
+          length: int) -> tuple[Requests, np.ndarray]:
+    """One stream as ``replicas`` sub-streams of a fixed length (host arrays).
+
+    Args:
+      requests: the stream, in arrival order.
+      replica: each request's replica (``route``).
+      length: static sub-stream length, at least the largest replica's count.
+
+    Returns:
+      ``(sub_streams, mine)``: leaves of shape ``(replicas, length)``, the
+      requests of replica ``r`` first in arrival order; ``mine`` is False on
+      the padding after them, which the simulator never serves.
+    """
+    replica = np.asarray(replica)
+    counts = np.bincount(replica, minlength=replicas)
+    if counts.max(initial=0) > length:
+        raise ValueError(f"length {length} < the largest replica's {counts.max()}")
+    order = np.argsort(replica, kind="stable")
+    position = np.arange(len(replica)) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = np.zeros((replicas, length), np.int64)
+    mine = np.zeros((replicas, length), bool)
+    index[replica[order], position] = order
+    mine[replica[order], position] = True
+    return jax.tree.map(lambda x: np.asarray(x)[index], requests), mine

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import p99, results
+from sweep import outputs, p99, results
 from sweep.config.schema import ConfigError, GridApp, Hardware, LatencyMethod, Model
 from sweep.cost import static_slot_utilization
 from sweep.evaluate import Blocking, blocking, iterate_blocks
@@ -87,6 +87,19 @@ def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> 
             )
 
 
+def _check_context(app: GridApp, models: list[Model]) -> None:
+    """A grid context beyond a model's ``max_context_tokens`` cannot be served."""
+    for axis in ("context_tokens", "long_prompt_tokens"):
+        values = app.grid.axes[axis]
+        for m in models:
+            if m.max_context_tokens and max(values) > m.max_context_tokens:
+                raise ConfigError(
+                    f"grid.{axis} = {[int(v) for v in values]}: {max(values):,.0f} "
+                    f"tokens exceed model[{m.name}].max_context_tokens = "
+                    f"{m.max_context_tokens:,}; allowed: values <= "
+                    f"{m.max_context_tokens:,} (or leave that model out)")
+
+
 def _static_utilization(tables: list[WorkloadTables], concurrency) -> np.ndarray:
     """``E[out] / E[max of B outputs]`` per workload x concurrency (a small table)."""
     batch = jnp.asarray(concurrency, jnp.float32)
@@ -118,6 +131,7 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
     Raises:
       ConfigError: one line naming the field, its value and what is allowed.
     """
+    _check_context(app, options["model"])
     _check_fits(app, options["hardware"], options["model"])
     for d, names in (("hardware", [h.name for h in options["hardware"]]),
                      ("model", [m.name for m in options["model"]]),
@@ -125,7 +139,7 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
                      ("batching", [b.value for b in app.grid.batching])):
         if len(set(names)) != len(names):
             raise ConfigError(f"grid.{d} = {names}: values must be distinct")
-    return [workload_tables(w) for w in options["workload"]]
+    return [workload_tables(w, app.data_dir) for w in options["workload"]]
 
 
 def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
@@ -162,8 +176,8 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
                   blocking(shape, app.grid.chunk_points), tables=(util,),
                   table_dims=((DIMS.index("workload"), DIMS.index("concurrency")),))]
     if app.latency.method != LatencyMethod.none:
-        part, rate_coord = p99.part(app, workloads, tables, hw_axis, model_axis,
-                                    point_axes, coords)
+        part, rate_coord = p99.part(app, workloads, tables, models, hw_axis,
+                                    model_axis, point_axes, coords)
         coords["arrival_rate_per_s"] = rate_coord
         parts.append(part)
     extra = {
@@ -187,6 +201,11 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     return GridJob(app, coords, parts, extra)
 
 
+def config_digest(config_yaml: str) -> str:
+    """Identifies a config alone: how a rerun without ``out=`` finds its cube."""
+    return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+
+
 def fingerprint(config_yaml: str, job: GridJob) -> str:
     """Identifies a sweep for resuming: same config and blocking, same blocks."""
     text = config_yaml + repr([(p.name, p.plan) for p in job.parts])
@@ -198,23 +217,31 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
     """Evaluates and writes every missing block; returns the opened cube.
 
     Args:
-      out: the cube's path.
+      out: the cube's path; an existing cube there is replaced at the end.
       progress: optional callable ``(done_blocks, total_blocks)``.
+
+    Raises:
+      OutputError: ``out`` is not the tool's to write, or another process is
+        writing it; raised before any evaluation.
     """
     out = Path(out)
+    outputs.check_target(out, str(out))
     fp = fingerprint(config_yaml, job)
-    ds = results.template(job.coords, job.parts, attrs, job.extra)
-    done = results.start_store(out, ds, fp)
     total = sum(len(p.plan) for p in job.parts)
-    if progress:
-        progress(len(done), total)
-    for part in job.parts:
-        skip = {int(k.split(":")[1]) for k in done if k.startswith(part.name + ":")}
-        for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
-                                                part.tables, part.table_dims, skip):
-            results.write_block(out, part.dims, region, values, fp, done,
-                                f"{part.name}:{b}")
-            if progress:
-                progress(len(done), total)
-    results.finish_store(out)
+    with outputs.lock(out, fp):
+        ds = results.template(job.coords, job.parts, attrs, job.extra)
+        state = results.start_store(out, ds, fp, config_digest(config_yaml), total)
+        if progress:
+            progress(len(state.done), total)
+        for part in job.parts:
+            skip = {int(k.split(":")[1]) for k in state.done
+                    if k.startswith(part.name + ":")}
+            for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
+                                                    part.tables, part.table_dims,
+                                                    skip):
+                results.write_block(out, part.dims, region, values, state,
+                                    f"{part.name}:{b}")
+                if progress:
+                    progress(len(state.done), total)
+        results.finish_store(out)
     return results.open_cube(out)

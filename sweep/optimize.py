@@ -13,11 +13,16 @@
    SLO anywhere, the SLO is infeasible (``Infeasible``, exit code 3): the
    message names the binding constraint and the best p99 reached.
 3. **Verification.** The ``verify_top`` cheapest answers not simulated yet
-   run through the simulator (``sweep.simulate``, one ``jit(vmap)`` call), each
-   replica fed ``rate / replicas`` (Poisson splitting; a trace's arrivals are
-   rescaled to that rate) with ``verify_requests`` requests from one PRNG
-   stream (common random numbers). A candidate whose simulated p99 misses an
-   SLO gets its surrogate target for that metric scaled by
+   run through the simulator (``sweep.simulate``). Their replicas are fed as
+   a load balancer feeds them: one stream at the workload's full rate (one
+   PRNG stream for every configuration: common random numbers), of which a
+   configuration of ``R`` replicas takes the first ``min(verify_requests * R,
+   verify_requests_max)`` requests, split over the ``R`` replicas by
+   ``search.routing`` (``sweep.arrivals.route``/``split``); every replica of
+   every configuration is one row of one ``jit(vmap)`` call, and the p99s
+   are over all of a configuration's requests (``sweep.simulate.pool``),
+   never over one replica fed a stream slowed ``R`` times. A candidate whose
+   simulated p99 misses an SLO gets its surrogate target for that metric scaled by
    ``slo / simulated * surrogate / target * tighten_margin`` (the simulator's
    excess, assumed proportional), and the search runs again; rounds stop when
    the cheapest answer is confirmed, or after ``rounds``.
@@ -30,8 +35,6 @@
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,20 +44,15 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import roofline, search, status
-from sweep.arrivals import sample_requests
-from sweep.config.schema import (
-    ArrivalKind,
-    ConfigError,
-    Hardware,
-    Model,
-    OptimizeApp,
-)
+from sweep import outputs, roofline, search, status
+from sweep.arrivals import Requests, route, split, workload_requests
+from sweep.config.schema import ConfigError, Hardware, Model, OptimizeApp
 from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
-from sweep.latency import latency_workload
-from sweep.params import CONTINUOUS, hardware_params, model_params, stack
-from sweep.simulate import simulate
-from sweep.workload import WorkloadTables, load_trace, workload_tables
+from sweep.latency import LatencyWorkload
+from sweep.p99 import served_workload
+from sweep.params import CONTINUOUS, OVERLONG, hardware_params, model_params, stack
+from sweep.simulate import pool, simulate_requests, summarize
+from sweep.workload import WorkloadTables, workload_tables
 
 PAD = 8
 """Candidates are padded to a multiple of this (fewer shapes to compile)."""
@@ -83,7 +81,9 @@ class OptimizeJob:
     candidates: list[Candidate]
     excluded: list[str]
     tables: WorkloadTables
-    trace_arrival_s: np.ndarray | None
+    # per model name: the surrogate's summary of the requests it serves, and
+    # the share it rejects (context limit)
+    served: dict[str, tuple[LatencyWorkload, float]]
     settings: search.Settings
 
 
@@ -116,16 +116,31 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"search.optimizer = {s.optimizer!r} with options "
             f"{dict(s.optimizer_options)}: not an optax optimizer alias with these "
             f"options ({e})") from None
-    tables = workload_tables(app.workload)
-    trace = None
-    if app.workload.arrival == ArrivalKind.trace:
-        trace = load_trace(app.workload.trace).arrival_s
+    tables = workload_tables(app.workload, app.data_dir)
+    served = {m.name: served_workload(tables, app.workload, m) for m in models}
+    limit = app.slo.max_rejected_fraction
+    too_long = [m for m in models if served[m.name][1] > limit]
+    if len(too_long) == len(models):
+        least = min(too_long, key=lambda m: served[m.name][1])
+        raise ConfigError(
+            f"slo.max_rejected_fraction = {limit:g}: every model searched rejects "
+            f"more of the workload's requests (prompt + output above "
+            f"max_context_tokens); the fewest: {least.name} "
+            f"({served[least.name][1]:.4g} at {least.max_context_tokens:,} tokens); "
+            f"allowed: slo.max_rejected_fraction >= {served[least.name][1]:.4g}, "
+            "workload.overlong=truncate, or a model with a longer context")
     request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
     keep, excluded = [], []
     for h in hardware:
         hp = hardware_params(h, s.gpu_memory_utilization)
         for m in models:
             mp = model_params(m)
+            if m in too_long:
+                excluded.append(
+                    f"{h.name} x {m.name}: rejects {served[m.name][1]:.2%} of the "
+                    f"requests (max_context_tokens {m.max_context_tokens:,}), more "
+                    f"than slo.max_rejected_fraction = {limit:g}")
+                continue
             for tp in s.tp_values:
                 cap = float(roofline.kv_capacity_tokens(hp, mp, float(tp)))
                 c = Candidate(h, m, int(tp))
@@ -140,7 +155,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"one average request ({request_kv:,.0f} KV tokens) beside the weights; "
             f"allowed: larger search.tensor_parallel "
             f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
-    return OptimizeJob(app, keep, excluded, tables, trace, settings_of(app))
+    return OptimizeJob(app, keep, excluded, tables, served, settings_of(app))
 
 
 def options(app_name: str, overrides: list[str]):
@@ -160,15 +175,17 @@ def options(app_name: str, overrides: list[str]):
 def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> search.Candidates:
     cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % PAD)
     util = job.app.search.gpu_memory_utilization
-    lw = latency_workload(job.tables)
     n = len(cands)
     f32 = jnp.float32
+    served = [job.served[c.model.name] for c in cands]
+    rate = job.app.workload.arrival_rate_per_s
     return search.Candidates(
         hw=stack([hardware_params(c.hardware, util) for c in cands]),
         model=stack([model_params(c.model) for c in cands]),
-        workload=jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), lw),
+        workload=stack([lw for lw, _ in served]),
         tp=jnp.asarray([c.tp for c in cands], f32),
-        arrival_rate_per_s=jnp.full(n, job.app.workload.arrival_rate_per_s, f32),
+        # rejected requests never reach the replicas
+        arrival_rate_per_s=jnp.asarray([rate * (1.0 - r) for _, r in served], f32),
         ttft_target_s=jnp.asarray(np.resize(ttft_target_s, n), f32),
         itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
     )
@@ -294,44 +311,97 @@ def _surrogate_infeasible(job: OptimizeJob, res: search.SearchResult) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("max_slots",))
-def _simulate_batch(hw, model, tp, concurrency, token_budget, requests, ttft_slo_s,
-                    itl_slo_s, *, max_slots: int):
-    def one(hw, model, tp, c, b, req):
-        return simulate(hw, model, tp, c, b, req, CONTINUOUS, ttft_slo_s, itl_slo_s,
-                        max_slots=max_slots)
+def _simulate_replicas(hw, model, tp, concurrency, token_budget, requests, mine, owner,
+                       configs, ttft_slo_s, itl_slo_s, overlong, *, max_slots: int):
+    """Every row (one replica's share of a stream), pooled per configuration.
 
-    return jax.vmap(one)(hw, model, tp, concurrency, token_budget, requests)
+    Args:
+      hw, model, tp, concurrency, token_budget, requests, mine: per row
+        (leading axis K).
+      owner: int ``(K,)``, each row's configuration (-1: padding).
+      configs: int ``(W,)``, ``arange(W)``.
+    """
+    def one(hw, model, tp, c, b, req, mine):
+        return simulate_requests(hw, model, tp, c, b, req, CONTINUOUS, ttft_slo_s,
+                                 itl_slo_s, overlong, mine, max_slots=max_slots)
+
+    rows = jax.vmap(one)(hw, model, tp, concurrency, token_budget, requests, mine)
+    return jax.vmap(lambda c: summarize(pool(rows, owner == c)))(configs)
+
+
+def verification_requests(job: OptimizeJob, replicas: int) -> int:
+    """Requests simulated for a configuration of ``replicas`` replicas."""
+    s = job.app.search
+    return min(s.verify_requests * replicas, s.verify_requests_max)
+
+
+def verification_stream(job: OptimizeJob, key) -> Requests:
+    """The verification stream: ``verify_requests_max`` requests at the
+    workload's full rate (host arrays); a configuration takes a prefix."""
+    app = job.app
+    return jax.tree.map(np.asarray, workload_requests(
+        jax.random.fold_in(key, 0), app.workload, job.tables,
+        app.search.verify_requests_max, app.workload.arrival_rate_per_s))
 
 
 def simulate_configs(job: OptimizeJob, configs: list[Config], key,
                      width: int) -> list[dict[str, float]]:
-    """Simulates one replica of each configuration at ``rate / replicas``.
+    """Simulates each configuration's replicas behind a load balancer.
+
+    Configuration ``c`` takes the first ``verify_requests(job, R_c)`` requests
+    of one stream at the workload's full rate and splits them over its
+    ``R_c`` replicas by ``search.routing``. The rows (``sum R_c``, padded to
+    a power of two) and the sub-stream length (rounded up to 64) are the
+    compiled shapes.
 
     Args:
-      key: PRNG key of the request stream (the same for every configuration).
-      width: static batch size; ``configs`` is padded to it.
+      key: PRNG key of the request stream and the routing (the same for
+        every configuration).
+      width: static number of configurations per call (>= ``len(configs)``).
+
+    Returns:
+      Per configuration, its ``SimResult`` fields over all of its requests,
+      with ``requests`` (simulated) added.
     """
-    app = job.app
-    padded = configs + [configs[0]] * (width - len(configs))
-    cands = [job.candidates[c.candidate] for c in padded]
-    util = app.search.gpu_memory_utilization
-    rates = jnp.asarray([app.workload.arrival_rate_per_s / c.replicas for c in padded],
-                        jnp.float32)
-    requests = jax.vmap(lambda r: sample_requests(
-        key, job.tables, app.search.verify_requests, r, job.trace_arrival_s))(rates)
-    max_conc = max(c.concurrency for c in padded)
+    app, s = job.app, job.app.search
+    stream = verification_stream(job, key)
+    routes = [route(verification_requests(job, c.replicas), c.replicas, s.routing,
+                    jax.random.fold_in(key, 1)) for c in configs]
+    longest = max(int(np.bincount(r).max()) for r in routes)
+    length = -(-longest // 64) * 64
+    subs, mines, owner, row_config = [], [], [], []
+    for i, (c, r) in enumerate(zip(configs, routes)):
+        sub, mine = split(jax.tree.map(lambda x, n=len(r): x[:n], stream), r,
+                          c.replicas, length)
+        subs.append(sub)
+        mines.append(mine)
+        owner += [i] * c.replicas
+        row_config += [c] * c.replicas
+    rows = max(width, 1 << (len(owner) - 1).bit_length())
+    pad = rows - len(owner)
+    requests = jax.tree.map(
+        lambda *x: np.concatenate([*x, np.repeat(x[0][:1], pad, 0)]), *subs)
+    mine = np.concatenate([*mines, np.zeros((pad, length), bool)])
+    owner += [-1] * pad
+    row_config += [configs[0]] * pad
+    cands = [job.candidates[c.candidate] for c in row_config]
+    util = s.gpu_memory_utilization
+    max_conc = max(c.concurrency for c in configs)
     max_slots = max(64, 1 << (max_conc - 1).bit_length())
     f32 = jnp.float32
-    out = _simulate_batch(
+    out = _simulate_replicas(
         stack([hardware_params(c.hardware, util) for c in cands]),
         stack([model_params(c.model) for c in cands]),
         jnp.asarray([c.tp for c in cands], f32),
-        jnp.asarray([c.concurrency for c in padded], f32),
-        jnp.asarray([c.token_budget for c in padded], f32),
-        requests, jnp.asarray(app.slo.ttft_p99_s, f32),
-        jnp.asarray(app.slo.itl_p99_s, f32), max_slots=max_slots)
+        jnp.asarray([c.concurrency for c in row_config], f32),
+        jnp.asarray([c.token_budget for c in row_config], f32),
+        jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
+        jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32),
+        jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
+        jnp.int32(OVERLONG.index(app.workload.overlong.value)), max_slots=max_slots)
     out = jax.tree.map(np.asarray, out._asdict())
-    return [{k: float(v[i]) for k, v in out.items()} for i in range(len(configs))]
+    return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
+            for i, r in enumerate(routes)]
 
 
 def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
@@ -339,7 +409,8 @@ def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
     slo = job.app.slo
     return (int(sim["status"]) & status.INVALID == 0
             and sim["ttft_p99_s"] <= slo.ttft_p99_s
-            and sim["itl_p99_s"] <= slo.itl_p99_s)
+            and sim["itl_p99_s"] <= slo.itl_p99_s
+            and sim["rejected_fraction"] <= slo.max_rejected_fraction)
 
 
 def run(job: OptimizeJob, log=print) -> Outcome:
@@ -394,11 +465,13 @@ def run(job: OptimizeJob, log=print) -> Outcome:
                 targets = float(ttft_t[c]), float(itl_t[c])
                 action = "confirmed" if ok else _tighten(job, a, ttft_t, itl_t)
                 verifications.append(Verification(rnd, a, *targets, ok, action))
+                rejected = (f", {sim['rejected_fraction']:.2%} rejected"
+                            if sim["rejected_fraction"] > 0 else "")
                 say(f"  simulated {job.candidates[c].label}, "
                     f"{replicas_text(a.replicas)}, max_num_seqs {a.concurrency}, "
                     f"max_num_batched_tokens {a.token_budget}: p99 TTFT "
                     f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
-                    f"-> {action}")
+                    f"over {sim['requests']:,} requests{rejected} -> {action}")
         best = cache.get(order[0].key)
         if best is not None and met(job, best.simulated):
             break
@@ -425,6 +498,9 @@ def _tighten(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
             surrogate = a.surrogate[f"{name}_p99_s"]
             target[c] = min(target[c], surrogate * ratio) * margin
             done.append(f"{name.upper()} target -> {target[c]:.4g} s")
+    rejected = sim["rejected_fraction"]
+    if not rejected <= slo.max_rejected_fraction:
+        done.append(f"rejected {rejected:.2%} > slo.max_rejected_fraction")
     return "missed; " + ", ".join(done)
 
 
@@ -485,6 +561,8 @@ _UNITS = {
     "itl_p50_s": ("s", "p50 inter-token latency"),
     "itl_p99_s": ("s", "p99 inter-token latency"),
     "e2e_p99_s": ("s", "p99 end-to-end latency"),
+    "rejected_fraction": ("1", "share of requests rejected (prompt + output above "
+                          "max_context_tokens)"),
     "utilization": ("1", "offered load / sustainable load (surrogate)"),
     "ttft_target_s": ("s", "surrogate target for p99 TTFT (tightened)"),
     "itl_target_s": ("s", "surrogate target for p99 ITL (tightened)"),
@@ -550,6 +628,9 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
                                       "surrogate ", "surrogate")
         data[f"simulated_{m}"] = _var(cd, col(lambda a, m=m: sim(a, m)), m,
                                       "simulated ", "simulate")
+    data["simulated_rejected_fraction"] = _var(
+        cd, col(lambda a: sim(a, "rejected_fraction")), "rejected_fraction",
+        "simulated ", "simulate")
     data["utilization"] = _var(cd, col(lambda a: a.surrogate["utilization"]),
                                "utilization")
     for name, limit in (("ttft", slo.ttft_p99_s), ("itl", slo.itl_p99_s)):
@@ -641,6 +722,8 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
         "surrogate_evaluations": out.evaluations,
         "simulations": out.simulations,
         "simulated_requests_per_replica": job.app.search.verify_requests,
+        "simulated_requests_max": job.app.search.verify_requests_max,
+        "routing": job.app.search.routing.value,
         "search_wall_s": round(out.search_s, 3),
         "simulate_wall_s": round(out.simulate_s, 3),
         "excluded_candidates": "; ".join(job.excluded),
@@ -650,11 +733,14 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
 
 
 def write(ds: xr.Dataset, out: Path) -> None:
-    """Writes the dataset to zarr under a temporary name, then renames it."""
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    ds.to_zarr(tmp, mode="w", consolidated=True, zarr_format=2)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    """Writes the dataset to zarr under a temporary name, then moves it into
+    place; an existing ``out`` is replaced only when the tool wrote it
+    (``sweep.outputs``; the caller holds ``out``'s lock)."""
+    import zarr
+
+    with outputs.staged(out) as tmp:
+        ds.to_zarr(tmp, mode="w", consolidated=False, zarr_format=2,
+                   write_empty_chunks=True)  # every chunk's file: see check_chunks
+        outputs.mark(tmp, "optimize")
+        zarr.consolidate_metadata(str(tmp), zarr_format=2)
+        outputs.install(tmp, out, "optimize")

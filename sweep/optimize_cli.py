@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import hydra
@@ -26,7 +27,15 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from sweep.cli import CONFIG_MODULE, _fail, _overrides, _preflight
+from sweep import outputs
+from sweep.cli import (
+    CONFIG_MODULE,
+    _check_output,
+    _fail,
+    _overrides,
+    _place_run,
+    _preflight,
+)
 from sweep.config.schema import ConfigError
 
 COMMAND = "sweep-optimize"
@@ -116,21 +125,25 @@ def _optimize_app(cfg: DictConfig) -> None:
         job = _preflight_job or _check("optimize", _overrides())
     except ConfigError as e:
         _fail(COMMAND, e)
-    out = Path(job.app.out) if job.app.out else Path(
+    out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
+    _check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
+                  "optimize")
     err.print(f"{COMMAND}: {len(job.candidates)} candidates "
               f"({len(job.excluded)} excluded: do not fit) x {job.app.search.restarts}"
               f" restarts; {job.app.workload.name} at "
               f"{job.app.workload.arrival_rate_per_s:g} req/s")
     try:
-        outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
+        with outputs.lock(out):  # held from before the search to the write
+            outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
+            config_yaml = OmegaConf.to_yaml(cfg)
+            attrs = results.provenance(config_yaml, job.app.seed, _overrides())
+            optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)
         sys.exit(INFEASIBLE_EXIT)
-    config_yaml = OmegaConf.to_yaml(cfg)
-    attrs = results.provenance(config_yaml, job.app.seed, _overrides())
-    ds = optimize.to_dataset(job, outcome, attrs)
-    optimize.write(ds, out)
+    except outputs.OutputError as e:
+        _fail(COMMAND, e)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     console = Console(width=max(Console().width, 200))
     console.print(result_table(job, outcome))
@@ -145,6 +158,11 @@ def _optimize_app(cfg: DictConfig) -> None:
 def main() -> None:
     """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
     global _preflight_job
-    _preflight_job = _preflight(COMMAND, "optimize", sys.argv[1:], _check)
+    argv = sys.argv[1:]
+    _preflight_job = _preflight(COMMAND, "optimize", argv, _check)
+    sys.argv += _preflight(COMMAND, "optimize", argv, partial(
+        _place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",
+        resume=False)
+    ) or []
     _enable_compilation_cache()
     _optimize_app()

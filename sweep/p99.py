@@ -10,11 +10,22 @@ roofline-only axes (context, long prompt, traffic): its variables live on
   rate from the run's seed; every configuration of a workload sees the same
   requests (common random numbers), the same arrivals compressed for a higher
   rate, so configurations and rates are compared on equal terms.
+  With ``workload.replay=exact`` the stream is the trace's rows in recorded
+  order (``sweep.arrivals.replay_requests``).
 * ``latency=surrogate``: ``sweep.latency.surrogate``, closed forms for
   continuous batching; static and request-at-a-time points are NaN there.
 
-``slo_met`` compares p99 TTFT and ITL with the ``slo`` group; each variable's
-``method`` attribute says which model produced it.
+Context limit: a request whose prompt + output exceeds the model's
+``max_context_tokens`` is rejected (``workload.overlong=reject``) or has its
+prompt cut (``truncate``), per model (``sweep.workload.context_limit``). The
+simulator does it request by request; for the surrogate, the workload's
+length tables are conditioned on the requests the model serves
+(``sweep.workload.served_tables``) and the arrival rate is the served one.
+``rejected_fraction`` is the share rejected.
+
+``slo_met`` compares p99 TTFT and ITL with the ``slo`` group and the rejected
+fraction with ``slo.max_rejected_fraction``; each variable's ``method``
+attribute says which model produced it.
 """
 
 from __future__ import annotations
@@ -26,24 +37,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from sweep import roofline
-from sweep.arrivals import sample_requests
-from sweep.config.schema import ArrivalKind, GridApp, LatencyMethod
+from sweep.arrivals import workload_requests
+from sweep.config.schema import (
+    GridApp,
+    LatencyMethod,
+    Model,
+    Overlong,
+    Replay,
+    Workload,
+)
 from sweep.evaluate import blocking
-from sweep.latency import latency_workload, surrogate
-from sweep.params import CONTINUOUS, stack
+from sweep.latency import LatencyWorkload, latency_workload, surrogate
+from sweep.params import CONTINUOUS, OVERLONG, stack
 from sweep.results import P99_VARIABLES
 from sweep.simulate import simulate
-from sweep.workload import load_trace
+from sweep.workload import WorkloadTables, served_tables
 
 DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
         "token_budget", "batching", "arrival_rate_per_s")
 
 
 def _summary(r, slo, kv_ok, ok_status):
-    met = (r["ttft_p99_s"] <= slo[0]) & (r["itl_p99_s"] <= slo[1])
+    """The cube's p99 variables; ``slo`` = (p99 TTFT, p99 ITL, rejected fraction)."""
+    met = ((r["ttft_p99_s"] <= slo[0]) & (r["itl_p99_s"] <= slo[1])
+           & (r["rejected_fraction"] <= slo[2]))
     out = {k: jnp.where(kv_ok, r[k], jnp.nan) for k in (
         "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
-        "goodput_req_per_s")}
+        "goodput_req_per_s", "rejected_fraction")}
     out["achieved_output_tokens_per_s"] = jnp.where(kv_ok, r["output_tokens_per_s"],
                                                     jnp.nan)
     out["slo_met"] = met & kv_ok
@@ -57,19 +77,42 @@ class SimulatePoint:
 
     max_slots: int
 
-    def __call__(self, hw, model, _workload, tp, concurrency, token_budget, batching,
+    def __call__(self, hw, model, overlong, tp, concurrency, token_budget, batching,
                  _rate, requests, slo):
         r = simulate(hw, model, tp, concurrency, token_budget, requests, batching,
-                     slo[0], slo[1], max_slots=self.max_slots)._asdict()
+                     slo[0], slo[1], overlong, max_slots=self.max_slots)._asdict()
         kv_ok = roofline.kv_capacity_tokens(hw, model, tp) >= 1.0
         return _summary(r, slo, kv_ok, r["status"])
 
 
-def surrogate_point(hw, model, lw, tp, concurrency, token_budget, batching, rate, slo):
-    """One configuration through the surrogate (continuous batching only)."""
-    r = surrogate(hw, model, lw, tp, concurrency, token_budget, rate, slo[0], slo[1])
-    ok = (roofline.kv_capacity_tokens(hw, model, tp) >= 1.0) & (batching == CONTINUOUS)
+def surrogate_point(hw, model, _workload, tp, concurrency, token_budget, batching,
+                    rate, lw, rejected, slo):
+    """One configuration through the surrogate (continuous batching only).
+
+    ``lw`` describes the requests this model serves, ``rejected`` the share
+    it rejects; the served ones arrive at ``rate * (1 - rejected)``.
+    """
+    r = dict(surrogate(hw, model, lw, tp, concurrency, token_budget,
+                       rate * (1.0 - rejected), slo[0], slo[1]))
+    r["rejected_fraction"] = rejected
+    ok = ((roofline.kv_capacity_tokens(hw, model, tp) >= 1.0)
+          & (batching == CONTINUOUS) & (rejected < 1.0))
     return _summary(r, slo, ok, r["status"])
+
+
+def served_workload(tables: WorkloadTables, workload: Workload,
+                    model: Model) -> tuple[LatencyWorkload, float]:
+    """The surrogate's summary of the requests ``model`` serves, and the share
+    it rejects (``sweep.workload.served_tables``).
+
+    Under exact replay the summary takes the trace's recorded (prompt, output)
+    pairs (their joint law); sampled streams draw the lengths independently.
+    """
+    exact = workload.replay == Replay.exact
+    served, rejected = served_tables(
+        tables, float(model.max_context_tokens),
+        workload.overlong == Overlong.truncate, exact)
+    return latency_workload(served, pairs=served.pairs if exact else None), rejected
 
 
 def _rates(app: GridApp, workloads) -> np.ndarray:
@@ -78,12 +121,14 @@ def _rates(app: GridApp, workloads) -> np.ndarray:
     return np.unique([w.arrival_rate_per_s for w in workloads])
 
 
-def part(app: GridApp, workloads, tables, hw_axis, model_axis, point_axes, coords):
+def part(app: GridApp, workloads, tables, models, hw_axis, model_axis, point_axes,
+         coords):
     """The p99 ``Part`` of a grid job and the arrival-rate coordinate."""
     from sweep.grid import Part
 
     rates = _rates(app, workloads)
-    slo = np.array([app.slo.ttft_p99_s, app.slo.itl_p99_s], np.float32)
+    slo = np.array([app.slo.ttft_p99_s, app.slo.itl_p99_s,
+                    app.slo.max_rejected_fraction], np.float32)
     shape = tuple(len(coords[d]) for d in DIMS[:-1]) + (len(rates),)
     plan = blocking(shape, app.latency.chunk_configs)
     common = (hw_axis, model_axis)
@@ -92,25 +137,27 @@ def part(app: GridApp, workloads, tables, hw_axis, model_axis, point_axes, coord
     method = app.latency.method
     if method == LatencyMethod.simulate:
         keys = jax.random.split(jax.random.key(app.seed), len(workloads))
-        streams = []
-        for w, t, k in zip(workloads, tables, keys):
-            trace = None
-            if w.arrival == ArrivalKind.trace:
-                trace = load_trace(w.trace).arrival_s
-            streams.append([sample_requests(k, t, app.latency.num_requests, r, trace)
-                            for r in rates])
+        streams = [[workload_requests(k, w, t, app.latency.num_requests, r)
+                    for r in rates] for w, t, k in zip(workloads, tables, keys)]
         requests = jax.tree.map(lambda *x: jnp.stack(x),
                                 *[jax.tree.map(lambda *x: jnp.stack(x), *s)
                                   for s in streams])
         fn = SimulatePoint(int(max(app.grid.axes["concurrency"])))
-        axes = (*common, np.zeros(len(workloads), np.float32), *knobs,
-                rates.astype(np.float32))
+        overlong = np.array([OVERLONG.index(w.overlong.value) for w in workloads],
+                            np.int32)
+        axes = (*common, overlong, *knobs, rates.astype(np.float32))
         tables_ = (requests, slo)
         table_dims = ((DIMS.index("workload"), DIMS.index("arrival_rate_per_s")), ())
     else:
-        axes = (*common, stack([latency_workload(t) for t in tables]), *knobs,
+        served = [[served_workload(t, w, m) for w, t in zip(workloads, tables)]
+                  for m in models]
+        axes = (*common, np.zeros(len(workloads), np.float32), *knobs,
                 rates.astype(np.float32))
-        fn, tables_, table_dims = surrogate_point, (slo,), ((),)
+        fn = surrogate_point
+        tables_ = (stack([stack([lw for lw, _ in row]) for row in served]),
+                   np.array([[r for _, r in row] for row in served], np.float32), slo)
+        mw = (DIMS.index("model"), DIMS.index("workload"))
+        table_dims = (mw, mw, ())
     return Part("p99", DIMS, fn, axes, plan, tables=tables_, table_dims=table_dims,
                 variables=tuple(P99_VARIABLES),
                 attrs={"method": method.value}), rates

@@ -11,6 +11,7 @@ Conversions from configs happen here and only here.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -22,6 +23,9 @@ from sweep.config.schema import Hardware, Model
 BATCHING = ("request", "static", "continuous")
 """The ``batching`` axis values; the model receives their index."""
 REQUEST, STATIC, CONTINUOUS = range(3)
+OVERLONG = ("reject", "truncate")
+"""``workload.overlong`` values; the simulator receives their index."""
+REJECT, TRUNCATE = range(2)
 
 
 class HardwareParams(NamedTuple):
@@ -52,6 +56,8 @@ class ModelParams(NamedTuple):
     experts_per_token_fraction: jax.Array  # k / E; 1 for a dense model
     weight_dtype_bytes: jax.Array
     kv_dtype_bytes: jax.Array
+    # longest prompt + output served (vLLM's max_model_len); inf: no limit
+    max_context_tokens: jax.Array = math.inf
 
 
 def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwareParams:
@@ -94,6 +100,7 @@ def model_params(m: Model) -> ModelParams:
         experts_per_token_fraction=m.experts_per_token / m.num_experts,
         weight_dtype_bytes=float(m.weight_dtype_bytes),
         kv_dtype_bytes=float(m.kv_dtype_bytes),
+        max_context_tokens=float(m.max_context_tokens or math.inf),
     )
 
 

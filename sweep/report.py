@@ -1,11 +1,16 @@
 """``sweep-report CUBE``: PNG charts and a markdown report of a result cube.
 
-The report (``report.md`` and one PNG per chart of ``sweep.plots.CHARTS``) is
-written into a temporary folder beside the target and moved into place only
-when complete, so an older report is replaced whole or not at all. A path
-that is not a cube, or a cube without the variables every report needs, is
-refused with one line and exit code 2; a chart whose own variables are
-missing is skipped and the report says which and why.
+The report (``report.md`` and one PNG per chart of ``sweep.plots.CHARTS``)
+goes to ``<cube>.report/`` beside the cube (``c.zarr`` -> ``c.report/``), so
+two cubes in one folder never share one, or to ``--out``. It is written into
+a temporary folder beside the target and moved into place only when
+complete, so an older report is replaced whole or not at all; the folder it
+replaces must be a report of this tool (its ``sweep.outputs.REPORT_MARKER``) or
+empty, and one ``sweep-report`` at a time writes it (``sweep.outputs``). A
+path that is not a cube, a damaged cube (a chunk missing or unreadable), a
+cube without the variables every report needs, or an output folder the tool
+must not replace is refused with one line and exit code 2; a chart whose own
+variables are missing is skipped and the report says which and why.
 
 The dataset ``sweep-optimize`` writes (``optimize.zarr``: dims ``candidate``,
 ``config``, ``verification``) gets its own report the same way: the chosen
@@ -16,18 +21,15 @@ run's log and the charts of ``sweep.plots.OPTIMIZE_CHARTS``.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
-from sweep import plots
+from sweep import outputs, plots
 from sweep.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, load_slo
-from sweep.results import open_cube
+from sweep.results import DamagedCube, check_chunks, open_cube
 
 # what the summary table and every chart's reduction rely on
 CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_per_s",
@@ -94,22 +96,32 @@ def load(path: Path) -> xr.Dataset:
     """
     try:
         ds = open_cube(path)
+    except DamagedCube as e:
+        raise ReportError(str(e)) from e
     except Exception as e:  # whatever the store's reader says, the path is no cube
         raise ReportError(f"{path} is not a result cube "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    try:
+        ds = ds.load()
+    except Exception as e:  # a chunk changed in place fails only when decoded
+        try:
+            check_chunks(path, decode=True)
+        except DamagedCube as damaged:
+            raise ReportError(str(damaged)) from e
+        raise
     if is_optimize(ds):
         require(path, ds, "optimize dataset", OPTIMIZE_VARIABLES, OPTIMIZE_DIMS,
                 OPTIMIZE_ATTRS)
         if not ds["chosen"].values.any():
             raise ReportError(f"{path}: no candidate of the optimize dataset is "
                               "marked chosen")
-        return ds.load()
+        return ds
     require(path, ds, "cube", CORE_VARIABLES, CORE_DIMS)
     for d in ("hardware", "model"):
         if d not in ds.dims:
             value = str(ds[d].values) if d in ds.coords else "-"
             ds = ds.drop_vars(d, errors="ignore").expand_dims({d: [value]})
-    return ds.load()
+    return ds
 
 
 def require(path: Path, ds: xr.Dataset, what: str, variables, dims,
@@ -364,15 +376,12 @@ def verification_table(ds: xr.Dataset) -> list[str]:
                      "SLO met"], rows)
 
 
-def replace_dir(staged: Path, target: Path) -> None:
-    """Moves ``staged`` to ``target``, replacing an older folder whole."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(staged, target)
-    if old is not None:
-        shutil.rmtree(old)
+def default_out(cube: Path) -> Path:
+    """``<cube>.report`` beside the cube: ``c.zarr`` -> ``c.report``, ``c.nc`` ->
+    ``c.nc.report``."""
+    cube = cube.resolve()
+    stem = cube.stem if cube.suffix == ".zarr" else cube.name
+    return cube.with_name(stem + ".report")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -381,7 +390,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         description="Charts (PNG) and a markdown report of a sweep result cube.")
     p.add_argument("cube", type=Path, help="the cube (a .zarr store)")
     p.add_argument("--out", type=Path, default=None,
-                   help="report folder (default: report/ beside the cube)")
+                   help="report folder (default: <cube>.report/ beside the cube); "
+                   "an existing folder must be empty or an earlier report")
     p.add_argument("--slo", default=None,
                    help="SLO option name (conf/slo/<name>.yaml) for feasibility")
     p.add_argument("--ttft-p99-s", dest="ttft_p99_s", type=float, default=None,
@@ -399,20 +409,15 @@ def main(argv: list[str] | None = None) -> None:
     """``sweep-report CUBE [--out DIR]``: write ``report.md`` and its charts."""
     args = parse(argv)
     cube = args.cube.expanduser()
-    out = (args.out or cube.resolve().parent / "report").expanduser().resolve()
-    if out.exists() and not out.is_dir():
-        print(f"sweep-report: error: --out {out} exists and is not a folder",
-              file=sys.stderr)
-        sys.exit(2)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    out = (args.out.expanduser() if args.out else default_out(cube)).absolute()
+    label = f"--out {args.out}" if args.out else f"report folder {out}"
     try:
-        drawn = write_report(cube, staged, args)
-        replace_dir(staged, out)
-    except ReportError as e:
+        outputs.check_target(out, label, "report")
+        with outputs.lock(out), outputs.staged(out) as staged:
+            drawn = write_report(cube, staged, args)
+            outputs.mark(staged, "report")
+            outputs.install(staged, out, "report")
+    except (ReportError, outputs.OutputError) as e:
         print(f"sweep-report: error: {e}", file=sys.stderr)
         sys.exit(2)
-    finally:
-        if staged.exists():
-            shutil.rmtree(staged)
     print(f"sweep-report: {len(drawn)} chart(s) and report.md -> {out}")

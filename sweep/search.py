@@ -62,8 +62,8 @@ import optax
 
 from sweep._numerics import softplus
 from sweep.latency import LatencyWorkload, surrogate
-from sweep.status import OK
 from sweep.params import HardwareParams, ModelParams
+from sweep.status import OK
 
 NEIGHBOURS = 4
 """Lattice neighbours of a continuous answer: (c down/up) x (b down/up)."""

@@ -36,6 +36,13 @@ step-by-step reference):
   Request-at-a-time is static batching with batches of one.
 * a request that does not fit the KV capacity even alone is admitted when
   nothing else runs, and ``status`` says so.
+* context limit (vLLM's ``max_model_len``): a request whose prompt + output
+  exceeds ``model.max_context_tokens`` is rejected, or its prompt truncated
+  (``overlong``; ``sweep.workload.context_limit``). A rejected request, like
+  one a load balancer sent to another replica (``mine``), is never admitted:
+  the served requests are queued first, in arrival order, and the run ends
+  when they are done. Percentiles, goodput and throughput count served
+  requests only; ``rejected_fraction`` is rejected / offered.
 
 Speed. A loop turn per step would take ~60,000 turns per 1,000 requests. Here
 one turn advances a whole *run* of steps whose batch does not change: no
@@ -102,7 +109,8 @@ import jax.numpy as jnp
 from sweep import roofline
 from sweep import status as status_flags
 from sweep.arrivals import Requests
-from sweep.params import CONTINUOUS, REQUEST
+from sweep.params import CONTINUOUS, REJECT, REQUEST, TRUNCATE
+from sweep.workload import context_limit
 
 FREE, PREFILL, DECODE, WAIT = range(4)
 _BIG = 2**30  # "no limit" for step counts (int32)
@@ -135,6 +143,7 @@ class SimResult(NamedTuple):
     e2e_p99_s: jax.Array
     output_tokens_per_s: jax.Array  # achieved: all output tokens / duration
     goodput_req_per_s: jax.Array  # requests meeting both SLOs / duration
+    rejected_fraction: jax.Array  # offered requests rejected by the context limit
     duration_s: jax.Array  # when the last request finishes
     preemptions: jax.Array  # int32
     steps: jax.Array  # int32, scheduler steps simulated
@@ -146,7 +155,7 @@ class SimOutcome(NamedTuple):
     """Per-request results and counters before summarising (``simulate_requests``)."""
 
     ttft_s: jax.Array  # shape=(R,), in the order of the input requests
-    e2e_s: jax.Array  # shape=(R,)
+    e2e_s: jax.Array  # shape=(R,); both NaN for requests not served
     good: jax.Array  # shape=(R,), bool
     itl_hist: jax.Array  # shape=(ITL_BINS,), gaps per bin
     duration_s: jax.Array
@@ -154,6 +163,9 @@ class SimOutcome(NamedTuple):
     steps: jax.Array
     iterations: jax.Array
     status: jax.Array
+    served: jax.Array  # shape=(R,), bool: offered and within the context limit
+    rejected: jax.Array  # shape=(R,), bool: offered and beyond it
+    output_tokens: jax.Array  # shape=(R,), output lengths as served (truncated)
 
 
 # slot fields: indices into the tuples of int32 and float field arrays
@@ -227,9 +239,10 @@ class _Ctx(NamedTuple):
     continuous: jax.Array  # bool
     ttft_slo_s: jax.Array
     itl_slo_s: jax.Array
-    arrival_s: jax.Array  # shape=(R,), sorted
+    arrival_s: jax.Array  # shape=(R,), served requests first, sorted by arrival
     prompt: jax.Array  # shape=(R,), int32
     output: jax.Array  # shape=(R,), int32
+    num_served: jax.Array  # int32: requests [0, num_served) are served
 
 
 def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope):
@@ -563,7 +576,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     # request, else the next new one
     a = s.next_req
     a_c = jnp.minimum(a, num_req - 1)
-    has_new = a < num_req
+    has_new = a < cx.num_served
     from_wait = n_wait > 0
     idle = active & ~blocked & (n_run == 0) & ~from_wait & has_new
     t = jnp.where(idle, jnp.maximum(t, cx.arrival_s[a_c]), t)
@@ -611,7 +624,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     batch_output = jnp.where(do_adm, jnp.maximum(batch_output, head_output),
                              batch_output)
     b_c = jnp.minimum(next_req, num_req - 1)
-    again = (n_wait > 0) | ((next_req < num_req) & (cx.arrival_s[b_c] <= t))
+    again = (n_wait > 0) | ((next_req < cx.num_served) & (cx.arrival_s[b_c] <= t))
     blocked = blocked | (do_adm & again & (n_run < cx.concurrency))
 
     # 4. advance: a run of unchanged steps, then the step finishing a prompt
@@ -639,7 +652,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
     split = _pieces(lines, horizon)
     # the next new request, if it could join at a later step's start
     j_arr = _first_step_reaching(lines, split, horizon, cx.arrival_s[b_c] - t)
-    admissible = (cont & (n_wait == 0) & (next_req < num_req)
+    admissible = (cont & (n_wait == 0) & (next_req < cx.num_served)
                   & (n_run < cx.concurrency) & (j_arr <= horizon)
                   & (kv + n_dec * jnp.minimum(j_arr, horizon) + cx.prompt[b_c]
                      <= cx.capacity))
@@ -711,7 +724,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
         batch_output=batch_output,
         status=status | jnp.where(cx.slots_short & (n_run + n_wait >= size),
                                   STATUS_SLOTS, 0),
-        done=(next_req >= num_req) & (n_run == 0) & (n_wait == 0),
+        done=(next_req >= cx.num_served) & (n_run == 0) & (n_wait == 0),
         ttft_s=ttft_s,
         e2e_s=e2e_s,
         good=good,
@@ -746,8 +759,9 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
 
 
 def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Requests,
-                      batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, *,
-                      max_slots: int, max_iterations: int | None = None,
+                      batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
+                      overlong=REJECT, mine=None, *, max_slots: int,
+                      max_iterations: int | None = None,
                       turns_per_check: int = 64) -> SimOutcome:
     """Simulates one configuration and keeps per-request results.
 
@@ -762,6 +776,12 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         simulation's time dtype.
       batching: ``sweep.params`` ``REQUEST``, ``STATIC`` or ``CONTINUOUS`` (int).
       ttft_slo_s, itl_slo_s: SLOs for goodput.
+      overlong: ``sweep.params`` ``REJECT`` or ``TRUNCATE`` (int): what becomes
+        of a request whose prompt + output exceeds
+        ``model.max_context_tokens`` (``sweep.workload.context_limit``).
+      mine: optional bool ``(R,)``: the requests this replica is offered (a
+        load balancer's share, ``sweep.arrivals.split``); the others are not
+        served and not counted, as rejected ones are not served.
       max_slots: static size of the slot arrays: the largest concurrency of a
         grid is always exact. A smaller size is faster under light load; if
         the slots ever fill up below the configuration's concurrency, status
@@ -774,10 +794,17 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
     num_req = requests.arrival_s.shape[0]
     if max_iterations is None:
         max_iterations = 16 * num_req + 1024
-    order = jnp.argsort(requests.arrival_s, stable=True)
+    prompt, output, fits = context_limit(
+        jnp.maximum(jnp.round(requests.prompt_tokens), 1).astype(dt),
+        jnp.maximum(jnp.round(requests.output_tokens), 1).astype(dt),
+        jnp.asarray(model.max_context_tokens, dt),
+        jnp.asarray(overlong) == TRUNCATE, xp=jnp)
+    offered = jnp.ones(num_req, bool) if mine is None else jnp.asarray(mine, bool)
+    served = offered & fits
+    # served requests first, in arrival order; the rest are never admitted
+    order = jnp.argsort(jnp.where(served, jnp.asarray(requests.arrival_s, dt),
+                                  jnp.inf), stable=True)
     arrival = jnp.asarray(requests.arrival_s, dt)[order]
-    prompt = jnp.maximum(jnp.round(requests.prompt_tokens[order]), 1).astype(jnp.int32)
-    output = jnp.maximum(jnp.round(requests.output_tokens[order]), 1).astype(jnp.int32)
     tp = jnp.asarray(tp, dt)
     conc = jnp.floor(jnp.asarray(concurrency, dt)).astype(jnp.int32)
     conc = jnp.where(jnp.asarray(batching) == REQUEST, 1, conc)
@@ -792,7 +819,9 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         continuous=jnp.asarray(batching) == CONTINUOUS,
         ttft_slo_s=jnp.asarray(ttft_slo_s, dt),
         itl_slo_s=jnp.asarray(itl_slo_s, dt),
-        arrival_s=arrival, prompt=prompt, output=output,
+        arrival_s=arrival, prompt=prompt[order].astype(jnp.int32),
+        output=output[order].astype(jnp.int32),
+        num_served=served.sum(dtype=jnp.int32),
     )
     init = _initial(num_req, max_slots, dt)
 
@@ -809,7 +838,8 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         ttft_s=s.ttft_s[inverse], e2e_s=s.e2e_s[inverse], good=s.good[inverse],
         itl_hist=s.hist_mass + dens * jnp.diff(edges),
         duration_s=s.t_s, preemptions=s.preemptions, steps=s.steps,
-        iterations=s.iterations, status=status,
+        iterations=s.iterations, status=status, served=served,
+        rejected=offered & ~fits, output_tokens=output,
     )
 
 
@@ -834,16 +864,24 @@ def itl_percentiles(itl_hist, num_gaps, q):
     return jnp.where(n > 0, value, jnp.nan)
 
 
-def summarize(outcome: SimOutcome, requests: Requests) -> SimResult:
-    """Percentiles and rates of a ``SimOutcome``; NaN when it is not valid."""
+def summarize(outcome: SimOutcome) -> SimResult:
+    """Percentiles and rates of a ``SimOutcome`` over its served requests.
+
+    Metrics are NaN when the outcome is not valid, or when nothing was served.
+    """
     ok = (outcome.status & (STATUS_RAN_OUT | STATUS_SLOTS)) == 0
     dt = outcome.ttft_s.dtype
-    ttft = jnp.percentile(outcome.ttft_s, jnp.array([50.0, 90.0, 99.0], dt))
-    e2e = jnp.percentile(outcome.e2e_s, jnp.array([50.0, 99.0], dt))
-    output = jnp.maximum(jnp.round(requests.output_tokens), 1.0).astype(dt)
-    itl = itl_percentiles(outcome.itl_hist, (output - 1.0).sum(),
+    served = outcome.served
+    nan = jnp.asarray(jnp.nan, dt)
+    ttft = jnp.nanpercentile(jnp.where(served, outcome.ttft_s, nan),
+                             jnp.array([50.0, 90.0, 99.0], dt))
+    e2e = jnp.nanpercentile(jnp.where(served, outcome.e2e_s, nan),
+                            jnp.array([50.0, 99.0], dt))
+    output = jnp.where(served, outcome.output_tokens, 0.0)
+    itl = itl_percentiles(outcome.itl_hist, jnp.maximum(output - 1.0, 0.0).sum(),
                           jnp.array([50.0, 90.0, 99.0], dt))
     duration = outcome.duration_s
+    offered = (served | outcome.rejected).sum(dtype=jnp.int32)
 
     def valid(x):
         return jnp.where(ok, x, jnp.nan)
@@ -854,15 +892,57 @@ def summarize(outcome: SimOutcome, requests: Requests) -> SimResult:
         e2e_p50_s=valid(e2e[0]), e2e_p99_s=valid(e2e[1]),
         output_tokens_per_s=valid(output.sum() / duration),
         goodput_req_per_s=valid(outcome.good.sum().astype(dt) / duration),
+        rejected_fraction=jnp.where(
+            offered > 0, outcome.rejected.sum().astype(dt)
+            / jnp.maximum(offered, 1).astype(dt), jnp.nan),
         duration_s=valid(duration),
         preemptions=outcome.preemptions, steps=outcome.steps,
         iterations=outcome.iterations, status=outcome.status,
     )
 
 
+def pool(outcomes: SimOutcome, rows) -> SimOutcome:
+    """The outcomes of several schedulers fed one stream, as one outcome.
+
+    Replicas behind a load balancer each simulate their share
+    (``simulate_requests`` with ``mine``); pooled, the percentiles are over
+    every request of the stream, the ITL histogram is their sum, and rates
+    are over the time the last replica finishes (every replica's clock starts
+    at the stream's 0).
+
+    Args:
+      outcomes: ``SimOutcome`` with a leading axis ``K`` (one per scheduler).
+      rows: bool ``(K,)``, the schedulers to pool (the others are ignored).
+    """
+    def mine(x, fill=0):
+        """``x`` where the row is pooled, else ``fill`` (in ``x``'s dtype)."""
+        keep = rows.reshape(rows.shape + (1,) * (x.ndim - 1))
+        return jnp.where(keep, x, jnp.asarray(fill, x.dtype))
+
+    def requests(x, fill=0):
+        return mine(x, fill).reshape(-1)
+
+    return SimOutcome(
+        ttft_s=requests(outcomes.ttft_s, jnp.nan),
+        e2e_s=requests(outcomes.e2e_s, jnp.nan),
+        good=requests(outcomes.good),
+        itl_hist=mine(outcomes.itl_hist).sum(0, dtype=outcomes.itl_hist.dtype),
+        duration_s=mine(outcomes.duration_s).max(),
+        preemptions=mine(outcomes.preemptions).sum(dtype=outcomes.preemptions.dtype),
+        steps=mine(outcomes.steps).sum(dtype=outcomes.steps.dtype),
+        iterations=mine(outcomes.iterations).max(),
+        status=jax.lax.reduce(mine(outcomes.status), jnp.zeros((), jnp.int32),
+                              jax.lax.bitwise_or, (0,)),
+        served=requests(outcomes.served),
+        rejected=requests(outcomes.rejected),
+        output_tokens=requests(outcomes.output_tokens),
+    )
+
+
 def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
-             batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, *,
-             max_slots: int, max_iterations: int | None = None,
+             batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
+             overlong=REJECT, mine=None, *, max_slots: int,
+             max_iterations: int | None = None,
              turns_per_check: int = 64) -> SimResult:
     """Simulates one configuration; see ``simulate_requests`` for the arguments.
 
@@ -871,6 +951,6 @@ def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
     """
     outcome = simulate_requests(
         hw, model, tp, concurrency, token_budget, requests, batching, ttft_slo_s,
-        itl_slo_s, max_slots=max_slots, max_iterations=max_iterations,
-        turns_per_check=turns_per_check)
-    return summarize(outcome, requests)
+        itl_slo_s, overlong, mine, max_slots=max_slots,
+        max_iterations=max_iterations, turns_per_check=turns_per_check)
+    return summarize(outcome)

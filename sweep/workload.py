@@ -10,21 +10,40 @@ batching, the whole distribution as a sorted ``(values, probs)`` table:
   its conditional median; ``E[max of B]`` from this table converges to the
   continuous value as the bins shrink (tested against a Monte-Carlo estimate).
 
-Traces are CSV (header row) or JSON lines, with columns named in the config.
-A bare file name is looked up among the shipped traces (``sweep/data``).
+Traces are CSV (header row) or JSON lines, with columns named in the config,
+read by pandas (quoted fields, a UTF-8 BOM, CRLF line ends). A bare file name
+is a registered public trace (``sweep.data``: a verified local copy, cached,
+or fetched from its origin). Bad content (a non-number, a negative or
+decreasing timestamp, a length above ``MAX_TRACE_TOKENS``, an all-zero length
+column, equal timestamps used for arrivals) raises ``ConfigError`` naming the
+column and line. A trace with both lengths also keeps its rows' (prompt,
+output) pairs in recorded order (``WorkloadTables.pairs``) for exact replay.
+
+``context_limit`` is the model's context rule (vLLM's ``max_model_len``),
+shared by the simulator and ``served_tables``, which conditions the tables on
+the requests a model serves.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from importlib import resources
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
-from sweep.config.schema import ConfigError, LengthDist, LengthKind, Trace, Workload
+from sweep.config.schema import (
+    ArrivalKind,
+    ConfigError,
+    LengthDist,
+    LengthKind,
+    Replay,
+    Trace,
+    Workload,
+)
+from sweep.data import REGISTRY, DataError, fetch
 
 LOGNORMAL_BINS = 1024
 
@@ -37,77 +56,134 @@ class TraceData:
     columns: dict[str, np.ndarray]
 
 
-def resolve_trace_path(path: str) -> Path:
-    """An existing file: as given, or a shipped trace of that name."""
+def resolve_trace_path(path: str, data_dir: str | None = None) -> Path:
+    """An existing file as given; else the verified registered trace of that name.
+
+    Args:
+      data_dir: the folder of local copies (``app.data_dir``); None: the
+        ``SWEEP_DATA_DIR`` environment variable.
+    """
     p = Path(path).expanduser()
     if p.exists():
         return p
-    shipped = resources.files("sweep.data") / path
-    if shipped.is_file():
-        return Path(str(shipped))
+    if path in REGISTRY:
+        try:
+            return fetch(path, data_dir)
+        except DataError as e:
+            raise ConfigError(f"workload.trace.path = {path!r}: {e.reason}") from None
     raise ConfigError(
-        f"workload.trace.path = {path!r}: no such file (neither on disk nor a "
-        "shipped trace in sweep/data)"
+        f"workload.trace.path = {path!r}: no such file, nor a registered public "
+        f"trace ({', '.join(REGISTRY)}; see sweep-data list)"
     )
 
 
-def _read_rows(path: Path, fmt: str) -> tuple[list[str], list[list[str]]]:
+MAX_TRACE_TOKENS = 10_000_000
+"""Longest prompt or output a trace may record (tokens): far beyond every model's
+context, so a larger value is a wrong column or unit, not a request."""
+
+
+def _frame(path: Path, fmt: str) -> tuple[pd.DataFrame, np.ndarray | None]:
+    """The trace's rows as read by pandas (quoted fields, a UTF-8 BOM, CRLF), and
+    each row's line in the file (None if quoted line breaks make that unclear)."""
     key = f"workload.trace[{path.name}]"
     try:
-        text = path.read_text()
+        if fmt == "csv":
+            try:
+                df = pd.read_csv(path, encoding="utf-8-sig", dtype=str,
+                                 keep_default_na=False, skipinitialspace=True)
+            except pd.errors.EmptyDataError:
+                df = pd.DataFrame()
+            except pd.errors.ParserError as e:
+                raise ConfigError(f"{key}: {_first_line(e)}") from None
+            df.columns = [str(c).strip() for c in df.columns]
+        elif fmt == "jsonl":
+            try:
+                df = pd.read_json(path, lines=True, dtype=False, encoding="utf-8-sig")
+            except ValueError as e:
+                raise ConfigError(f"{key}: {_bad_json_line(path) or _first_line(e)}"
+                                  ) from None
+        else:
+            raise ConfigError(f"workload.trace.format = {fmt!r}: must be csv or jsonl")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}: cannot read ({e})") from None
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+        raise ConfigError(f"{key}: cannot read ({_first_line(e)})") from None
+    if df.empty:
+        raise ConfigError(f"{key}: empty trace (needs " + (
+            "a header row and >= 1 row)" if fmt == "csv" else ">= 1 JSON line)"))
+    with path.open(encoding="utf-8-sig") as f:
+        lines = np.array([i for i, ln in enumerate(f, start=1) if ln.strip()])
     if fmt == "csv":
-        if len(lines) < 2:
-            raise ConfigError(f"{key}: empty trace (needs a header row and >= 1 row)")
-        header = [h.strip() for h in lines[0].split(",")]
-        return header, [ln.split(",") for ln in lines[1:]]
-    if fmt == "jsonl":
-        if not lines:
-            raise ConfigError(f"{key}: empty trace (needs >= 1 JSON line)")
-        try:
-            records = [json.loads(ln) for ln in lines]
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{key}: line {e.lineno} is not JSON ({e.msg})") from None
-        header = list(records[0])
-        return header, [[str(r.get(h, "")) for h in header] for r in records]
-    raise ConfigError(f"workload.trace.format = {fmt!r}: must be csv or jsonl")
+        lines = lines[1:]  # the header
+    return df, (lines if len(lines) == len(df) else None)
 
 
-def _timestamps_s(raw: list[str], unit: str, key: str) -> np.ndarray:
+def _first_line(e: BaseException) -> str:
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()),
+                type(e).__name__)
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """The first line of a JSON-lines file that is not a JSON object, named."""
+    with path.open(encoding="utf-8-sig") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {number} is not JSON ({e.msg}, column {e.colno})"
+            if not isinstance(record, dict):
+                return f"line {number} is not a JSON object"
+    return None
+
+
+class _Column:
+    """One column of a trace, with what names a row in an error message."""
+
+    def __init__(self, df: pd.DataFrame, lines: np.ndarray | None, name: str,
+                 path: Path):
+        self.raw, self.lines = df[name], lines
+        self.key = f"workload.trace[{path.name}].{name}"
+
+    def refuse(self, bad: np.ndarray, what: str) -> None:
+        """Raises ``ConfigError`` naming the first row where ``bad`` holds."""
+        if bad.any():
+            i = int(np.argmax(bad))
+            where = (f"line {self.lines[i]}" if self.lines is not None
+                     else f"data row {i + 1}")
+            raise ConfigError(f"{self.key}: {what} at {where} "
+                              f"({self.raw.iloc[i]!r})")
+
+
+def _timestamps_s(col: _Column, unit: str) -> np.ndarray:
     if unit == "datetime":
-        try:
-            t = np.array([np.datetime64(v.strip().replace(" ", "T")) for v in raw],
-                         dtype="datetime64[ns]")
-        except ValueError as e:
-            raise ConfigError(f"{key}: not an ISO date-time ({e})") from None
-        return (t - t[0]).astype(np.int64) / 1e9
+        t = pd.to_datetime(col.raw.astype(str).str.strip(), format="ISO8601",
+                           errors="coerce")
+        col.refuse(t.isna().to_numpy(), "not an ISO date-time")
+        return ((t - t.iloc[0]) / pd.Timedelta(seconds=1)).to_numpy(np.float64)
     scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6}.get(unit)
     if scale is None:
         raise ConfigError(
             f"workload.trace.timestamp_unit = {unit!r}: must be s, ms, us or datetime"
         )
-    t = _numbers(raw, key) * scale
-    if np.any(t < 0):
-        raise ConfigError(f"{key}: negative timestamp {t[t < 0][0]:g}")
+    t = _numbers(col) * scale
+    col.refuse(t < 0, "negative timestamp")
     return t - t[0]
 
 
-def _numbers(raw: list[str], key: str) -> np.ndarray:
-    try:
-        v = np.array([float(x) for x in raw])
-    except ValueError as e:
-        raise ConfigError(f"{key}: not a number ({e})") from None
-    if not np.all(np.isfinite(v)):
-        raise ConfigError(f"{key}: non-finite value")
+def _numbers(col: _Column) -> np.ndarray:
+    v = pd.to_numeric(col.raw, errors="coerce").to_numpy(np.float64)
+    col.refuse(~np.isfinite(v), "not a finite number")
     return v
 
 
-def load_trace(trace: Trace) -> TraceData:
-    """Reads and checks a trace file; raises ``ConfigError`` on bad content."""
-    path = resolve_trace_path(trace.path)
-    header, rows = _read_rows(path, trace.format)
+def load_trace(trace: Trace, data_dir: str | None = None) -> TraceData:
+    """Reads and checks a trace file; raises ``ConfigError`` on bad content.
+
+    Data rows are counted from 1 (the header is not a row).
+    """
+    path = resolve_trace_path(trace.path, data_dir)
+    df, lines = _frame(path, trace.format)
+    header = list(df.columns)
     wanted = [c for c in (trace.timestamp_column, trace.prompt_column,
                           trace.output_column) if c]
     missing = [c for c in wanted if c not in header]
@@ -116,29 +192,22 @@ def load_trace(trace: Trace) -> TraceData:
             f"workload.trace[{path.name}]: missing column(s) {missing}; "
             f"the file has {header}"
         )
-    bad = next((i for i, r in enumerate(rows) if len(r) != len(header)), None)
-    if bad is not None:
-        raise ConfigError(
-            f"workload.trace[{path.name}]: line {bad + 2} has {len(rows[bad])} fields, "
-            f"the header has {len(header)}"
-        )
-    col = {h: [r[i] for r in rows] for i, h in enumerate(header)}
     arrival = None
     if trace.timestamp_column:
-        key = f"workload.trace[{path.name}].{trace.timestamp_column}"
-        arrival = _timestamps_s(col[trace.timestamp_column], trace.timestamp_unit, key)
-        if np.any(np.diff(arrival) < 0):
-            row = int(np.argmax(np.diff(arrival) < 0)) + 1
-            # file line: one header line, rows counted from 1
-            raise ConfigError(f"{key}: timestamps decrease at line {row + 2}")
+        col = _Column(df, lines, trace.timestamp_column, path)
+        arrival = _timestamps_s(col, trace.timestamp_unit)
+        col.refuse(np.diff(arrival, prepend=0.0) < 0, "timestamps decrease")
     lengths = {}
     for c in (trace.prompt_column, trace.output_column):
         if c:
-            v = _numbers(col[c], f"workload.trace[{path.name}].{c}")
-            if np.any(v < 0):
-                raise ConfigError(
-                    f"workload.trace[{path.name}].{c}: negative length {v[v < 0][0]:g}"
-                )
+            col = _Column(df, lines, c, path)
+            v = _numbers(col)
+            col.refuse(v < 0, "negative length")
+            col.refuse(v > MAX_TRACE_TOKENS,
+                       f"length above {MAX_TRACE_TOKENS:,} tokens (the most allowed)")
+            if not np.any(v >= 1):
+                raise ConfigError(f"{col.key}: every length is 0; a trace needs rows "
+                                  "of >= 1 token (0 marks a failed request)")
             lengths[c] = v
     return TraceData(arrival_s=arrival, columns=lengths)
 
@@ -187,6 +256,14 @@ class WorkloadTables:
     prompt_probs: np.ndarray
     output_values: np.ndarray
     output_probs: np.ndarray
+    # every trace row's timestamp (s from the first row); None without timestamps
+    trace_arrival_s: np.ndarray | None = None
+    # shape=(N, 2) float64: the trace's recorded (prompt, output) lengths in
+    # recorded order, rows with both >= 1 (0 marks a failed request); None
+    # unless both lengths come from the trace
+    pairs: np.ndarray | None = None
+    # shape=(N,): those rows' timestamps (s from the first of them)
+    pair_arrival_s: np.ndarray | None = None
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -197,10 +274,111 @@ class WorkloadTables:
         return float(self.output_values @ self.output_probs)
 
 
-def workload_tables(w: Workload) -> WorkloadTables:
-    """Loads the trace (if any) and tabulates both length distributions."""
-    trace = load_trace(w.trace) if w.trace is not None else None
+def _check_span(t: np.ndarray | None, w: Workload, what: str) -> None:
+    if t is not None and (len(t) < 2 or t[-1] <= t[0]):
+        raise ConfigError(
+            f"workload.trace[{Path(w.trace.path).name}].{w.trace.timestamp_column}: "
+            f"{what} {len(t)} row(s) all at one time (span 0 s); arrival=trace needs "
+            "two different timestamps; allowed: workload.arrival=poisson")
+
+
+def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
+    """Loads the trace (if any) and tabulates both length distributions.
+
+    Raises:
+      ConfigError: a trace that cannot feed this workload (one line).
+    """
+    trace = load_trace(w.trace, data_dir) if w.trace is not None else None
     cols = trace.columns if trace is not None else {}
-    pv, pp = length_table(w.prompt, cols.get(w.trace.prompt_column) if trace else None)
-    ov, op = length_table(w.output, cols.get(w.trace.output_column) if trace else None)
-    return WorkloadTables(w.name, pv, pp, ov, op)
+    prompt = cols.get(w.trace.prompt_column) if trace else None
+    output = cols.get(w.trace.output_column) if trace else None
+    pv, pp = length_table(w.prompt, prompt)
+    ov, op = length_table(w.output, output)
+    arrival = trace.arrival_s if trace is not None else None
+    pairs = pair_arrival = None
+    if w.prompt.kind == LengthKind.trace and w.output.kind == LengthKind.trace:
+        kept = (prompt >= 1) & (output >= 1)
+        if not kept.any():
+            raise ConfigError(
+                f"workload.trace[{Path(w.trace.path).name}]: no row has both a "
+                f"{w.trace.prompt_column} and a {w.trace.output_column} of >= 1 "
+                "token (0 marks a failed request)")
+        pairs = np.stack([prompt[kept], output[kept]], axis=1)
+        if arrival is not None:
+            pair_arrival = arrival[kept] - arrival[kept][0]
+    if w.arrival == ArrivalKind.trace:
+        _check_span(arrival, w, "every timestamp is equal:")
+        if w.replay == Replay.exact:
+            _check_span(pair_arrival, w, "the rows with both lengths >= 1 are")
+    return WorkloadTables(w.name, pv, pp, ov, op, arrival, pairs, pair_arrival)
+
+
+def context_limit(prompt, output, max_context_tokens, truncate, xp=np):
+    """vLLM's context limit applied to requests: ``(prompt, output, served)``.
+
+    A request is served as recorded when ``prompt + output <= max_context``.
+    Otherwise it is rejected (not served), or with ``truncate`` (vLLM's
+    ``--truncate-prompt-tokens``) its prompt is cut to its last
+    ``max_context - output`` tokens; when the output alone leaves no room for
+    a prompt token (``output >= max_context``), the prompt keeps one token and
+    the output stops at ``max_context - 1`` tokens, where vLLM ends a sequence
+    that reaches ``max_model_len``.
+
+    Args:
+      prompt, output: lengths (tokens >= 1), float arrays.
+      max_context_tokens: the model's limit (``inf``: none).
+      truncate: bool (a traced one under ``xp=jax.numpy``).
+      xp: the array module, ``numpy`` or ``jax.numpy``.
+    """
+    fits = prompt + output <= max_context_tokens
+    cut_prompt = xp.minimum(prompt, xp.maximum(max_context_tokens - output, 1.0))
+    cut_output = xp.minimum(output, max_context_tokens - cut_prompt)
+    return (xp.where(truncate, cut_prompt, prompt),
+            xp.where(truncate, cut_output, output), fits | truncate)
+
+
+def _table(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    v, inverse = np.unique(values, return_inverse=True)
+    p = np.bincount(inverse, weights=weights, minlength=len(v))
+    return v, p / p.sum()
+
+
+def served_tables(tables: WorkloadTables, max_context_tokens: float, truncate: bool,
+                  joint: bool) -> tuple[WorkloadTables, float]:
+    """The length tables of the requests a model serves, and the share rejected.
+
+    Args:
+      max_context_tokens: the model's limit (0 or ``inf``: none).
+      truncate: ``workload.overlong=truncate``.
+      joint: prompt and output as the trace pairs them (``replay=exact``);
+        otherwise independent, as ``replay=sampled`` draws them. The served
+        requests' lengths are then no longer independent; the returned
+        marginals are exact, their pairing is in ``pairs`` only when joint.
+
+    Returns:
+      ``(tables, rejected_fraction)``; the tables unchanged when nothing is
+      rejected or cut, or when every request is rejected (fraction 1).
+    """
+    limit = max_context_tokens if max_context_tokens > 0 else math.inf
+    if tables.prompt_values[-1] + tables.output_values[-1] <= limit:
+        return tables, 0.0
+    if joint:
+        p, o = tables.pairs[:, 0], tables.pairs[:, 1]
+        w = np.full(len(p), 1.0 / len(p))
+    else:
+        p = np.repeat(tables.prompt_values, len(tables.output_values))
+        o = np.tile(tables.output_values, len(tables.prompt_values))
+        w = np.outer(tables.prompt_probs, tables.output_probs).ravel()
+    p, o, served = context_limit(p, o, limit, truncate)
+    rejected = float(w[~served].sum())
+    if not served.any():
+        return tables, 1.0
+    pairs, pair_arrival = tables.pairs, tables.pair_arrival_s
+    if pairs is not None:
+        pp, po, ok = context_limit(pairs[:, 0], pairs[:, 1], limit, truncate)
+        pairs = np.stack([pp, po], axis=1)[ok]
+        pair_arrival = pair_arrival[ok] if pair_arrival is not None else None
+    pv, pp_ = _table(p[served], w[served])
+    ov, op = _table(o[served], w[served])
+    return replace(tables, prompt_values=pv, prompt_probs=pp_, output_values=ov,
+                   output_probs=op, pairs=pairs, pair_arrival_s=pair_arrival), rejected

@@ -1,5 +1,10 @@
 """Shared fixtures: strict JAX promotion, composed configs, a PRNG key, and
-the outputs of one ``sweep-grid`` and one ``sweep-optimize`` run a session."""
+the outputs of one ``sweep-grid`` and one ``sweep-optimize`` run a session.
+
+The public traces come from ``SWEEP_DATA_DIR``; unset, it defaults to the
+``shared/data`` folder beside the checkout (CI's layout), or beside the main
+checkout of a git worktree, when there is one: no test downloads anything.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,25 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from sweep.config.store import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path | None:
+    """``shared/data`` beside this checkout, or beside its main worktree."""
+    roots = [REPO]
+    common = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--path-format=absolute",
+         "--git-common-dir"], capture_output=True, text=True, check=False)
+    if common.returncode == 0:
+        roots.append(Path(common.stdout.strip()).parent)
+    return next((r.parent / "shared" / "data" for r in roots
+                 if (r.parent / "shared" / "data").is_dir()), None)
+
+
+SHARED_DATA = shared_data_dir()
+if not os.environ.get("SWEEP_DATA_DIR") and SHARED_DATA is not None:
+    os.environ["SWEEP_DATA_DIR"] = str(SHARED_DATA)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -21,6 +21,10 @@ of steps, no histograms), plus the simulator's documented choices:
   ends. Request-at-a-time is static batching with batches of one.
 * a request that does not fit the KV capacity even alone is admitted when
   nothing else runs (and flagged).
+* a request whose prompt + output exceeds the model's context is dropped
+  before scheduling (vLLM rejects it), or with truncation keeps the last
+  ``context - output`` prompt tokens (at least one) and stops its output when
+  the sequence reaches the context.
 
 Step times come from a small float64 copy of the roofline formulas
 (``step_time_s``), written out here rather than imported.
@@ -100,10 +104,12 @@ class ReferenceResult:
     preemptions: int
     duration_s: float
     oversize: bool
+    rejected: np.ndarray  # bool per request: beyond the context, not served
 
 
 def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
-                       prompt_tokens, output_tokens, batching=CONTINUOUS
+                       prompt_tokens, output_tokens, batching=CONTINUOUS,
+                       max_context_tokens=math.inf, truncate=False
                        ) -> ReferenceResult:
     """Runs the scheduler one step at a time until every request has finished."""
     cap = kv_capacity_tokens(hw, model, tp)
@@ -113,14 +119,22 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
     order = np.argsort(np.asarray(arrival_s, dtype=np.float64), kind="stable")
     reqs = [_Req(int(i), float(arrival_s[i]), int(prompt_tokens[i]),
                  int(output_tokens[i])) for i in order]
+    rejected = np.zeros(len(reqs), bool)
+    waiting = []  # new requests, FCFS
     for r in reqs:
+        if r.prompt + r.output > max_context_tokens:
+            if not truncate:
+                rejected[r.index] = True
+                continue
+            r.prompt = max(int(max_context_tokens) - r.output, 1)
+            r.output = min(r.output, int(max_context_tokens) - r.prompt)
         r.need = r.prompt
-    waiting = list(reqs)  # new requests, FCFS
+        waiting.append(r)
     preempted: list[_Req] = []  # the last preempted is readmitted first
     running: list[_Req] = []  # admission order
     t, steps, preemptions, oversize = 0.0, 0, 0, False
     batch_open = False
-    remaining = len(reqs)
+    remaining = len(waiting)
 
     def kv_tokens():
         return sum(r.prompt + r.generated for r in running)
@@ -220,4 +234,5 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         preemptions=preemptions,
         duration_s=t,
         oversize=oversize,
+        rejected=rejected,
     )

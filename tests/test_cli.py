@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
+from conftest import CUBE_GRID
+from hydra import compose
+from omegaconf import OmegaConf
 from test_roofline import SEED_TABLE
 
 import sweep
+from sweep import grid, outputs
+from sweep.config.resolve import grid_options
 
 SEED_ARGS = [
     "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
@@ -148,3 +156,117 @@ def test_user_configs_through_hydra_searchpath(tmp_path):
     one = ds.step_s.sel(batching="continuous", concurrency=1, tensor_parallel=1)
     np.testing.assert_allclose(float(one.isel(token_budget=0).squeeze()),
                                (16.38e9 + 1500 * 147_456) / 6.7e12, rtol=1e-5)
+
+
+# --- outputs: never replace what the tool did not write; one writer; resume ---
+
+def one_line_exit_2(proc) -> str:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("sweep-grid: error: ")
+    return lines[0]
+
+
+SMALL = ["grid=small", "hardware=h100_sxm", "model=qwen3_8b"]
+
+
+def _unwritable(tmp_path):
+    """A folder this process cannot write in (root ignores permissions)."""
+    if os.geteuid() == 0:
+        return Path("/sys/sweep-test"), "/sys"
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o555)
+    return folder / "sub", str(folder)
+
+
+@pytest.mark.parametrize("case", ["foreign", "file", "here", "unwritable"])
+def test_out_the_tool_must_not_write_is_refused_before_compute(tmp_path, case):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "k.txt").write_text("keep")
+    (tmp_path / "f.txt").write_text("keep")
+    out, pattern = {
+        "foreign": ("d", "out=d: exists and is not a sweep-grid cube (it does not "
+                         "carry the tool's mark); it is left as it is; allowed: a new "
+                         "path, an empty folder or an earlier sweep-grid cube"),
+        "file": ("f.txt", "out=f.txt: exists and is not a folder"),
+        "here": (".", "out=.: is the current folder or holds it"),
+        "unwritable": (None, None),
+    }[case]
+    if case == "unwritable":
+        target, folder = _unwritable(tmp_path)
+        out, pattern = f"{target}/c.zarr", f"cannot write in {folder} "
+    line = one_line_exit_2(run([*SMALL, f"out={out}"], tmp_path))
+    assert pattern in line, line
+    assert (tmp_path / "d" / "k.txt").read_text() == "keep"
+    assert (tmp_path / "f.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "ro") == [
+        "d", "f.txt"], "nothing written, no run directory"
+
+
+def test_a_second_writer_is_refused_then_the_cube_replaced(seed_run):
+    cwd, _ = seed_run
+    out = cwd / "seed.zarr"
+    before = os.stat(out).st_ino
+    with outputs.lock(out):
+        line = one_line_exit_2(run([*SEED_ARGS, "out=seed.zarr"], cwd))
+    assert f"being written by pid {os.getpid()} on {socket.gethostname()}" in line
+    assert os.stat(out).st_ino == before
+    # the writer gone, a rerun replaces its own cube (a new store); Hydra
+    # writes nothing
+    proc = run([*SEED_ARGS, "out=seed.zarr"], cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert os.stat(out).st_ino != before
+    assert outputs.kind_of(out) == "cube"
+    assert sorted(p.name for p in cwd.iterdir()) == ["seed.zarr"]
+
+
+def test_multirun_jobs_sharing_one_out_second_is_refused(tmp_path):
+    proc = run(["-m", *SMALL, "grid.concurrency=[1],[8]", "out=m.zarr"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "sweep-grid: error: out=m.zarr: job 0 of this multirun writes it already; "
+        "give each job its own output, e.g. out='cube_${hydra:job.num}.zarr'")
+    assert list(sweep.open_cube(tmp_path / "m.zarr").concurrency.values) == [1]
+
+
+def test_app_config_is_the_one_a_rerun_looks_for(cube_path, hydra_ctx):
+    # a rerun without out= finds an unfinished cube by the digest of the config
+    # it composes; the job wrote the digest of Hydra's own composition
+    out = f"out={cube_path}"
+    written = sweep.open_cube(cube_path).attrs["config_yaml"]
+    assert OmegaConf.to_yaml(compose(config_name="grid", overrides=[
+        *CUBE_GRID, out])) == written
+    assert not (cube_path.parent / "outputs").exists()
+
+
+def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path, hydra_ctx):
+    args = [*SMALL, "grid.chunk_points=12"]
+    config_yaml = OmegaConf.to_yaml(compose(config_name="grid", overrides=args))
+    job = grid.prepare(*grid_options("grid", args))
+    assert len(job.parts[0].plan) == 2
+    folder = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
+
+    def stop(done, total):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        grid.run(job, folder / "cube.zarr", {"run": "first"}, config_yaml,
+                 progress=stop)
+    # a run of another config is not resumed
+    other = tmp_path / "outputs" / "2026-01-01" / "00-00-01"
+    with pytest.raises(KeyboardInterrupt):
+        grid.run(job, other / "cube.zarr", {}, "another config", progress=stop)
+    proc = run(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert ("sweep-grid: resuming the unfinished sweep in outputs/2026-01-01/"
+            "00-00-00/cube.zarr (1 of 2 blocks done)") in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "outputs").glob("*/*")) == [
+        "00-00-00", "00-00-01"], "no new run directory"
+    assert sorted(p.name for p in folder.iterdir()) == [".hydra", "cli.log",
+                                                         "cube.zarr"]
+    ds = sweep.open_cube(folder / "cube.zarr").load()
+    assert ds.attrs["run"] == "first"  # its store was continued, not started over
+    fresh = grid.run(job, tmp_path / "fresh.zarr", {"run": "first"}, config_yaml)
+    xr.testing.assert_equal(ds, fresh.load())

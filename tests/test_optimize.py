@@ -16,6 +16,7 @@ import xarray as xr
 from conftest import OPTIMIZE_QUICK, script
 
 import sweep
+from sweep import outputs
 from sweep.optimize import pareto
 
 
@@ -41,10 +42,26 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_out_the_tool_must_not_replace_is_refused(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "k.txt").write_text("keep")
+    proc = run(["out=d"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "sweep-optimize: error: out=d: exists and is not a sweep-optimize dataset "
+        "(it does not carry the tool's mark); it is left as it is; allowed: a new "
+        "path, an empty folder or an earlier sweep-optimize dataset"]
+    assert (tmp_path / "d" / "k.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
 @pytest.mark.slow
 def test_run_writes_dataset_and_flags(optimize_run):
     proc = optimize_run.proc
     assert proc.returncode == 0, proc.stderr
+    # with out=, Hydra writes no run directory; the dataset is the tool's
+    assert not (optimize_run.path.parent / "outputs").exists()
+    assert outputs.kind_of(optimize_run.path) == "optimize"
     ds = sweep.open_cube(optimize_run.path).load()
     xr.testing.assert_identical(xr.open_zarr(optimize_run.path).load(), ds)
     a = ds.attrs

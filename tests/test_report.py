@@ -46,9 +46,9 @@ def check_png(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def default_report(cube_path) -> Path:  # noqa: F811
-    """The report written where it goes by default: report/ beside the cube."""
+    """The report written where it goes by default: c.report/ beside c.zarr."""
     report([cube_path])
-    return cube_path.parent / "report"
+    return cube_path.parent / "c.report"
 
 
 def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
@@ -69,7 +69,7 @@ def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
     # the cube's own SLO (interactive) applies, through the documented proxies
     assert "step_s (decode step as ITL proxy" in md
     leftovers = [p.name for p in default_report.parent.iterdir()
-                 if p.name.startswith(".report")]
+                 if p.name.startswith(".") or p.suffix in (".lock", ".old")]
     assert leftovers == []
 
 
@@ -91,7 +91,7 @@ def test_p99_cube_missing_variables_and_replacement(cube_path, tmp_path):  # noq
     p99 = p99.drop_vars(["long_prefill_s", "long_prefill_worst_itl_s"])
     path = save(p99, tmp_path / "p99.zarr")
     out = tmp_path / "rep"
-    out.mkdir()
+    report([path, "--out", out])  # an earlier report, then a stray file in it
     (out / "stale.txt").write_text("old")
     report([path, "--out", out, "--itl-p99-s", "0.03", "--hardware", "l40s"])
     assert not (out / "stale.txt").exists()  # the old report is replaced whole
@@ -126,7 +126,7 @@ def test_not_a_cube(tmp_path, capsys):
     assert "is not a result cube" in err and "missing.zarr" in err
     (tmp_path / "empty.zarr").mkdir()
     assert "is not a result cube" in fail([tmp_path / "empty.zarr"], capsys)
-    assert not (tmp_path / "report").exists()
+    assert not list(tmp_path.glob("*.report"))
     assert [p.name for p in tmp_path.iterdir()] == ["empty.zarr"]
 
 
@@ -135,11 +135,11 @@ def test_bad_input_keeps_the_old_report(cube_path, tmp_path, capsys):  # noqa: F
     path = save(ds.drop_vars(["cost_per_mtok_out_usd", "kv_fits"]),
                 tmp_path / "thin.zarr")
     out = tmp_path / "rep"
-    out.mkdir()
-    (out / "report.md").write_text("old")
+    report([cube_path, "--out", out])
+    old = (out / "report.md").read_text()
     err = fail([path, "--out", out], capsys)
     assert "lacks cost_per_mtok_out_usd, kv_fits" in err
-    assert (out / "report.md").read_text() == "old"
+    assert (out / "report.md").read_text() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rep", "thin.zarr"]
     assert "no conf/slo/nope.yaml" in fail([cube_path, "--out", out, "--slo", "nope"],
                                            capsys)
@@ -155,7 +155,7 @@ def optimize_report(optimize_run) -> Path:
     """The report of the session's ``sweep-optimize`` dataset, where it goes."""
     assert optimize_run.proc.returncode == 0, optimize_run.proc.stderr
     report([optimize_run.path])
-    return optimize_run.path.parent / "report"
+    return optimize_run.path.parent / "opt.report"
 
 
 @pytest.mark.slow
@@ -193,3 +193,63 @@ def test_optimize_dataset_without_configs_is_refused(tmp_path, capsys):
     assert "config_cost_per_mtok_out_usd" in err and "dim config" in err
     assert "attribute vllm_flags" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["opt.zarr"]
+
+
+def test_reports_of_two_cubes_in_one_folder_are_apart(cube_path, default_report,
+                                                     tmp_path):
+    for name in ("a", "b"):
+        shutil.copytree(cube_path, tmp_path / f"{name}.zarr")
+    shutil.copytree(default_report, tmp_path / "a.report")
+    before = (tmp_path / "a.report" / "report.md").read_text()
+    report([tmp_path / "b.zarr"])
+    assert (tmp_path / "b.report" / "report.md").read_text().startswith(
+        "# Sweep report: b.zarr")
+    assert (tmp_path / "a.report" / "report.md").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.report", "a.zarr", "b.report", "b.zarr"]
+
+
+@pytest.mark.parametrize("case", ["foreign", "file", "cube"])
+def test_out_the_tool_must_not_replace_is_refused(cube_path, tmp_path, capsys,
+                                                  case):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    (tmp_path / "notes.txt").write_text("keep")
+    target, why = {
+        "foreign": (tmp_path / "mine", "exists and is not a sweep-report report"),
+        "file": (tmp_path / "notes.txt", "exists and is not a folder"),
+        "cube": (cube_path, "exists and is not a sweep-report report"),
+    }[case]
+    err = fail([cube_path, "--out", target], capsys)
+    assert err.startswith(f"sweep-report: error: --out {target}: {why}"), err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    assert (tmp_path / "notes.txt").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "notes.txt"]
+    sweep.open_cube(cube_path)  # intact
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("delete", "the chunk file is missing"),
+    ("truncate", "does not decode (its size is not the one its header states)"),
+    ("scramble", "does not decode (RuntimeError)")])
+def test_a_damaged_cube_is_refused(cube_path, tmp_path, capsys, damage, why):
+    # the report used to show a missing chunk as rows of dashes, exit code 0,
+    # and a corrupt one as blosc's traceback; scrambled, a compressed chunk
+    # (blosc header flag 0x02 unset: not stored as is) fails to decode
+    chunk = next(p for p in sorted(cube_path.glob("*/[0-9]*"))
+                 if p.read_bytes()[2] & 0x02 == 0)
+    var = chunk.parent.name
+    good = chunk.read_bytes()
+    try:
+        if damage == "delete":
+            chunk.unlink()
+        elif damage == "truncate":
+            chunk.write_bytes(good[: len(good) // 2])
+        else:  # same length, header kept: found only by decoding
+            chunk.write_bytes(good[:16] + b"\xff" * (len(good) - 16))
+        err = fail([cube_path, "--out", tmp_path / "rep"], capsys)
+    finally:
+        chunk.write_bytes(good)
+    assert err == (f"sweep-report: error: {cube_path} is damaged: variable {var}, "
+                   f"chunk {chunk.name}: {why}; rerun the command that wrote it\n")
+    assert list(tmp_path.iterdir()) == []

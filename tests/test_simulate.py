@@ -17,13 +17,22 @@ import numpy as np
 import pytest
 
 from sweep.arrivals import Requests, sample_requests
-from sweep.params import CONTINUOUS, REQUEST, STATIC, HardwareParams, ModelParams
+from sweep.params import (
+    CONTINUOUS,
+    REJECT,
+    REQUEST,
+    STATIC,
+    TRUNCATE,
+    HardwareParams,
+    ModelParams,
+)
 from sweep.simulate import (
     ITL_MANTISSA_BITS,
     STATUS_SLOTS,
     itl_percentiles,
     simulate,
     simulate_requests,
+    summarize,
 )
 from sweep.workload import WorkloadTables
 
@@ -41,9 +50,9 @@ def h100(dtype, memory_bytes=80e9):
         3.35e12, 9.89e14, memory_bytes, 4.5e11, 4.29, 1.0, 1.0, 0.0, 1.0)))
 
 
-def qwen3_8b(dtype):
+def qwen3_8b(dtype, max_context_tokens=np.inf):
     return ModelParams(*(dtype(x) for x in (
-        8.19e9, 0.0, 8.19e9, 36, 32, 8, 128, 4096, 1.0, 2, 2)))
+        8.19e9, 0.0, 8.19e9, 36, 32, 8, 128, 4096, 1.0, 2, 2, max_context_tokens)))
 
 
 def random_requests(seed, rate=20.0):
@@ -58,17 +67,21 @@ def sim64():
     """The float64 simulator's per-request outcome (one compilation)."""
     @jax.jit
     def run(hw, model, conc, budget, arrival, prompt, output, batching, ttft_slo,
-            itl_slo):
+            itl_slo, overlong, mine):
         return simulate_requests(hw, model, 1.0, conc, budget,
                                  Requests(arrival, prompt, output), batching,
-                                 ttft_slo, itl_slo, max_slots=SLOTS)
+                                 ttft_slo, itl_slo, overlong, mine, max_slots=SLOTS)
 
     def call(arrival, prompt, output, conc=8, budget=512, batching=CONTINUOUS,
-             memory_bytes=80e9, ttft_slo=np.inf, itl_slo=np.inf):
+             memory_bytes=80e9, ttft_slo=np.inf, itl_slo=np.inf,
+             max_context_tokens=np.inf, overlong=REJECT, mine=None):
+        mine = np.ones(len(arrival), bool) if mine is None else mine
         with jax.enable_x64(True):
-            out = run(h100(np.float64, memory_bytes), qwen3_8b(np.float64),
+            out = run(h100(np.float64, memory_bytes),
+                      qwen3_8b(np.float64, max_context_tokens),
                       np.float64(conc), np.float64(budget), arrival, prompt, output,
-                      np.int32(batching), np.float64(ttft_slo), np.float64(itl_slo))
+                      np.int32(batching), np.float64(ttft_slo), np.float64(itl_slo),
+                      np.int32(overlong), mine)
             return jax.tree.map(np.asarray, out)
     return call
 
@@ -128,6 +141,75 @@ def test_preemptions_happen_and_match(sim64):
     arrival, prompt, output = random_requests(3)
     got = sim64(arrival, prompt, output, 8, 512, CONTINUOUS, WEIGHTS + KV_BYTES * 3000)
     assert got.preemptions > 0
+
+
+# (seed, batching, concurrency, budget, memory, overlong): prompts up to 1,500
+# and outputs up to 300 tokens against a 1,000-token context
+OVERLONG_CASES = [
+    (30, CONTINUOUS, 8, 512, 80e9, REJECT),
+    (31, CONTINUOUS, 8, 512, WEIGHTS + KV_BYTES * 2500, REJECT),
+    (32, STATIC, 4, 1024, 80e9, REJECT),
+    (33, CONTINUOUS, 8, 512, WEIGHTS + KV_BYTES * 2500, TRUNCATE),
+    (34, REQUEST, 8, 256, 80e9, TRUNCATE),
+]
+
+
+@pytest.mark.parametrize("seed,batching,conc,budget,memory,overlong", OVERLONG_CASES)
+def test_overlong_requests_match_reference(sim64, seed, batching, conc, budget, memory,
+                                           overlong):
+    """Requests beyond the context are rejected (or cut) as in the reference."""
+    arrival, prompt, output = random_requests(seed)
+    context = 1000
+    got = sim64(arrival, prompt, output, conc, budget, batching, memory, 0.3, 0.02,
+                context, overlong)
+    ref = simulate_reference(h100(np.float64, memory), qwen3_8b(np.float64), 1.0,
+                             conc, budget, arrival, prompt, output, batching,
+                             max_context_tokens=context,
+                             truncate=overlong == TRUNCATE)
+    beyond = prompt + output > context
+    assert 0 < beyond.sum() < R
+    np.testing.assert_array_equal(got.rejected, ref.rejected)
+    np.testing.assert_array_equal(got.rejected, beyond & (overlong == REJECT))
+    np.testing.assert_array_equal(got.served, ~ref.rejected)
+    assert got.status == 0 and got.steps == ref.steps
+    assert got.preemptions == ref.preemptions
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    # the histogram holds exactly the served requests' gaps
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
+    with jax.enable_x64(True):
+        res = jax.tree.map(np.asarray, summarize(jax.tree.map(jnp.asarray, got)))
+    served = ~ref.rejected
+    np.testing.assert_allclose(res.rejected_fraction, ref.rejected.mean(), rtol=1e-12)
+    # percentiles over the served requests only
+    np.testing.assert_allclose(
+        [res.ttft_p50_s, res.ttft_p99_s, res.e2e_p99_s],
+        [*np.percentile(ref.ttft_s[served], [50, 99]),
+         np.percentile(ref.e2e_s[served], 99)], rtol=1e-9)
+    # the histogram's own accuracy is tested above; here: the served gaps
+    np.testing.assert_allclose(res.itl_p99_s, np.percentile(ref.itl_s, 99), rtol=0.01)
+    kept_output = np.where(
+        overlong == TRUNCATE, np.minimum(output, context - np.maximum(
+            context - output, 1)), output)
+    np.testing.assert_allclose(res.output_tokens_per_s,
+                               kept_output[served].sum() / ref.duration_s, rtol=1e-9)
+
+
+def test_requests_not_mine_are_as_if_absent(sim64):
+    """A replica's share of a stream (``mine``) runs as that sub-stream alone."""
+    arrival, prompt, output = random_requests(40, rate=60.0)
+    mine = np.arange(R) % 3 == 1
+    got = sim64(arrival, prompt, output, 4, 512, mine=mine)
+    ref = simulate_reference(h100(np.float64), qwen3_8b(np.float64), 1.0, 4, 512,
+                             arrival[mine], prompt[mine], output[mine])
+    np.testing.assert_allclose(got.ttft_s[mine], ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s[mine], ref.e2e_s, rtol=1e-9, atol=1e-12)
+    assert np.isnan(got.ttft_s[~mine]).all()
+    assert not got.served[~mine].any() and not got.rejected.any()
+    assert got.steps == ref.steps
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
 
 
 def test_one_request_alone(sim64):

@@ -47,6 +47,9 @@ def compose_object(app: str, overrides: list[str]):
     try:
         cfg = compose(config_name=app, overrides=overrides)
         return OmegaConf.to_object(cfg)
+    except AssertionError:
+        # OmegaConf asserts when an override sets a field inside a null node
+        raise ConfigError(_into_null(app, overrides)) from None
     except MissingConfigException as e:
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         if group and e.options is not None:
@@ -58,6 +61,22 @@ def compose_object(app: str, overrides: list[str]):
         raise
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         raise ConfigError(_one_line(e)) from None
+
+
+def _into_null(app: str, overrides: list[str]) -> str:
+    """The message for an override that sets a field of a null section."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    choices = [o.input_line for o in parsed if "." not in o.key_or_group]
+    cfg = compose(config_name=app, overrides=choices)
+    for o in parsed:
+        parts = o.key_or_group.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if OmegaConf.select(cfg, parent, default="missing") is None:
+                return (f"{o.input_line}: {parent} is null in this config, so it has "
+                        f"no field {parts[i]!r}; allowed: choose a config that has a "
+                        f"{parent} section (e.g. a workload with a trace)")
+    return f"overrides {overrides}: one sets a field inside a null section"
 
 
 def _named_groups(overrides: list[str]) -> set[str]:

@@ -57,6 +57,21 @@ class Batching(Enum):
     continuous = "continuous"
 
 
+class Replay(Enum):
+    sampled = "sampled"
+    exact = "exact"
+
+
+class Overlong(Enum):
+    reject = "reject"
+    truncate = "truncate"
+
+
+class Routing(Enum):
+    round_robin = "round_robin"
+    random = "random"
+
+
 @dataclass
 class Hardware:
     name: str = MISSING
@@ -102,10 +117,17 @@ class Model:
     experts_per_token: int = 1
     weight_dtype_bytes: float = 2.0
     kv_dtype_bytes: float = 2.0
-    max_context_tokens: int = 0
+    max_context_tokens: int = field(
+        default=0,
+        metadata={"help": "longest prompt + output served (vLLM's max_model_len); "
+                  "0 = no limit"},
+    )
 
     def __post_init__(self) -> None:
         p = f"model[{self.name}]"
+        _check(self.max_context_tokens == 0 or self.max_context_tokens >= 2,
+               f"{p}.max_context_tokens", self.max_context_tokens,
+               "must be 0 (no limit) or >= 2")
         _positive(self, p, "params", "active_params", "layers", "q_heads", "kv_heads",
                   "head_dim", "hidden_size", "num_experts", "experts_per_token",
                   "weight_dtype_bytes", "kv_dtype_bytes")
@@ -129,7 +151,8 @@ class LengthDist:
 class Trace:
     path: str = field(
         default=MISSING,
-        metadata={"help": "file; a bare name is looked up in the shipped sweep/data"},
+        metadata={"help": "a file; else a registered public trace's name (sweep-data "
+                  "list), fetched from its origin and verified"},
     )
     format: str = "csv"
     timestamp_column: str = ""
@@ -155,10 +178,27 @@ class Workload:
     arrival_rate_per_s: float = field(
         default=1.0, metadata={"help": "mean request rate (a grid axis may override)"}
     )
+    replay: Replay = field(
+        default=Replay.sampled,
+        metadata={"help": "sampled: lengths drawn independently from the "
+                  "distributions; exact: the trace's rows in recorded order with "
+                  "their recorded (prompt, output) pairs"},
+    )
+    overlong: Overlong = field(
+        default=Overlong.reject,
+        metadata={"help": "a request whose prompt + output exceeds the model's "
+                  "max_context_tokens: reject it (as vLLM does), or truncate its "
+                  "prompt (vLLM's --truncate-prompt-tokens)"},
+    )
 
     def __post_init__(self) -> None:
         p = f"workload[{self.name}]"
         _positive(self, p, "arrival_rate_per_s")
+        if self.replay == Replay.exact:
+            _check(self.prompt.kind == LengthKind.trace
+                   and self.output.kind == LengthKind.trace, f"{p}.replay", "exact",
+                   "replay=exact replays a trace's recorded (prompt, output) pairs: "
+                   "it needs prompt.kind=trace and output.kind=trace")
         if self.arrival == ArrivalKind.trace:
             _check(self.trace is not None and bool(self.trace.timestamp_column),
                    f"{p}.arrival", "trace",
@@ -285,9 +325,17 @@ class Slo:
     name: str = MISSING
     ttft_p99_s: float = field(default=MISSING, metadata={"help": "p99 TTFT limit"})
     itl_p99_s: float = field(default=MISSING, metadata={"help": "p99 ITL limit"})
+    max_rejected_fraction: float = field(
+        default=0.0,
+        metadata={"help": "largest share of requests the deployment may reject "
+                  "(prompt + output above the model's max_context_tokens)"},
+    )
 
     def __post_init__(self) -> None:
         _positive(self, f"slo[{self.name}]", "ttft_p99_s", "itl_p99_s")
+        v = self.max_rejected_fraction
+        _check(math.isfinite(v) and 0 <= v <= 1,
+               f"slo[{self.name}].max_rejected_fraction", v, "must be in [0, 1]")
 
 
 @dataclass
@@ -324,6 +372,11 @@ class GridApp:
         default=None, metadata={"help": "cube path; default <run dir>/cube.zarr"}
     )
     seed: int = 0
+    data_dir: str | None = field(
+        default=None,
+        metadata={"help": "folder of local copies of the public traces (verified, "
+                  "used without download); default $SWEEP_DATA_DIR"},
+    )
 
 
 @dataclass
@@ -367,6 +420,14 @@ class Search:
         default=3, metadata={"help": "cheapest candidates simulated per round"})
     verify_requests: int = field(
         default=1000, metadata={"help": "requests per simulated replica"})
+    verify_requests_max: int = field(
+        default=65536,
+        metadata={"help": "requests per verified configuration, all replicas "
+                  "together (caps verify_requests x replicas)"})
+    routing: Routing = field(
+        default=Routing.round_robin,
+        metadata={"help": "how the load balancer splits the stream over the "
+                  "replicas: round_robin (request i to replica i mod R) or random"})
     rounds: int = field(
         default=4, metadata={"help": "search + simulate rounds (tightening)"})
     tighten_margin: float = field(
@@ -387,6 +448,9 @@ class Search:
                f"must be >= token_budget_min ({self.token_budget_min})")
         _check(self.verify_requests >= 10, "search.verify_requests",
                self.verify_requests, "must be >= 10")
+        _check(self.verify_requests_max >= self.verify_requests,
+               "search.verify_requests_max", self.verify_requests_max,
+               f"must be >= verify_requests ({self.verify_requests})")
         _positive(self, "search", "learning_rate", "penalty_weight",
                   "penalty_scale_start", "penalty_scale_end")
         for name in ("final_learning_rate_fraction", "gpu_memory_utilization",
@@ -412,3 +476,8 @@ class OptimizeApp:
         default=None, metadata={"help": "dataset path; default <run dir>/optimize.zarr"}
     )
     seed: int = 0
+    data_dir: str | None = field(
+        default=None,
+        metadata={"help": "folder of local copies of the public traces (verified, "
+                  "used without download); default $SWEEP_DATA_DIR"},
+    )

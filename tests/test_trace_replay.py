@@ -1,0 +1,119 @@
+"""Exact trace replay and the context limit, through the installed ``sweep-grid``.
+
+A hand-made trace of four requests, two seconds apart (each is served alone),
+is replayed exactly under a 2,048-token context: rejected (two of four
+exceed it) and truncated. Every p99 figure in the cube is checked against
+the SPEC's roofline worked out here in float64.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_cli import run
+
+import sweep
+
+# recorded (timestamp ms, prompt, output); rows 1 and 3 exceed 2,048 tokens
+TRACE = [(1_700_000_000_000, 1000, 4), (1_700_000_002_000, 3000, 2),
+         (1_700_000_004_000, 500, 6), (1_700_000_006_000, 2040, 10)]
+CONTEXT = 2048
+
+WORKLOAD = """defaults:
+  - base_workload
+  - _self_
+name: {name}
+trace:
+  path: {path}
+  format: jsonl
+  timestamp_column: ts_ms
+  timestamp_unit: ms
+  prompt_column: input_length
+  output_column: output_length
+prompt: {{kind: trace}}
+output: {{kind: trace}}
+arrival: trace
+replay: exact
+overlong: {overlong}
+arrival_rate_per_s: 0.5   # the trace's own rate: 3 gaps in 6 s
+"""
+
+
+def step_s(tokens, kv_read_tokens, attention_keys):
+    """A roofline step of Qwen3-8B on one H100 (SPEC), float64."""
+    memory = (8.19e9 * 2 + kv_read_tokens * 2 * 36 * 8 * 128 * 2) / 3.35e12
+    compute = (2 * 8.19e9 * tokens + 4 * 36 * 32 * 128 * attention_keys) / 9.89e14
+    return max(memory, compute)
+
+
+def alone(prompt, output):
+    """TTFT, inter-token gaps and E2E of a request served alone (budget 2,048
+    >= prompt: one prefill step; then one decode step per further token at
+    context prompt + tokens generated)."""
+    ttft = step_s(prompt, 0, prompt * (prompt + 1) / 2)
+    gaps = [step_s(1, prompt + g, prompt + g) for g in range(1, output)]
+    return ttft, gaps, ttft + sum(gaps)
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replay")
+    trace = root / "tiny.jsonl"
+    trace.write_text("".join(json.dumps({"ts_ms": t, "input_length": p,
+                                         "output_length": o}) + "\n"
+                             for t, p, o in TRACE))
+    folder = root / "conf" / "workload"
+    folder.mkdir(parents=True)
+    for overlong in ("reject", "truncate"):
+        (folder / f"tiny_{overlong}.yaml").write_text(WORKLOAD.format(
+            name=f"tiny_{overlong}", path=trace, overlong=overlong))
+    proc = run([f"hydra.searchpath=[file://{root / 'conf'}]", "hardware=h100_sxm",
+                "model=qwen3_8b", f"model.max_context_tokens={CONTEXT}",
+                "grid.workload=[tiny_reject,tiny_truncate]",
+                "grid.tensor_parallel=[1]", "grid.concurrency=[8]",
+                "grid.token_budget=[2048]", "grid.batching=[continuous]",
+                "grid.context_tokens=[1500]", "grid.long_prompt_tokens=[1024]",
+                "grid.traffic_tokens_per_day=[1e8]", "latency=simulate",
+                "latency.num_requests=4", "out=tiny.zarr"], root)
+    assert proc.returncode == 0, proc.stderr
+    return sweep.open_cube(root / "tiny.zarr").load().squeeze()
+
+
+def expect(requests):
+    out = [alone(p, o) for p, o in requests]
+    ttft = [t for t, _, _ in out]
+    gaps = [g for _, gs, _ in out for g in gs]
+    e2e = [e for _, _, e in out]
+    return {"ttft_p50_s": np.percentile(ttft, 50),
+            "ttft_p99_s": np.percentile(ttft, 99),
+            "itl_p50_s": np.percentile(gaps, 50), "itl_p99_s": np.percentile(gaps, 99),
+            "e2e_p99_s": np.percentile(e2e, 99)}
+
+
+def assert_figures(cube, want):
+    for name, value in want.items():
+        # TTFT and E2E: the float32 clock at <= 6 s (5e-7 s) on >= 5 ms steps;
+        # ITL: within one histogram bin (0.2 %) of the interpolated value
+        rtol = 5e-3 if name.startswith("itl") else 1e-3
+        np.testing.assert_allclose(float(cube[name]), value, rtol=rtol, err_msg=name)
+
+
+def test_exact_replay_rejects_overlong_requests(replayed):
+    cube = replayed.sel(workload="tiny_reject")
+    # served: rows 0 and 2, with their recorded pairs; percentiles over them
+    assert_figures(cube, expect([(1000, 4), (500, 6)]))
+    assert float(cube.rejected_fraction) == 0.5
+    assert replayed.rejected_fraction.attrs["units"] == "1"
+    # within the latency SLO (interactive), but slo.max_rejected_fraction = 0
+    assert float(cube.ttft_p99_s) < 1.0 and float(cube.itl_p99_s) < 0.05
+    assert not bool(cube.slo_met)
+
+
+def test_exact_replay_truncates_overlong_prompts(replayed):
+    cube = replayed.sel(workload="tiny_truncate")
+    # the prompt keeps context - output tokens: 3000 -> 2046, 2040 -> 2038
+    assert_figures(cube, expect([(1000, 4), (2046, 2), (500, 6), (2038, 10)]))
+    assert float(cube.rejected_fraction) == 0.0
+    assert bool(cube.slo_met)
