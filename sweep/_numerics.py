@@ -31,6 +31,18 @@ def safe_sqrt(x, eps=1e-30):
     return jnp.where(pos, jnp.sqrt(jnp.where(pos, x, 1.0)), 0.0)
 
 
+def safe_max(x):
+    """The largest element of a 1-D ``x``, differentiated through that element.
+
+    ``jnp.max``'s gradient divides by the number of elements equal to the
+    maximum; XLA may compute ``x`` twice in two fusions with different
+    rounding (e.g. contracted multiply-adds), so that no element equals the
+    maximum and the gradient is 0 / 0. Here the value is an element of ``x``
+    (at the index of its maximum), so the gradient is one-hot and finite.
+    """
+    return jnp.take(x, jnp.argmax(jax.lax.stop_gradient(x)))
+
+
 def softplus(x, scale=1.0):
     """``scale * log(1 + exp(x / scale))``: a smooth ``max(x, 0)``."""
     return scale * jax.nn.softplus(x / scale)

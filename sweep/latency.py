@@ -116,6 +116,7 @@ from sweep._numerics import (
     implicit_step,
     quantile,
     safe_div,
+    safe_max,
     safe_sqrt,
     slack,
     smooth_max,
@@ -500,9 +501,9 @@ def _wait_lattice(rho, service_s, probs, p_slot, slot_util, slot_service_s,
     residual_mean = safe_div(probs @ service_s**2, 2.0 * (probs @ service_s))
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
-    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * jnp.max(service_s)
+    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_s)
             + p_slot * (16.0 * slot_residual / (1.0 - rho_s)
-                        + 2.0 * jnp.max(slot_service_s)) + 1e-9)
+                        + 2.0 * safe_max(slot_service_s)) + 1e-9)
     dt = span / WAIT_POINTS
     k = jnp.arange(WAIT_POINTS, dtype=dtype)
     damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)

@@ -265,7 +265,10 @@ def test_numerics_helpers_have_finite_gradients():
             min_tie=nm.smooth_min(2.0, 2.0, 0.1),
             ceil=jax.value_and_grad(nm.ste_ceil)(2.3),
             slack=jax.vmap(nm.slack)(slack_in),
-            slack_grad=jax.vmap(jax.grad(nm.slack))(slack_grad_in))
+            slack_grad=jax.vmap(jax.grad(nm.slack))(slack_grad_in),
+            max_value=nm.safe_max(jnp.asarray([1.0, 4.0, 2.0])),
+            max_grad=jax.grad(nm.safe_max)(jnp.asarray([1.0, 4.0, 2.0])),
+            max_tie_grad=jax.grad(nm.safe_max)(jnp.asarray([3.0, 3.0, 2.0])))
 
     r = jax.tree.map(np.asarray, probe())
     assert np.isfinite(r["sqrt_grad"]) and np.isfinite(r["div_grad"])
@@ -278,6 +281,11 @@ def test_numerics_helpers_have_finite_gradients():
     np.testing.assert_allclose(r["slack"][0], 0.5, atol=2e-3)  # + floor 1e-3
     assert np.all(r["slack"] > 0) and np.all(np.diff(r["slack"]) < 0)
     assert np.all(np.isfinite(r["slack_grad"]))
+    # safe_max: the maximum, differentiated through one element (jnp.max
+    # divides by the count of elements equal to it, 0 / 0 when none does)
+    assert r["max_value"] == 4.0
+    np.testing.assert_array_equal(r["max_grad"], [0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(r["max_tie_grad"], [1.0, 0.0, 0.0])
 
 
 def test_quantile_gradient_is_the_implicit_one():
