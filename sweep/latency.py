@@ -424,18 +424,23 @@ def _slots(hw, model, tp, wl, concurrency):
 def _solve_decodes(state, lam, mean_decodes, slots):
     """Mean decodes ``n``: Little's law for decode tokens, capped by the slots.
 
-    Bisection, then the implicit gradient, carried to the whole state by
-    evaluating it once at the root (the slope is forward-mode only).
+    Bisection, then the implicit gradient. The state is evaluated once at the
+    root, in forward mode along ``n``: its value, and its slope in ``n``
+    (held constant in the gradient), which gives both the root's implicit
+    derivative and the state's first-order dependence on it.
+
+    Returns:
+      ``(n, state(n), d state / d n)`` (the slope without gradient).
     """
     n0 = bisect(lambda n: n - lam * mean_decodes * state(n).step_s, 0.0, slots,
                 _ROOT_ITERS)
     full = n0 >= jax.lax.stop_gradient(slots) * (1.0 - 1e-5)
-    step0, dstep0 = jax.jvp(lambda v: state(v).step_s, (jax.lax.stop_gradient(n0),),
-                            (jnp.ones_like(n0),))
-    slope = jax.lax.stop_gradient(
-        jnp.where(full, 1.0, 1.0 - lam * mean_decodes * dstep0))
-    value = jnp.where(full, n0 - slots, n0 - lam * mean_decodes * step0)
-    return n0 + implicit_step(value, slope)
+    st0, d_st = jax.jvp(state, (n0,), (jnp.ones_like(n0),))
+    d_st = jax.lax.stop_gradient(d_st)
+    slope = jnp.where(full, 1.0, 1.0 - lam * mean_decodes * d_st.step_s)
+    value = jnp.where(full, n0 - slots, n0 - lam * mean_decodes * st0.step_s)
+    dn = implicit_step(value, slope)  # 0 in value, dn/dtheta in gradient
+    return n0 + dn, jax.tree.map(lambda x, dx: x + dx * dn, st0, d_st), d_st
 
 
 def _erlang_c(servers, offered):
@@ -513,10 +518,14 @@ def _wait_lattice(rho, service_s, probs, p_slot, slot_util, slot_service_s,
         u = util.astype(cdtype)
         return (1.0 - u) / (1.0 - u * _residual_hat(service, w, dt, damp, cdtype))
 
+    # both laws through one batched transform (one copy of the code to compile)
+    prefill_hat, slot_hat = jax.vmap(pk)(
+        jnp.stack([service_s, slot_service_s]), jnp.stack([probs, slot_probs]),
+        jnp.stack([rho, rho_s]))
     p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
-    queued = (pk(slot_service_s, slot_probs, rho_s) - (1.0 - rs_c)) / rs_c
+    queued = (slot_hat - (1.0 - rs_c)) / rs_c
     slot = (1.0 - p_c) + p_c * queued
-    density = jnp.fft.ifft(pk(service_s, probs, rho) * slot).real.astype(dtype) / damp
+    density = jnp.fft.ifft(prefill_hat * slot).real.astype(dtype) / damp
     cdf = jnp.clip(jnp.cumsum(jnp.maximum(density, 0.0)), 0.0, 1.0)
     return _Wait(dt, cdf)
 
@@ -577,8 +586,11 @@ def _full_step(st: _State, wl):
         wl.mean_prompt_tokens)
 
 
-def _itl(hw, model, tp, wl, st: _State, n, slots, budget):
+def _itl(hw, model, tp, wl, st: _State, d_pre: _Prefill, n, slots):
     """ITL: the CDF (a function), its bracket and the per-gap slow probabilities.
+
+    Args:
+      d_pre: the slope of ``st.pre`` in the number of decodes (no gradient).
 
     Returns:
       ``(cdf, lo, hi, parts)`` where ``parts`` maps an SLO to the decode steps'
@@ -606,21 +618,25 @@ def _itl(hw, model, tp, wl, st: _State, n, slots, budget):
     dec_std = safe_sqrt((edges_s[1:] - edges_s[:-1]) ** 2 / 12.0 + kv_part**2)
     dec_scale = _LOGISTIC_PER_STD * (dec_std + _MIN_REL_SPREAD * dec)
 
-    # mixed steps beside the tagged request and Poisson(n) others
-    def ramps(d_decodes):
-        pre = _prefill(hw, model, tp, wl, n + 1.0 + d_decodes, budget,
-                       wl.prompt_tokens)
-        return pre.alone_ramp, pre.fluid_ramp
+    # mixed steps beside the tagged request and Poisson(n) others: the ramps
+    # at n + 1 decodes, to first order in the decodes (the lines of a chunk
+    # step are linear in them), spread by sqrt(n) decodes
+    def tagged_ramp(ramp, d_ramp):
+        r = jax.tree.map(lambda x, dx: x + dx, ramp, d_ramp)
+        return r._replace(w_low=jnp.clip(r.w_low, 0.0, 1.0))
 
-    (alone, fluid), (d_alone, d_fluid) = jax.jvp(ramps, (jnp.zeros((), dtype),),
-                                                 (root_n,))
-    d_alone, d_fluid = jax.lax.stop_gradient((d_alone.f0, d_fluid.f0))
-    alone_scale = _LOGISTIC_PER_STD * (jnp.abs(d_alone) + _MIN_REL_SPREAD * alone.f0)
-    fluid_scale = _LOGISTIC_PER_STD * (jnp.abs(d_fluid) + _MIN_REL_SPREAD * fluid.f0)
+    # the alone ramps and the fluid ones side by side, shape (2J,)
+    ramps = jax.tree.map(lambda *r: jnp.concatenate(r), tagged_ramp(
+        st.pre.alone_ramp, d_pre.alone_ramp), tagged_ramp(st.pre.fluid_ramp,
+                                                          d_pre.fluid_ramp))
+    d_ramps = root_n * jnp.concatenate([d_pre.alone_ramp.f0, d_pre.fluid_ramp.f0])
+    ramp_scale = _LOGISTIC_PER_STD * (jnp.abs(d_ramps) + _MIN_REL_SPREAD * ramps.f0)
     queued = smooth_min(st.prefill_util, 1.0, 0.01)
-    alone_w = (1.0 - queued) * w * st.pre.chunks
-    fluid_w = queued * w * wl.prompt_tokens / st.pre.budget_tokens
-    total = jnp.sum(alone_w) + jnp.sum(fluid_w)
+    # chunk steps per prompt: alone, or under a queue
+    chunk_steps = jnp.concatenate([(1.0 - queued) * st.pre.chunks,
+                                   queued * wl.prompt_tokens / st.pre.budget_tokens])
+    chunk_w = jnp.concatenate([w, w]) * chunk_steps
+    total = jnp.sum(chunk_w)
     mixed = jnp.minimum(MIXED_SHARE_MARGIN * st.prefill_steps_per_s / st.steps_per_s,
                         1.0)
 
@@ -630,23 +646,19 @@ def _itl(hw, model, tp, wl, st: _State, n, slots, budget):
     def cdf(t):
         tt = t[:, None]
         decode_part = jax.nn.sigmoid((tt - dec[None, :]) / dec_scale[None, :]) @ w
-        chunk_part = (_ramp_cdf(tt, row(alone), alone_scale[None, :]) @ alone_w
-                      + _ramp_cdf(tt, row(fluid), fluid_scale[None, :]) @ fluid_w)
+        chunk_part = _ramp_cdf(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
         return (1.0 - mixed) * decode_part + mixed * chunk_part / total
 
     def slow(slo):
         """Exceedance of one decode gap; per band, P(a prompt slows a decoder)."""
         t = slo[None]
         q_dec = 1.0 - jax.nn.sigmoid((t - dec) / dec_scale) @ w
-        steps_over = ((1.0 - queued) * st.pre.chunks
-                      * (1.0 - _ramp_cdf(t, alone, alone_scale))
-                      + queued * wl.prompt_tokens / st.pre.budget_tokens
-                      * (1.0 - _ramp_cdf(t, fluid, fluid_scale)))
+        over = chunk_steps * (1.0 - _ramp_cdf(t, ramps, ramp_scale))
+        steps_over = over[:w.shape[0]] + over[w.shape[0]:]
         return (1.0 - mixed) * q_dec, smooth_min(steps_over, 1.0, 0.05)
 
     hi = jnp.maximum(jnp.max(dec + 40.0 * dec_scale),
-                     jnp.maximum(jnp.max(alone.f2 + 40.0 * alone_scale),
-                                 jnp.max(fluid.f2 + 40.0 * fluid_scale)))
+                     jnp.max(ramps.f2 + 40.0 * ramp_scale))
     return cdf, 0.25 * jnp.min(dec), hi, slow
 
 
@@ -709,8 +721,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     def state(n):
         return _state(hw, model, tp, wl, n, budget, lam)
 
-    n = _solve_decodes(state, lam, mean_decodes, slots)
-    st = state(n)
+    n, st, d_st = _solve_decodes(state, lam, mean_decodes, slots)
 
     slot_util = lam * st.residence_s / slots
     utilization = jnp.maximum(slot_util, st.prefill_util)
@@ -735,7 +746,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     ttft_p50, ttft_p99 = quantile(lambda t: ttft_band(t[:, None]) @ w, _LEVELS,
                                   ttft_lo, ttft_hi)
 
-    itl_cdf, itl_lo, itl_hi, slow = _itl(hw, model, tp, wl, st, n, slots, budget)
+    itl_cdf, itl_lo, itl_hi, slow = _itl(hw, model, tp, wl, st, d_st.pre, n, slots)
     itl_p50, itl_p99 = quantile(itl_cdf, _LEVELS, itl_lo, itl_hi)
     e2e_p99 = _e2e_p99(ttft_band, wl, st, ttft_lo, ttft_hi)
     good = _good_fraction(ttft_band, slow, wl, st, lam, ttft_slo_s, itl_slo_s)
