@@ -1,25 +1,35 @@
 """Agreement of the analytic surrogate (sweep/latency.py) with the simulator.
 
-Runs a validation grid of hardware x model x workload x concurrency x token
-budget x arrival rate through ``sweep.simulate.simulate`` (jit + vmap, Poisson
+Runs a validation grid of deployment x workload x concurrency x token budget
+x utilisation through ``sweep.simulate.simulate`` (jit + vmap, Poisson
 arrivals from ``sweep.arrivals.sample_requests``) and through
-``sweep.latency.surrogate`` (jit + vmap), and reports the relative error of
-the surrogate's p99 TTFT and p99 ITL (and p50s) against the simulator: median
-and worst, split by the surrogate's utilisation (< 0.9 and >= 0.9).
+``sweep.latency.surrogate`` (jit + vmap, float32 as users run it), and
+reports ``surrogate / simulator - 1`` for p99 TTFT and p99 ITL per workload x
+utilisation band: the median of ``|error|`` and the worst under-prediction.
 
-Arrival rates are chosen per configuration so that the surrogate's utilisation
-takes the values in ``LOAD``: every configuration is probed from light load to
-near saturation (the simulator is the judge; the surrogate only places the
-probes, and the split by utilisation uses the surrogate's own estimate).
+Workloads: every shipped one (``conf/workload``; Poisson arrivals at the
+probed rate, lengths from their tables, a trace's timestamps not replayed)
+and synthetic lognormal prompts of mean ``LOGNORMAL_MEAN`` tokens with a
+coefficient of variation of 0.5, 1, 2 and 3, clipped at 131,072 tokens
+(outputs lognormal, mean 250, sigma 0.8, at most 2,000).
+
+Utilisation is measured by the simulator, not by either surrogate: each
+configuration first serves a burst (every request at time ~0) and its
+capacity is ``requests / duration``; the probes are Poisson streams at
+``LOADS x capacity``, so the same streams judge every version of the surrogate.
+
+The simulator runs in float64 (``--float32`` to run it as users do): the
+float32 ITL histogram lost mass before it was fixed (issue 9, item 1).
 
 Usage: python benchmarks/surrogate_agreement.py [--requests 1000] [--quick]
-       [--csv out.csv]
+       [--workloads a,b] [--csv out.csv] [--float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
 from functools import partial
 
@@ -29,27 +39,32 @@ import numpy as np
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from sweep.arrivals import sample_requests
+from sweep.arrivals import Requests, sample_requests
+from sweep.config.schema import LengthDist, LengthKind
 from sweep.config.store import register_configs
 from sweep.latency import latency_workload, surrogate
 from sweep.params import hardware_params, model_params, stack
 from sweep.simulate import simulate
-from sweep.workload import workload_tables
+from sweep.workload import WorkloadTables, length_table, workload_tables
 
-DEPLOYMENTS = [  # (hardware, model, tensor_parallel)
-    ("h100_sxm", "qwen3_8b", 1),
+DEPLOYMENTS = [  # (hardware, model, tensor_parallel); no very fast TP 8 configs
+    ("h100_sxm", "llama3_1_8b", 1),
     ("a100_80gb_sxm", "llama3_1_8b", 1),
-    ("l40s", "mistral_7b", 1),
     ("h200_sxm", "qwen3_32b", 1),
-    ("mi300x", "qwen3_30b_a3b", 1),
     ("h100_sxm", "llama3_1_70b", 4),
 ]
-WORKLOADS = ["seed_chat", "azure_conv_2023", "rag_long_prompt"]
+SHIPPED = ["seed_chat", "rag_long_prompt", "offline_batch", "azure_conv_2023",
+           "azure_code_2023"]
+LOGNORMAL_CV = [0.5, 1.0, 2.0, 3.0]
+LOGNORMAL_MEAN = 4000.0
+MAX_PROMPT = 131072.0
 CONCURRENCY = [16, 64, 256]
 TOKEN_BUDGET = [512, 2048, 8192]
-LOAD = [0.1, 0.3, 0.5, 0.7, 0.85, 0.95]
-"""Target utilisations (the surrogate's) at which each configuration is probed."""
+LOADS = [0.15, 0.25, 0.4, 0.55, 0.7, 0.8]
+"""Arrival rate / the simulator's burst capacity, two probes per band."""
+BANDS = [(0.1, 0.3), (0.3, 0.6), (0.6, 0.85)]
 GPU_MEMORY_UTILIZATION = 0.9
+METRICS = ("ttft_p99_s", "itl_p99_s", "ttft_p50_s", "itl_p50_s", "e2e_p99_s")
 
 
 def _configs():
@@ -60,115 +75,161 @@ def _configs():
                                                group))
         hw = {h: get("hardware", h) for h in {d[0] for d in DEPLOYMENTS}}
         mo = {m: get("model", m) for m in {d[1] for d in DEPLOYMENTS}}
-        wl = {w: get("workload", w) for w in WORKLOADS}
+        wl = {w: workload_tables(get("workload", w)) for w in SHIPPED}
     return hw, mo, wl
 
 
-def _rates_at(sur, args, targets, iters=24):
-    """Per configuration, the arrival rates at which the surrogate's utilisation
-    equals each target (bisection on log rate, all configurations at once)."""
-    n = args[-1].shape[0]
-    lo = np.full((n, len(targets)), np.log(1e-3))
-    hi = np.full((n, len(targets)), np.log(1e3))
-    rep = [jax.tree.map(lambda a: jnp.repeat(a, len(targets), axis=0), x)
-           for x in args]
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        u = np.asarray(sur(*rep, jnp.asarray(np.exp(mid).ravel(), jnp.float32))[
-            "utilization"]).reshape(lo.shape)
-        up = u >= np.asarray(targets)[None]
-        lo, hi = np.where(up, lo, mid), np.where(up, mid, hi)
-    return np.exp(0.5 * (lo + hi))
+def lognormal_tables(cv: float) -> WorkloadTables:
+    """Lognormal prompts of coefficient of variation ``cv`` (before clipping)."""
+    sigma = math.sqrt(math.log1p(cv * cv))
+    pv, pp = length_table(LengthDist(kind=LengthKind.lognormal,
+                                     mean_tokens=LOGNORMAL_MEAN, sigma=sigma,
+                                     max_tokens=MAX_PROMPT), None)
+    ov, op = length_table(LengthDist(kind=LengthKind.lognormal, mean_tokens=250.0,
+                                     sigma=0.8, max_tokens=2000.0), None)
+    return WorkloadTables(f"lognormal_cv{cv:g}", pv, pp, ov, op)
 
 
-def run(num_requests: int, quick: bool, seed: int = 0):
-    hw_cfg, mo_cfg, wl_cfg = _configs()
+def _as(tree, dtype):
+    return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype), tree)
+
+
+def run(num_requests: int, quick: bool, names: list[str] | None, x64: bool,
+        seed: int = 0):
+    hw_cfg, mo_cfg, shipped = _configs()
+    tables = dict(shipped)
+    for cv in LOGNORMAL_CV:
+        t = lognormal_tables(cv)
+        tables[t.name] = t
+    names = names or list(tables)
     deployments = DEPLOYMENTS[:2] if quick else DEPLOYMENTS
     conc = CONCURRENCY[1:] if quick else CONCURRENCY
-    rows = []
-    sim_s = sur_s = 0.0
-    max_slots = max(conc)
-    sim = jax.jit(jax.vmap(partial(simulate, max_slots=max_slots),
-                           in_axes=(0, 0, 0, 0, 0, 0)))
+    pts = list(itertools.product(deployments, conc, TOKEN_BUDGET))
+    n_pts = len(pts)
+    ft = np.float64 if x64 else np.float32
+    hw = stack([hardware_params(hw_cfg[d[0]], GPU_MEMORY_UTILIZATION)
+                for (d, _, _) in pts])
+    mo = stack([model_params(mo_cfg[d[1]]) for (d, _, _) in pts])
+    tp = jnp.asarray([d[2] for (d, _, _) in pts], jnp.float32)
+    cc = jnp.asarray([c for (_, c, _) in pts], jnp.float32)
+    bb = jnp.asarray([b for (_, _, b) in pts], jnp.float32)
+    sim = jax.jit(jax.vmap(partial(simulate, max_slots=max(conc))))
     sur = jax.jit(jax.vmap(surrogate))
-    for wname in WORKLOADS:
-        tables = workload_tables(wl_cfg[wname])
-        lw = latency_workload(tables)
-        pts = list(itertools.product(deployments, conc, TOKEN_BUDGET))
-        hw = stack([hardware_params(hw_cfg[d[0]], GPU_MEMORY_UTILIZATION)
-                    for (d, _, _) in pts])
-        mo = stack([model_params(mo_cfg[d[1]]) for (d, _, _) in pts])
-        tp = jnp.asarray([d[2] for (d, _, _) in pts], jnp.float32)
-        cc = jnp.asarray([c for (_, c, _) in pts], jnp.float32)
-        bb = jnp.asarray([b for (_, _, b) in pts], jnp.float32)
-        lws = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(pts),) + x.shape), lw)
-        n = len(pts) * len(LOAD)
+    rows, sim_s, sur_s = [], 0.0, 0.0
 
-        def rep(x):
-            return jax.tree.map(lambda a: jnp.repeat(a, len(LOAD), axis=0), x)
+    def rep(x, k):
+        return jax.tree.map(lambda a: jnp.repeat(a, k, axis=0), x)
 
-        rate = jnp.asarray(_rates_at(sur, (hw, mo, lws, tp, cc, bb), LOAD).ravel(),
-                           jnp.float32)
-        keys = jax.random.split(jax.random.key(seed), n)
-        reqs = jax.vmap(lambda k, r: sample_requests(k, tables, num_requests, r))(
-            keys, rate)
+    def simulate_all(n, reqs):
+        with jax.enable_x64(x64):  # the surrogate stays in float32
+            args = [_as(rep(x, n), ft) for x in (hw, mo, tp, cc, bb)]
+            return jax.block_until_ready(sim(*args, _as(reqs, ft)))
+
+    for wi, wname in enumerate(names):
+        t = tables[wname]
+        lw = latency_workload(t)
+        lws = jax.tree.map(lambda x: jnp.broadcast_to(x, (n_pts,) + x.shape), lw)
+        key_burst, key_load = jax.random.split(jax.random.key(seed + wi))
         t0 = time.perf_counter()
-        out_sim = jax.block_until_ready(sim(rep(hw), rep(mo), rep(tp), rep(cc),
-                                            rep(bb), reqs))
+        burst = sample_requests(key_burst, t, num_requests, 1.0)
+        burst = Requests(burst.arrival_s * 1e-9, burst.prompt_tokens,
+                         burst.output_tokens)
+        bursts = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_pts,) + a.shape), burst)
+        cap_out = simulate_all(1, bursts)
+        capacity = num_requests / np.asarray(cap_out.duration_s, np.float64)
+        rate = (capacity[:, None] * np.asarray(LOADS)[None]).ravel()
+        keys = jax.random.split(key_load, len(rate))
+        reqs = jax.vmap(lambda k, r: sample_requests(k, t, num_requests, r))(
+            keys, jnp.asarray(rate, jnp.float32))
+        out_sim = jax.block_until_ready(simulate_all(len(LOADS), reqs))
         sim_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        out_sur = jax.block_until_ready(sur(rep(hw), rep(mo), rep(lws), rep(tp),
-                                            rep(cc), rep(bb), rate))
+        out_sur = jax.block_until_ready(sur(
+            rep(hw, len(LOADS)), rep(mo, len(LOADS)), rep(lws, len(LOADS)),
+            rep(tp, len(LOADS)), rep(cc, len(LOADS)), rep(bb, len(LOADS)),
+            jnp.asarray(rate, jnp.float32)))
         sur_s += time.perf_counter() - t0
-        for i in range(n):
-            d, c, b = pts[i // len(LOAD)]
+        for i in range(len(rate)):
+            d, c, b = pts[i // len(LOADS)]
             row = dict(workload=wname, hardware=d[0], model=d[1], tp=d[2],
-                       concurrency=c, token_budget=b, load=LOAD[i % len(LOAD)],
-                       rate=float(rate[i]))
-            for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
-                      "e2e_p99_s", "output_tokens_per_s"):
+                       concurrency=c, token_budget=b, load=LOADS[i % len(LOADS)],
+                       rate=float(rate[i]), capacity=float(capacity[i // len(LOADS)]))
+            for k in (*METRICS, "output_tokens_per_s"):
                 row[f"sim_{k}"] = float(getattr(out_sim, k)[i])
                 row[f"sur_{k}"] = float(out_sur[k][i])
             row["sim_status"] = int(out_sim.status[i])
             row["sim_preemptions"] = int(out_sim.preemptions[i])
-            row["utilization"] = float(out_sur["utilization"][i])
+            row["sur_utilization"] = float(out_sur["utilization"][i])
             rows.append(row)
-        print(f"{wname}: {n} configurations", flush=True)
+        print(f"{wname}: {len(rate)} configurations ({time.perf_counter() - t0:.0f} s "
+              f"surrogate; simulator so far {sim_s:.0f} s)", flush=True)
     return rows, sim_s, sur_s
 
 
-def _report(rows, sim_s, sur_s, num_requests):
-    n = len(rows)
-    print(f"\n{n} configurations x {num_requests} requests; simulator {sim_s:.1f} s, "
-          f"surrogate {sur_s:.2f} s (incl. compilation)")
-    metrics = ("ttft_p99_s", "itl_p99_s", "ttft_p50_s", "itl_p50_s", "e2e_p99_s")
-    util = np.array([r["utilization"] for r in rows])
-    ok = np.array([r["sim_status"] == 0 and np.isfinite(r["sim_ttft_p99_s"])
-                   for r in rows])
-    for name, mask in (("utilization < 0.9", (util < 0.9) & ok),
-                       ("utilization >= 0.9", (util >= 0.9) & ok)):
-        print(f"\n{name}: {mask.sum()} configurations")
-        head = ("metric", "median", "p90", "worst", "<=15%")
-        print("  {:12s} {:>8s} {:>8s} {:>9s} {:>7s}".format(*head))
-        for k in metrics:
-            sim = np.array([r[f"sim_{k}"] for r in rows])[mask]
-            sur = np.array([r[f"sur_{k}"] for r in rows])[mask]
-            err = np.abs(sur / sim - 1.0)
-            if len(err) == 0:
+def _errors(rows, k):
+    sim = np.array([r[f"sim_{k}"] for r in rows])
+    sur = np.array([r[f"sur_{k}"] for r in rows])
+    return sur / sim - 1.0
+
+
+def _valid(rows):
+    return [r for r in rows if r["sim_status"] == 0
+            and np.isfinite(r["sim_ttft_p99_s"]) and np.isfinite(r["sim_itl_p99_s"])]
+
+
+def report(rows, sim_s, sur_s, num_requests, x64):
+    ok = _valid(rows)
+    print(f"\n{len(rows)} configurations x {num_requests} requests "
+          f"(simulator {'float64' if x64 else 'float32'}): simulator {sim_s:.0f} s, "
+          f"surrogate {sur_s:.1f} s (incl. compilation); "
+          f"{len(rows) - len(ok)} simulator runs not OK (dropped)")
+    print("\nper workload x load band: median |error| / worst under-prediction "
+          "(surrogate / simulator - 1), n = configurations")
+    head = "| workload | load | n | p99 TTFT median abs | p99 TTFT worst under | " \
+        "p99 ITL median abs | p99 ITL worst under |"
+    print(head)
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    worst = {k: [] for k in ("ttft", "itl")}
+    for wname in dict.fromkeys(r["workload"] for r in rows):
+        for lo, hi in BANDS:
+            sel = [r for r in ok if r["workload"] == wname and lo <= r["load"] < hi]
+            if not sel:
                 continue
-            print(f"  {k:12s} {np.median(err):8.1%} {np.quantile(err, 0.9):8.1%} "
-                  f"{err.max():9.1%} {np.mean(err <= 0.15):7.1%}")
-    print(f"\nsimulator runs not OK (status != 0): {int((~ok).sum())}")
+            cells = []
+            for k in ("ttft_p99_s", "itl_p99_s"):
+                e = _errors(sel, k)
+                cells += [f"{np.median(np.abs(e)):.1%}", f"{min(e.min(), 0.0):+.1%}"]
+                worst[k[:k.index('_')]].append((np.median(np.abs(e)), e.min()))
+            print(f"| {wname} | {lo:.2g}-{hi:.2g} | {len(sel)} | " + " | ".join(cells)
+                  + " |")
+    print("\nall valid configurations:")
+    for k in METRICS:
+        e = _errors(ok, k)
+        print(f"  {k:12s} median |err| {np.median(np.abs(e)):6.1%}  p90 "
+              f"{np.quantile(np.abs(e), 0.9):6.1%}  worst under {e.min():+7.1%}  "
+              f"worst over {e.max():+8.1%}  "
+              f"within 15 % {np.mean(np.abs(e) <= .15):6.1%}")
+    for k, cells in worst.items():
+        med = max(c[0] for c in cells)
+        under = min(c[1] for c in cells)
+        print(f"  p99 {k.upper()}: largest cell median |err| {med:.1%}, "
+              f"worst under-prediction {under:+.1%}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 deployments, concurrency 64 and 256")
+    ap.add_argument("--workloads", default="", help="comma-separated subset")
+    ap.add_argument("--float32", action="store_true",
+                    help="simulate in float32 (default float64)")
     ap.add_argument("--csv", default="")
     args = ap.parse_args()
-    rows, sim_s, sur_s = run(args.requests, args.quick)
-    _report(rows, sim_s, sur_s, args.requests)
+    x64 = not args.float32
+    names = [w for w in args.workloads.split(",") if w] or None
+    rows, sim_s, sur_s = run(args.requests, args.quick, names, x64)
+    report(rows, sim_s, sur_s, args.requests, x64)
     if args.csv:
         import csv
 

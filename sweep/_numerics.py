@@ -31,6 +31,18 @@ def safe_sqrt(x, eps=1e-30):
     return jnp.where(pos, jnp.sqrt(jnp.where(pos, x, 1.0)), 0.0)
 
 
+def safe_max(x):
+    """The largest element of a 1-D ``x``, differentiated through that element.
+
+    ``jnp.max``'s gradient divides by the number of elements equal to the
+    maximum; XLA may compute ``x`` twice in two fusions with different
+    rounding (e.g. contracted multiply-adds), so that no element equals the
+    maximum and the gradient is 0 / 0. Here the value is an element of ``x``
+    (at the index of its maximum), so the gradient is one-hot and finite.
+    """
+    return jnp.take(x, jnp.argmax(jax.lax.stop_gradient(x)))
+
+
 def softplus(x, scale=1.0):
     """``scale * log(1 + exp(x / scale))``: a smooth ``max(x, 0)``."""
     return scale * jax.nn.softplus(x / scale)
@@ -128,4 +140,7 @@ def quantile(cdf, levels, lo, hi, iters=32):
     a, b = jax.lax.fori_loop(0, iters, body, (log_lo, log_hi))
     q0 = jax.lax.stop_gradient(jnp.exp(0.5 * (a + b)))
     value, density = jax.jvp(cdf, (q0,), (jnp.ones_like(q0),))
+    # a CDF built on a lattice can be flat at the quantile: floor its density
+    # (relative to the quantile) so that the implicit gradient stays finite
+    density = jnp.maximum(density, 1e-3 * levels / q0)
     return q0 + implicit_step(value - levels, density)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import outputs, roofline, search
+from sweep import outputs, roofline, search, status
 from sweep.arrivals import Requests, route, split, workload_requests
 from sweep.config.schema import (
     ConfigError,
@@ -59,7 +59,7 @@ from sweep.latency import LatencyWorkload
 from sweep.p99 import served_workload
 from sweep.params import CONTINUOUS, OVERLONG, hardware_params, model_params, stack
 from sweep.plan import optimize_plan
-from sweep.simulate import STATUS_RAN_OUT, pool, simulate_requests, summarize
+from sweep.simulate import pool, simulate_requests, summarize
 from sweep.workload import WorkloadTables, workload_tables
 
 PAD = 8
@@ -429,7 +429,7 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
 def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
     """Whether simulated p99s are within the SLO (and the simulation finished)."""
     slo = job.app.slo
-    return (int(sim["status"]) & STATUS_RAN_OUT == 0
+    return (int(sim["status"]) & status.INVALID == 0
             and sim["ttft_p99_s"] <= slo.ttft_p99_s
             and sim["itl_p99_s"] <= slo.itl_p99_s
             and sim["rejected_fraction"] <= slo.max_rejected_fraction)

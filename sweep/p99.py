@@ -93,7 +93,7 @@ def surrogate_point(hw, model, _workload, tp, concurrency, token_budget, batchin
     it rejects; the served ones arrive at ``rate * (1 - rejected)``.
     """
     r = dict(surrogate(hw, model, lw, tp, concurrency, token_budget,
-                       rate * (1.0 - rejected)))
+                       rate * (1.0 - rejected), slo[0], slo[1]))
     r["rejected_fraction"] = rejected
     ok = ((roofline.kv_capacity_tokens(hw, model, tp) >= 1.0)
           & (batching == CONTINUOUS) & (rejected < 1.0))
@@ -103,11 +103,16 @@ def surrogate_point(hw, model, _workload, tp, concurrency, token_budget, batchin
 def served_workload(tables: WorkloadTables, workload: Workload,
                     model: Model) -> tuple[LatencyWorkload, float]:
     """The surrogate's summary of the requests ``model`` serves, and the share
-    it rejects (``sweep.workload.served_tables``)."""
+    it rejects (``sweep.workload.served_tables``).
+
+    Under exact replay the summary takes the trace's recorded (prompt, output)
+    pairs (their joint law); sampled streams draw the lengths independently.
+    """
+    exact = workload.replay == Replay.exact
     served, rejected = served_tables(
         tables, float(model.max_context_tokens),
-        workload.overlong == Overlong.truncate, workload.replay == Replay.exact)
-    return latency_workload(served), rejected
+        workload.overlong == Overlong.truncate, exact)
+    return latency_workload(served, pairs=served.pairs if exact else None), rejected
 
 
 def _rates(app: GridApp, workloads) -> np.ndarray:

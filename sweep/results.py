@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from sweep import outputs
+from sweep import outputs, status
 
 ROOFLINE_VARIABLES: dict[str, tuple[str, str]] = {
     # name: (units, long_name)
@@ -68,7 +68,7 @@ P99_VARIABLES: dict[str, tuple[str, str]] = {
                           "the model's max_context_tokens)"),
     "slo_met": ("1", "p99 TTFT and ITL within the SLO, rejected share within "
                 "slo.max_rejected_fraction"),
-    "latency_status": ("1", "latency model status flags (0 = ok)"),
+    "latency_status": ("", "latency model status flags (0 = ok)"),
 }
 
 VARIABLES = {**ROOFLINE_VARIABLES, **P99_VARIABLES}
@@ -76,6 +76,8 @@ VARIABLES = {**ROOFLINE_VARIABLES, **P99_VARIABLES}
 
 BOOLEAN = ("kv_fits", "slo_met")
 INTEGER = ("latency_status",)
+FLAG_ATTRS = {"latency_status": status.cf_attrs()}
+"""CF flag attributes of the bit-mask variables (``sweep.status``)."""
 
 COORDS: dict[str, tuple[str, str]] = {
     "hardware": ("", "hardware"),
@@ -135,7 +137,8 @@ def template(coords: dict[str, np.ndarray], parts, attrs: dict,
                 np.int32 if name in INTEGER else np.float32)
             data_vars[name] = (part.dims,
                                da.zeros(shape, dtype=dtype, chunks=part.plan.chunks),
-                               {**_attrs(name, VARIABLES), **part.attrs})
+                               {**_attrs(name, VARIABLES), **FLAG_ATTRS.get(name, {}),
+                                **part.attrs})
     ds = xr.Dataset(
         data_vars,
         coords={d: (d, v, _attrs(d, COORDS)) for d, v in coords.items()},

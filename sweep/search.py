@@ -61,8 +61,9 @@ import numpy as np
 import optax
 
 from sweep._numerics import softplus
-from sweep.latency import OK, LatencyWorkload, surrogate
+from sweep.latency import LatencyWorkload, surrogate
 from sweep.params import HardwareParams, ModelParams
+from sweep.status import OK
 
 NEIGHBOURS = 4
 """Lattice neighbours of a continuous answer: (c down/up) x (b down/up)."""

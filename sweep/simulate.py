@@ -143,6 +143,7 @@ import jax
 import jax.numpy as jnp
 
 from sweep import roofline
+from sweep import status as status_flags
 from sweep.arrivals import Requests
 from sweep.params import CONTINUOUS, REJECT, REQUEST, TRUNCATE
 from sweep.workload import context_limit
@@ -150,19 +151,11 @@ from sweep.workload import context_limit
 FREE, PREFILL, DECODE, WAIT = range(4)
 _BIG = 2**30  # "no limit" for step counts (int32)
 
-STATUS_OK = 0
-STATUS_RAN_OUT = 1
-STATUS_OVERSIZE = 2
-STATUS_SLOTS = 4
-STATUS_MESSAGES = {
-    STATUS_RAN_OUT: "the loop ran out of iterations before every request finished "
-    "(metrics are NaN; raise max_iterations)",
-    STATUS_OVERSIZE: "a request needed more KV than the capacity and ran alone",
-    STATUS_SLOTS: "max_slots < concurrency and all slots filled up, so the slot "
-    "array may have limited admission (metrics are NaN; rerun with max_slots >= "
-    "concurrency)",
-}
-"""``status`` is a bit mask of these codes."""
+# ``status`` is a bit mask of the shared flags (``sweep.status``)
+STATUS_OK = status_flags.OK
+STATUS_RAN_OUT = status_flags.RAN_OUT
+STATUS_OVERSIZE = status_flags.OVERSIZE
+STATUS_SLOTS = status_flags.SLOTS_SHORT
 
 ITL_MIN_S = 2.0**-17
 ITL_OCTAVES = 24
@@ -191,7 +184,7 @@ class SimResult(NamedTuple):
     preemptions: jax.Array  # int32
     steps: jax.Array  # int32, scheduler steps simulated
     iterations: jax.Array  # int32, loop turns used
-    status: jax.Array  # int32 bit mask, see STATUS_MESSAGES
+    status: jax.Array  # int32 bit mask of ``sweep.status`` flags
 
 
 class SimOutcome(NamedTuple):

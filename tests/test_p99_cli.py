@@ -32,6 +32,11 @@ def test_simulated_cube_has_p99_on_latency_axes(simulated):
     assert (ds.ttft_p99_s >= ds.ttft_p50_s).all()
     assert (ds.itl_p99_s >= ds.itl_p50_s).all()
     assert (ds.latency_status == 0).all()
+    # one status enumeration for both backends, as CF flag attributes
+    attrs = ds.latency_status.attrs
+    assert list(attrs["flag_masks"]) == [1, 2, 4, 8, 16]
+    assert attrs["flag_meanings"].split() == ["ran_out", "oversize", "slots_short",
+                                              "saturated", "kv_infeasible"]
     assert "cheapest point meeting the p99 SLO" in proc.stdout
 
 
@@ -68,5 +73,8 @@ def test_surrogate_cube(surrogate_run):
     assert ds.ttft_p99_s.attrs["method"] == "surrogate"
     cont = ds.sel(batching="continuous")
     assert np.isfinite(cont.ttft_p99_s.sel(hardware="h100_sxm").values).all()
+    assert ds.latency_status.attrs["flag_meanings"].split()[3] == "saturated"
+    # goodput counts requests meeting the SLO: at most the offered rate
+    assert (cont.goodput_req_per_s <= 3.0 * (1 + 1e-5)).all()
     # closed forms cover continuous batching only
     assert np.isnan(ds.ttft_p99_s.sel(batching="static").values).all()

@@ -17,8 +17,9 @@ from hydra import compose
 from omegaconf import OmegaConf
 
 from sweep import search
-from sweep.latency import OK, latency_workload, surrogate
+from sweep.latency import latency_workload, surrogate
 from sweep.params import hardware_params, model_params, stack
+from sweep.status import OK
 from sweep.workload import workload_tables
 
 SETTINGS = search.Settings(steps=60, concurrency_min=1, concurrency_max=64,

@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from sweep.arrivals import Requests, sample_requests
 from sweep import simulate as sim
+from sweep.arrivals import Requests, sample_requests
 from sweep.config.resolve import grid_options
 from sweep.config.schema import ArrivalKind
 from sweep.params import (
