@@ -127,6 +127,20 @@ def test_malformed_trace_is_refused(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_own_trace_with_every_hardware(tmp_path):
+    # the hardware axis lists every option, composed apart from the workload
+    # choice: the trace override must still reach the chosen workload
+    mine = tmp_path / "mine.csv"
+    mine.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:00:00,1000,10\n2023-11-16 18:00:02,3000,30\n")
+    proc = run(["workload=azure_conv_2023", f"workload.trace.path={mine}",
+                "grid=small", "model=qwen3_8b", "out=c.zarr"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "c.zarr")
+    assert ds.sizes["hardware"] > 1
+    assert str(mine) in ds.attrs["config_yaml"]
+
+
 def test_grid_lists_several_hardware_in_one_run(tmp_path):
     proc = run(["grid=small", "grid.hardware=[h100_sxm,h200_sxm]", "model=qwen3_8b",
                 "out=two.zarr"], tmp_path)

@@ -201,9 +201,11 @@ def grid_options(app: str, overrides: list[str], section: str = "grid",
             raise ConfigError(
                 f"{section}.{group} = {listed}: options must be distinct")
     # compose option i of every group together: max(len) compositions in all;
-    # the section's own overrides (its axes) cannot change a group's options
+    # the section's own overrides (its axes) cannot change a group's options,
+    # and a group used as chosen keeps its choice (its fields' overrides need it)
+    listed_groups = {g for g, v in names.items() if v is not None}
     kept = [o for o in overrides
-            if o.split("=")[0].lstrip("+~") not in (*SWEPT_GROUPS, "experiment")
+            if o.split("=")[0].lstrip("+~") not in (*listed_groups, "experiment")
             and not o.lstrip("+~").startswith(f"{section}.")]
     experiment = [o for o in overrides if o.split("=")[0].lstrip("+~") == "experiment"]
     out = {g: [] for g in groups}
