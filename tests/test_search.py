@@ -17,14 +17,16 @@ from hydra import compose
 from omegaconf import OmegaConf
 
 from sweep import search
+from sweep.config.convert import hardware_params, model_params
+from sweep.config.schema import Search
 from sweep.latency import latency_workload, surrogate
-from sweep.params import hardware_params, model_params, stack
+from sweep.params import stack
 from sweep.status import OK
 from sweep.workload import workload_tables
 
-SETTINGS = search.Settings(steps=60, concurrency_min=1, concurrency_max=64,
-                           token_budget_min=256, token_budget_max=4096,
-                           levels_per_octave=1, replicas_max=16)
+SETTINGS = search.Settings.of(Search(steps=60, concurrency_min=1, concurrency_max=64,
+                                     token_budget_min=256, token_budget_max=4096,
+                                     levels_per_octave=1, replicas_max=16))
 TP = (1.0, 2.0)
 RESTARTS = 4
 RATE = 40.0  # req/s: several replicas, so the answer is not the lower corner
