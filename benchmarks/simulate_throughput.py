@@ -33,9 +33,10 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from sweep.arrivals import sample_requests
+from sweep.batching import CONTINUOUS
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.resolve import grid_options
 from sweep.config.store import register_configs
-from sweep.params import CONTINUOUS, hardware_params, model_params
 from sweep.simulate import STATUS_SLOTS, simulate
 from sweep.workload import workload_tables
 

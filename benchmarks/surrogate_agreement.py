@@ -40,10 +40,11 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from sweep.arrivals import Requests, sample_requests
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import LengthDist, LengthKind
 from sweep.config.store import register_configs
 from sweep.latency import latency_workload, surrogate
-from sweep.params import hardware_params, model_params, stack
+from sweep.params import stack
 from sweep.simulate import simulate
 from sweep.workload import WorkloadTables, length_table, workload_tables
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -60,6 +60,26 @@ class Blocking:
             slice(p * c, min((p + 1) * c, n))
             for p, c, n in zip(pos, self.chunks, self.shape)
         )
+
+
+@dataclass
+class Part:
+    """One point function over the product of some of a cube's axes.
+
+    ``fn``, ``axes``, ``tables`` and ``table_dims`` are the arguments of
+    ``iterate_blocks``; ``dims`` names the axes, ``variables`` the outputs
+    kept, and ``attrs`` are added to each of those variables.
+    """
+
+    name: str
+    dims: tuple[str, ...]
+    fn: Callable
+    axes: tuple
+    plan: Blocking
+    variables: tuple[str, ...]
+    tables: tuple = ()
+    table_dims: tuple = ()
+    attrs: dict = field(default_factory=dict)
 
 
 def blocking(shape: tuple[int, ...], max_points: int) -> Blocking:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -21,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import outputs, p99, results
+from sweep import batching, outputs, p99, results
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
     GridApp,
@@ -31,34 +31,12 @@ from sweep.config.schema import (
     check_tensor_parallel,
 )
 from sweep.cost import static_slot_utilization
-from sweep.evaluate import Blocking, blocking, iterate_blocks
-from sweep.params import (
-    BATCHING,
-    GridPoint,
-    WorkloadParams,
-    hardware_params,
-    model_params,
-    stack,
-)
+from sweep.evaluate import Part, blocking, iterate_blocks
+from sweep.params import GridPoint, WorkloadParams, stack
 from sweep.plan import grid_plan
 from sweep.point import DIMS, grid_point
 from sweep.roofline import weight_bytes
 from sweep.workload import WorkloadTables, workload_tables
-
-
-@dataclass
-class Part:
-    """One point function over the product of some of the cube's axes."""
-
-    name: str
-    dims: tuple[str, ...]
-    fn: Callable
-    axes: tuple
-    plan: Blocking
-    tables: tuple = ()
-    table_dims: tuple = ()
-    variables: tuple[str, ...] = tuple(results.ROOFLINE_VARIABLES)
-    attrs: dict = field(default_factory=dict)  # added to each of its variables
 
 
 @dataclass
@@ -165,20 +143,19 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     workloads = options["workload"]
     tables = check(app, options)
     axes = app.grid.axes
-    batching = [b.value for b in app.grid.batching]
+    policies = [b.value for b in app.grid.batching]
     hw_axis = stack([hardware_params(h, app.grid.gpu_memory_utilization)
                      for h in hardware])
     model_axis = stack([model_params(m) for m in models])
-    batching_axis = np.array([BATCHING.index(b) for b in batching], np.int32)
     point_axes = {n: np.asarray(axes[n], np.float32) for n in GridPoint._fields
                   if n != "batching"}
-    point_axes["batching"] = batching_axis
+    point_axes["batching"] = np.array([batching.index(b) for b in policies], np.int32)
     coords = {
         "hardware": np.array([h.name for h in hardware]),
         "model": np.array([m.name for m in models]),
         "workload": np.array([w.name for w in workloads]),
         **{n: np.asarray(axes[n]) for n in GridPoint._fields if n != "batching"},
-        "batching": np.array(batching),
+        "batching": np.array(policies),
     }
     for d in ("tensor_parallel", "concurrency", "token_budget", "context_tokens",
               "long_prompt_tokens"):
@@ -189,7 +166,8 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     util = _static_utilization(tables, axes["concurrency"])
     shape = tuple(len(v) for v in coords.values())
     parts = [Part("roofline", DIMS, grid_point, roofline_axes,
-                  blocking(shape, app.grid.chunk_points), tables=(util,),
+                  blocking(shape, app.grid.chunk_points),
+                  tuple(results.ROOFLINE_VARIABLES), tables=(util,),
                   table_dims=((DIMS.index("workload"), DIMS.index("concurrency")),))]
     if app.latency.method != LatencyMethod.none:
         part, rate_coord = p99.part(app, workloads, tables, models, hw_axis,

@@ -3,7 +3,7 @@
 1. **Candidates.** Every hardware x model x tensor parallelism of the search
    space whose weights and one average request's KV fit in
    ``gpu_memory_utilization`` of the replica's memory (others are listed as
-   excluded). They are stacked, padded to a multiple of ``PAD`` (fewer
+   excluded). They are stacked, padded to a multiple of ``search.PAD`` (fewer
    distinct shapes to compile), with per-candidate surrogate targets that
    start at the SLO.
 2. **Search** (``sweep.search``): one compiled call optimises every candidate
@@ -45,8 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import outputs, roofline, search, status
+from sweep import outputs, pareto, roofline, search, status
 from sweep.arrivals import Requests, route, split, workload_requests
+from sweep.batching import CONTINUOUS
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
     Hardware,
@@ -57,13 +59,10 @@ from sweep.config.schema import (
 from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.latency import LatencyWorkload
 from sweep.p99 import served_workload
-from sweep.params import CONTINUOUS, OVERLONG, hardware_params, model_params, stack
+from sweep.params import OVERLONG, stack
 from sweep.plan import optimize_plan
 from sweep.simulate import pool, simulate_requests, summarize
 from sweep.workload import WorkloadTables, workload_tables
-
-PAD = 8
-"""Candidates are padded to a multiple of this (fewer shapes to compile)."""
 
 
 class Infeasible(Exception):
@@ -95,30 +94,13 @@ class OptimizeJob:
     settings: search.Settings
 
 
-def settings_of(app: OptimizeApp) -> search.Settings:
-    """The static search settings of a validated config."""
-    s = app.search
-    return search.Settings(
-        optimizer=s.optimizer,
-        optimizer_options=tuple(sorted((k, float(v))
-                                       for k, v in s.optimizer_options.items())),
-        learning_rate=s.learning_rate,
-        final_learning_rate_fraction=s.final_learning_rate_fraction,
-        steps=s.steps,
-        concurrency_min=s.concurrency_min, concurrency_max=s.concurrency_max,
-        token_budget_min=s.token_budget_min, token_budget_max=s.token_budget_max,
-        levels_per_octave=s.levels_per_octave, replicas_max=s.replicas_max,
-        penalty_weight=s.penalty_weight, penalty_scale_start=s.penalty_scale_start,
-        penalty_scale_end=s.penalty_scale_end,
-    )
-
-
 def prepare(app: OptimizeApp, hardware: list[Hardware],
             models: list[Model]) -> OptimizeJob:
     """Checks the search space and loads the workload; raises ``ConfigError``."""
     s = app.search
+    settings = search.Settings.of(s)
     try:
-        search.make_optimizer(settings_of(app))
+        search.make_optimizer(settings)
     except (AttributeError, TypeError) as e:
         raise ConfigError(
             f"search.optimizer = {s.optimizer!r} with options "
@@ -164,7 +146,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"one average request ({request_kv:,.0f} KV tokens) beside the weights; "
             f"allowed: larger search.tensor_parallel "
             f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
-    job = OptimizeJob(app, keep, excluded, tables, served, settings_of(app))
+    job = OptimizeJob(app, keep, excluded, tables, served, settings)
     optimize_plan(app, len(keep), job.settings).check_memory()
     return job
 
@@ -184,7 +166,7 @@ def options(app_name: str, overrides: list[str]):
 
 
 def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> search.Candidates:
-    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % PAD)
+    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % search.PAD)
     util = job.app.search.gpu_memory_utilization
     n = len(cands)
     f32 = jnp.float32
@@ -447,7 +429,7 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     itl_t = np.full(n, app.slo.itl_p99_s)
     key_init, key_sim = jax.random.split(jax.random.key(app.seed))
     init = search.initial_theta(key_init, job.settings,
-                                n + (-n % PAD), s.restarts)
+                                n + (-n % search.PAD), s.restarts)
     cache: dict[tuple, Config] = {}
     verifications: list[Verification] = []
     lines: list[str] = []
@@ -555,20 +537,6 @@ def vllm_flags(job: OptimizeJob, c: Config) -> str:
             f"--max-num-seqs {c.concurrency} --max-num-batched-tokens "
             f"{c.token_budget} --gpu-memory-utilization {util:g}  "
             f"(x {replicas_text(c.replicas)})")
-
-
-def pareto(cost: np.ndarray, latency: np.ndarray) -> np.ndarray:
-    """Mask of points no other point beats on both cost and latency (NaN: off)."""
-    ok = np.isfinite(cost) & np.isfinite(latency)
-    out = np.zeros(cost.shape, bool)
-    idx = np.flatnonzero(ok)
-    order = idx[np.lexsort((latency[idx], cost[idx]))]
-    best = np.inf
-    for i in order:
-        if latency[i] < best:
-            out[i] = True
-            best = latency[i]
-    return out
 
 
 _UNITS = {
@@ -681,10 +649,10 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
     for m in ("ttft_p99_s", "itl_p99_s"):
         configs[f"config_{m}"] = _var(cfg, res.metrics[m][:n][pick], m, "surrogate ",
                                       "surrogate")
-    configs["pareto_itl"] = (cfg, pareto(cost, configs["config_itl_p99_s"][1]),
+    configs["pareto_itl"] = (cfg, pareto.front(cost, configs["config_itl_p99_s"][1]),
                              {"long_name": "on the cost vs p99 ITL Pareto front",
                               "units": "1"})
-    configs["pareto_ttft"] = (cfg, pareto(cost, configs["config_ttft_p99_s"][1]),
+    configs["pareto_ttft"] = (cfg, pareto.front(cost, configs["config_ttft_p99_s"][1]),
                               {"long_name": "on the cost vs p99 TTFT Pareto front",
                                "units": "1"})
     data.update(configs)

@@ -38,6 +38,7 @@ import numpy as np
 
 from sweep import roofline
 from sweep.arrivals import workload_requests
+from sweep.batching import is_continuous
 from sweep.config.schema import (
     GridApp,
     LatencyMethod,
@@ -46,9 +47,9 @@ from sweep.config.schema import (
     Replay,
     Workload,
 )
-from sweep.evaluate import blocking
+from sweep.evaluate import Part, blocking
 from sweep.latency import LatencyWorkload, latency_workload, surrogate
-from sweep.params import CONTINUOUS, OVERLONG, stack
+from sweep.params import OVERLONG, stack
 from sweep.results import P99_VARIABLES
 from sweep.simulate import simulate
 from sweep.workload import WorkloadTables, served_tables
@@ -96,7 +97,7 @@ def surrogate_point(hw, model, _workload, tp, concurrency, token_budget, batchin
                        rate * (1.0 - rejected), slo[0], slo[1]))
     r["rejected_fraction"] = rejected
     ok = ((roofline.kv_capacity_tokens(hw, model, tp) >= 1.0)
-          & (batching == CONTINUOUS) & (rejected < 1.0))
+          & is_continuous(batching) & (rejected < 1.0))
     return _summary(r, slo, ok, r["status"])
 
 
@@ -124,8 +125,6 @@ def _rates(app: GridApp, workloads) -> np.ndarray:
 def part(app: GridApp, workloads, tables, models, hw_axis, model_axis, point_axes,
          coords):
     """The p99 ``Part`` of a grid job and the arrival-rate coordinate."""
-    from sweep.grid import Part
-
     rates = _rates(app, workloads)
     slo = np.array([app.slo.ttft_p99_s, app.slo.itl_p99_s,
                     app.slo.max_rejected_fraction], np.float32)
@@ -158,6 +157,5 @@ def part(app: GridApp, workloads, tables, models, hw_axis, model_axis, point_axe
                    np.array([[r for _, r in row] for row in served], np.float32), slo)
         mw = (DIMS.index("model"), DIMS.index("workload"))
         table_dims = (mw, mw, ())
-    return Part("p99", DIMS, fn, axes, plan, tables=tables_, table_dims=table_dims,
-                variables=tuple(P99_VARIABLES),
-                attrs={"method": method.value}), rates
+    return Part("p99", DIMS, fn, axes, plan, tuple(P99_VARIABLES), tables=tables_,
+                table_dims=table_dims, attrs={"method": method.value}), rates

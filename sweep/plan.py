@@ -25,7 +25,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sweep.config.schema import ConfigError, LatencyMethod
+from sweep.config.schema import LatencyMethod
+from sweep.errors import ConfigError
 from sweep.evaluate import Blocking, blocking
 from sweep.results import BOOLEAN, P99_VARIABLES, ROOFLINE_VARIABLES
 
@@ -249,7 +250,7 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
       candidates: hardware x model x TP candidates that fit.
       settings: the job's ``search.Settings`` (for its scan length).
     """
-    from sweep.optimize import PAD
+    from sweep.search import PAD
 
     s = app.search
     padded = candidates + (-candidates % PAD)

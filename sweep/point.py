@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sweep import cost, roofline
-from sweep.params import CONTINUOUS, REQUEST, STATIC, GridPoint, WorkloadParams
+from sweep import batching, cost, roofline
+from sweep.params import GridPoint, WorkloadParams
 
 DIMS = (
     "hardware",
@@ -33,13 +33,13 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
 
     Args:
       static_utilization: ``E[out] / E[max of concurrency outputs]`` for this
-        workload and concurrency, computed once per (workload, concurrency).
+        workload and concurrency, computed once per (workload, concurrency);
+        the batching policy (``sweep.batching``) decides what it costs.
     """
     tp = pt.tensor_parallel
-    # request-at-a-time serving runs one sequence whatever the concurrency axis says
-    running = jnp.where(pt.batching == REQUEST, 1.0, pt.concurrency)
+    running = batching.running(pt.batching, pt.concurrency)
     step = roofline.decode_step_s(hw, model, tp, running, pt.context_tokens)
-    utilization = jnp.where(pt.batching == STATIC, static_utilization, 1.0)
+    utilization = batching.slot_utilization(pt.batching, static_utilization)
     output_rate = running / step * utilization
     prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens)
     prefill_rate = wl.mean_prompt_tokens / prefill
@@ -48,7 +48,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         pt.token_budget,
     )
     # chunked prefill only exists under continuous batching
-    chunked = pt.batching == CONTINUOUS
+    chunked = batching.is_continuous(pt.batching)
     replicas = cost.replicas_for_traffic(output_rate, pt.traffic_tokens_per_day)
     fits = roofline.kv_fits(hw, model, tp, running, pt.context_tokens)
     metrics = {

@@ -105,7 +105,7 @@ def provenance(config_yaml: str, seed: int, overrides: list[str]
     """Global attributes every cube carries (strings and numbers only)."""
     import jax
 
-    from sweep import __version__
+    from sweep.version import __version__
 
     return {
         "sweep_version": __version__,

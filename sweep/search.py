@@ -50,10 +50,12 @@ ch. 17 (penalty and continuation methods).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +67,9 @@ from sweep.latency import LatencyWorkload, surrogate
 from sweep.params import HardwareParams, ModelParams
 from sweep.status import OK
 
+if TYPE_CHECKING:
+    from sweep.config.schema import Search
+
 NEIGHBOURS = 4
 """Lattice neighbours of a continuous answer: (c down/up) x (b down/up)."""
 
@@ -74,6 +79,9 @@ METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
 
 REACH = ("ttft_p99_s", "itl_p99_s", "utilization")
 """Surrogate outputs kept at ``replicas_max``: the best a configuration reaches."""
+
+PAD = 8
+"""Candidates are stacked in multiples of this: fewer distinct shapes to compile."""
 
 
 class Candidates(NamedTuple):
@@ -88,24 +96,40 @@ class Candidates(NamedTuple):
     itl_target_s: jax.Array  # surrogate target for p99 ITL (<= the SLO)
 
 
+def _frozen(value) -> Hashable:
+    """``value`` with its lists and dicts as tuples (dict items sorted)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
-    """Static search settings (hashable: one compiled search per value)."""
+    """Static search settings: the ``search`` config group, frozen.
 
-    optimizer: str = "adam"
-    optimizer_options: tuple[tuple[str, float], ...] = (("b2", 0.9),)
-    learning_rate: float = 0.1
-    final_learning_rate_fraction: float = 0.1
-    steps: int = 150
-    concurrency_min: int = 1
-    concurrency_max: int = 1024
-    token_budget_min: int = 256
-    token_budget_max: int = 16384
-    levels_per_octave: int = 4
-    replicas_max: int = 256
-    penalty_weight: float = 10.0
-    penalty_scale_start: float = 0.3
-    penalty_scale_end: float = 0.01
+    ``sweep.config.schema.Search`` declares the fields, their defaults and
+    their checks; ``Settings.of(config)`` keeps a copy of a validated config's
+    values (lists and dicts as tuples) that reads as the config does
+    (``settings.steps``) and is hashable, so that it keys the compiled
+    search: each distinct value compiles once.
+    """
+
+    values: tuple[tuple[str, Hashable], ...]
+
+    @classmethod
+    def of(cls, config: Search) -> Settings:
+        """The settings of a validated ``search`` config."""
+        return cls(tuple((f.name, _frozen(getattr(config, f.name)))
+                         for f in dataclasses.fields(config)))
+
+    def __getattr__(self, name: str):
+        # only reached for names that are not attributes: the config's fields
+        for key, value in self.__dict__.get("values", ()):
+            if key == name:
+                return value
+        raise AttributeError(f"search settings have no field {name!r}")
 
     @property
     def concurrency_values(self) -> np.ndarray:

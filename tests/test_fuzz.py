@@ -1,7 +1,7 @@
 """Fuzzing ``sweep-grid``'s numeric fields and axes: each draw runs or is refused
 with one line and exit code 2, never a traceback, never a partial output.
 
-Most draws go through the preflight in-process (``sweep.cli._grid_check``,
+Most draws go through the preflight in-process (``sweep.cli.check``,
 the function the console script calls before compiling anything); a few go
 through the installed console script end to end.
 """
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sweep
-from sweep.cli import _grid_check
+from sweep.cli import check as grid_check
 from sweep.config.schema import ConfigError
 from sweep.results import ROOFLINE_VARIABLES
 
@@ -76,7 +76,7 @@ overrides = st.lists(override, min_size=1, max_size=3,
 @given(drawn=overrides)
 def test_preflight_runs_or_refuses_with_one_line(hydra_ctx, drawn):
     try:
-        _grid_check("grid", [*TINY, *drawn])
+        grid_check("grid", [*TINY, *drawn])
     except ConfigError as e:
         msg = str(e)
         assert msg and "\n" not in msg and len(msg) < 1000, msg

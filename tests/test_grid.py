@@ -10,10 +10,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sweep import grid, roofline
+from sweep import batching, grid, roofline
 from sweep.config.resolve import grid_options
 from sweep.evaluate import blocking, evaluate_region, iterate_blocks
-from sweep.params import BATCHING, GridPoint
+from sweep.params import GridPoint
 from sweep.point import DIMS, evaluate_point
 
 SMALL = [
@@ -90,7 +90,7 @@ def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job):
     assert np.isfinite(out["max_concurrency_fit"]).all()
     # under continuous batching a point fits exactly up to max_concurrency_fit
     axis = DIMS.index("batching")
-    cont = BATCHING.index("continuous")
+    cont = batching.index("continuous")
     shape = [1] * (len(DIMS) - 1)
     shape[DIMS.index("concurrency")] = -1
     conc = job.coords["concurrency"].reshape(shape)

@@ -2,7 +2,7 @@
 long axes parsed quickly.
 
 Refusals are checked in-process through the preflight the console scripts
-run (``sweep.cli._grid_check``, ``sweep.optimize_cli._check``) and, for the
+run (``sweep.cli.check``, ``sweep.optimize_cli.check``) and, for the
 issue's own examples, through the installed scripts.
 """
 
@@ -19,10 +19,10 @@ from conftest import OPTIMIZE_QUICK, script
 
 import sweep
 from sweep import plan
-from sweep.cli import _grid_check
+from sweep.cli import check as grid_check
 from sweep.config.resolve import grid_options, restore, stash_lists
 from sweep.config.schema import ConfigError
-from sweep.optimize_cli import _check as optimize_check
+from sweep.optimize_cli import check as optimize_check
 
 TINY = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
         "grid.tensor_parallel=[1]", "grid.concurrency=[8]", "grid.token_budget=[512]",
@@ -75,13 +75,13 @@ def test_grid_preflight_refuses(hydra_ctx, args, pattern):
     overrides = [*TINY, *args]
     if any("num_requests" in a for a in args):
         overrides.append("max_memory_gb=1")
-    msg = refused(_grid_check, "grid", overrides)
+    msg = refused(grid_check, "grid", overrides)
     assert re.search(pattern, msg), msg
 
 
 def test_memory_budget_names_the_override_that_permits(hydra_ctx):
     base = [*TINY, "latency=simulate", "latency.num_requests=10000000"]
-    msg = refused(_grid_check, "grid", [*base, "max_memory_gb=1"])
+    msg = refused(grid_check, "grid", [*base, "max_memory_gb=1"])
     need = int(re.search(r"max_memory_gb=(\d+) to run anyway", msg)[1])
     # one block of 1 configuration x 1e7 requests x 8 slots, one stream of 1e7
     expect = (plan.BASE_BYTES + plan.SIM_FIXED_BYTES
@@ -89,7 +89,7 @@ def test_memory_budget_names_the_override_that_permits(hydra_ctx):
               + 8 * plan.SIM_BYTES_PER_CONFIG_SLOT + plan.SIM_BYTES_PER_CONFIG
               + 1e7 * plan.STREAM_BYTES_PER_REQUEST)
     assert need == np.ceil(expect / 1e9 * 1.1)
-    _grid_check("grid", [*base, f"max_memory_gb={need}"])  # passes now
+    grid_check("grid", [*base, f"max_memory_gb={need}"])  # passes now
 
 
 def test_default_budget_is_the_machines(hydra_ctx):
@@ -99,7 +99,7 @@ def test_default_budget_is_the_machines(hydra_ctx):
             "latency.num_requests=10000000"]
     if plan.BUDGET_SHARE * plan.machine_memory_bytes() > 51e9:
         pytest.skip("this machine has the memory for it")
-    msg = refused(_grid_check, "grid", args)
+    msg = refused(grid_check, "grid", args)
     assert re.search(r"above the budget of [\d.]+ GB \(80% of this machine's "
                      r"[\d.]+ GB; set max_memory_gb to change it\); allowed: a "
                      r"smaller setting, or max_memory_gb=\d+ to run anyway$", msg), msg

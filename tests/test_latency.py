@@ -20,13 +20,14 @@ from omegaconf import OmegaConf
 from sweep import _numerics as nm
 from sweep import status
 from sweep.arrivals import sample_requests
+from sweep.config.convert import hardware_params, model_params
 from sweep.latency import (
     BAND_EDGES,
     _erlang_c,
     latency_workload,
     surrogate,
 )
-from sweep.params import hardware_params, model_params, stack
+from sweep.params import stack
 from sweep.simulate import simulate
 from sweep.status import KV_INFEASIBLE, OK, SATURATED
 from sweep.workload import WorkloadTables, workload_tables

@@ -21,7 +21,7 @@ from hydra import initialize_config_module
 from sweep import grid
 from sweep.config.resolve import grid_options
 from sweep.config.store import register_configs
-from sweep.evaluate import iterate_blocks
+from sweep.evaluate import Part, iterate_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import numpy_model  # noqa: E402
@@ -48,7 +48,7 @@ def job() -> grid.GridJob:
 
 
 @pytest.fixture(scope="module")
-def part(job) -> grid.Part:
+def part(job) -> Part:
     return job.parts[0]
 
 

@@ -16,8 +16,7 @@ import xarray as xr
 from conftest import OPTIMIZE_QUICK, script
 
 import sweep
-from sweep import outputs
-from sweep.optimize import pareto
+from sweep import outputs, pareto
 
 
 def run(args, cwd, env=None):
@@ -29,7 +28,7 @@ def test_pareto_front():
     cost = np.array([1.0, 2.0, 2.0, 3.0, np.nan, 0.5])
     latency = np.array([5.0, 4.0, 6.0, 1.0, 0.1, 9.0])
     # 0.5/9 and 1/5 and 2/4 and 3/1 are non-dominated; 2/6 is beaten; NaN is off
-    np.testing.assert_array_equal(pareto(cost, latency),
+    np.testing.assert_array_equal(pareto.front(cost, latency),
                                   [True, True, False, True, False, True])
 
 

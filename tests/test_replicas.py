@@ -17,8 +17,9 @@ import pytest
 
 from sweep import optimize
 from sweep.arrivals import Requests, route, split
+from sweep.batching import CONTINUOUS
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing
-from sweep.params import CONTINUOUS, hardware_params, model_params
 from sweep.simulate import itl_percentiles, simulate_requests
 
 OVERRIDES = ["hardware=h100_sxm", "model=qwen3_8b", "workload=azure_conv_2023",

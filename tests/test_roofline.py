@@ -20,16 +20,10 @@ from helpers import (
 )
 
 from sweep import cost, roofline
+from sweep.batching import CONTINUOUS, REQUEST, STATIC
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.resolve import compose_object
-from sweep.params import (
-    CONTINUOUS,
-    REQUEST,
-    STATIC,
-    GridPoint,
-    WorkloadParams,
-    hardware_params,
-    model_params,
-)
+from sweep.params import GridPoint, WorkloadParams
 from sweep.point import evaluate_point
 
 # float32 model vs float64 hand numbers: 1e-5 covers float32 rounding of

@@ -22,19 +22,11 @@ from hydra.core.global_hydra import GlobalHydra
 
 from sweep import simulate as sim
 from sweep.arrivals import Requests, sample_requests
+from sweep.batching import CONTINUOUS, REQUEST, STATIC
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.resolve import grid_options
 from sweep.config.schema import ArrivalKind
-from sweep.params import (
-    CONTINUOUS,
-    REJECT,
-    REQUEST,
-    STATIC,
-    TRUNCATE,
-    HardwareParams,
-    ModelParams,
-    hardware_params,
-    model_params,
-)
+from sweep.params import REJECT, TRUNCATE, HardwareParams, ModelParams
 from sweep.simulate import (
     ITL_MANTISSA_BITS,
     STATUS_SLOTS,

@@ -15,9 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-
-class ConfigError(ValueError):
-    """A config that cannot describe a real deployment."""
+from sweep.errors import ConfigError
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
