@@ -76,6 +76,22 @@ def blocking(shape: tuple[int, ...], max_points: int) -> Blocking:
     raise ValueError(f"max_points must be >= 1, got {max_points}")
 
 
+@dataclass(frozen=True)
+class Named:
+    """A point function of keyword arguments, called with positional ones.
+
+    ``evaluate_region`` passes each axis's and each table's value in order;
+    ``Named`` gives them their names, so the function never depends on
+    that order (hashable: a static jit argument, equal when built alike).
+    """
+
+    fn: Callable
+    names: tuple[str, ...]  # of the axes, then of the tables
+
+    def __call__(self, *args):
+        return self.fn(**dict(zip(self.names, args, strict=True)))
+
+
 @partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims"))
 def evaluate_region(fn: Callable, axes: tuple, tables: tuple, starts, *,
                     shape: tuple[int, ...], chunks: tuple[int, ...],
