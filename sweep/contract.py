@@ -114,7 +114,7 @@ class Metric:
     units: str  # "" for a flag variable or an index
     long_name: str
     over: str = ROOFLINE
-    dtype: str = "float32"  # "bool", "int32"
+    dtype: str = "float32"  # "bool", "int32", "float64"
     source: str = ""  # the producing function's key, when not ``name``
     latency: bool = False  # a latency percentile both latency models give
     slo: bool = False  # an SLO limit of ``conf/slo`` bounds it
@@ -201,12 +201,16 @@ METRICS: tuple[Metric, ...] = (
            "slo.max_rejected_fraction", P99, dtype="bool"),
     Metric("latency_status", "", "latency model status flags (0 = ok)", P99,
            dtype="int32", source="status", flags=True),
-    # properties of each value of an axis (sweep.grid)
-    Metric("usd_per_gpu_hour", "USD / GPU / hour", "price per GPU-hour", "hardware"),
-    Metric("weight_bytes", "byte", "weights", "model"),
-    Metric("kv_bytes_per_token", "byte / token", "KV cache per token", "model"),
-    Metric("mean_prompt_tokens", "token", "mean prompt length", "workload"),
-    Metric("mean_output_tokens", "token", "mean output length", "workload"),
+    # properties of each value of an axis, from its config (sweep.grid)
+    Metric("usd_per_gpu_hour", "USD / GPU / hour", "price per GPU-hour", "hardware",
+           dtype="float64"),
+    Metric("weight_bytes", "byte", "weights", "model", dtype="float64"),
+    Metric("kv_bytes_per_token", "byte / token", "KV cache per token", "model",
+           dtype="float64"),
+    Metric("mean_prompt_tokens", "token", "mean prompt length", "workload",
+           dtype="float64"),
+    Metric("mean_output_tokens", "token", "mean output length", "workload",
+           dtype="float64"),
     # sweep-optimize's dataset only (sweep.optimize)
     Metric("round", "", "search round", OPTIMIZE),
     Metric("meets_targets", "1", "meets the surrogate targets", OPTIMIZE,

@@ -235,9 +235,11 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         "mean_prompt_tokens": [t.mean_prompt_tokens for t in tables],
         "mean_output_tokens": [t.mean_output_tokens for t in tables],
     }
-    extra = {name: xr.DataArray(values, dims=contract.METRIC[name].over,
-                                attrs=contract.attrs(name))
-             for name, values in per_value.items()}
+    extra = {}
+    for name, values in per_value.items():
+        m = contract.METRIC[name]
+        extra[name] = xr.DataArray(np.asarray(values, m.dtype), dims=m.over,
+                                   attrs=m.attrs())
     return GridJob(app, coords, parts, extra)
 
 
