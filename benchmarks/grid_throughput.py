@@ -4,7 +4,7 @@ Each grid is composed from the shipped Hydra configs (every hardware x every
 model, four tensor-parallel sizes, three batching modes, two traffic levels,
 and concurrency / token budget / context ranges sized to about 1M and 10M
 points), prepared with ``sweep.grid.prepare`` and its roofline part (every
-variable of ``sweep.results.VARIABLES``) evaluated four ways in one process:
+roofline variable of ``sweep.contract.METRICS``) evaluated four ways in one process:
 
 * JAX: ``sweep.evaluate.iterate_blocks``, the sweep's own path (one compiled
   ``evaluate_region`` per block of ``grid.chunk_points`` points, results pulled

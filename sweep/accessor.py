@@ -42,16 +42,20 @@ import pandas as pd
 import xarray as xr
 import yaml
 
-from sweep import batching, pareto
+from sweep import batching, contract, pareto
 
-SLO_FIELDS = ("ttft_p99_s", "itl_p99_s")
+SLO_FIELDS = contract.SLO
+"""The limits an SLO option sets (``conf/slo``), each bounding the metric of its
+name."""
 
-# Axes that describe the situation (what the traffic looks like) rather than
-# a choice of the deployment: analyses fix them instead of optimising over them.
-SCENARIO_DIMS = ("workload", "context_tokens", "long_prompt_tokens",
-                 "traffic_tokens_per_day", "arrival_rate_per_s")
-# Axes an operator chooses for one hardware x model.
-CONFIG_DIMS = ("tensor_parallel", "concurrency", "token_budget", "batching")
+SCENARIO_DIMS = contract.role(contract.SCENARIO)
+"""Axes that describe the situation (what the traffic looks like) rather than
+a choice of the deployment: analyses fix them instead of optimising over them."""
+CONFIG_DIMS = contract.role(contract.CONFIG)
+"""Axes an operator chooses for one hardware x model."""
+MASK_VARIABLES = ("kv_fits", *SLO_FIELDS, "step_s", "prefill_tokens_per_s",
+                  "mean_prompt_tokens")
+"""What ``feasible_mask`` reads: the KV check, the SLO metrics or their proxies."""
 
 
 def is_optimize(ds: xr.Dataset) -> bool:
@@ -359,11 +363,10 @@ class SweepAccessor:
                              f"{int(pt['concurrency'])}: vLLM needs "
                              "max_num_batched_tokens >= max_num_seqs")
         flags: dict[str, int | float] = {}
-        for dim, flag in (("tensor_parallel", "--tensor-parallel-size"),
-                          ("concurrency", "--max-num-seqs"),
-                          ("token_budget", "--max-num-batched-tokens")):
-            if dim in pt.variables and np.isfinite(float(pt[dim])):
-                flags[flag] = int(pt[dim])
+        for axis in contract.AXES:
+            if axis.flag and axis.name in pt.variables and np.isfinite(
+                    float(pt[axis.name])):
+                flags[axis.flag] = int(pt[axis.name])
         util = config_value(self._ds, "gpu_memory_utilization")
         if util is not None:
             flags["--gpu-memory-utilization"] = float(util)

@@ -79,7 +79,8 @@ def _grid_app(cfg: DictConfig) -> None:
     check_output("sweep-grid", out, f"out={job.app.out}" if job.app.out else str(out),
                   "cube")
     yaml_text = config_yaml(cfg)
-    attrs = results.provenance(yaml_text, job.app.seed, restore(overrides()))
+    attrs = results.provenance(yaml_text, job.app.seed, restore(overrides()),
+                               options)
     plan = grid_plan(base, options)
     progress = BlockProgress(console, "sweep-grid",
                              [(p.name, len(p.plan)) for p in job.parts])

@@ -2,7 +2,9 @@
 
 A cube is made of *parts*, each a point function evaluated over the product of
 some of the cube's axes: the roofline metrics over ``point.DIMS``, and (with
-``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS``. ``prepare``
+``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS`` (both
+``sweep.contract.dims``). Point functions take their inputs by axis name.
+``prepare``
 does everything that can fail on bad input (trace loading, the cross-group
 checks) without compiling anything; ``run`` evaluates the missing blocks of
 every part, writes them, and returns the finished cube.
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import batching, outputs, p99, results
+from sweep import batching, contract, outputs, p99, results
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
@@ -32,9 +34,9 @@ from sweep.config.schema import (
 )
 from sweep.cost import static_slot_utilization
 from sweep.evaluate import Part, blocking, iterate_blocks
-from sweep.params import GridPoint, WorkloadParams, stack
+from sweep.params import WorkloadParams, stack
 from sweep.plan import grid_plan
-from sweep.point import DIMS, grid_point
+from sweep.point import grid_point
 from sweep.roofline import weight_bytes
 from sweep.workload import WorkloadTables, workload_tables
 
@@ -144,54 +146,48 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     tables = check(app, options)
     axes = app.grid.axes
     policies = [b.value for b in app.grid.batching]
-    hw_axis = stack([hardware_params(h, app.grid.gpu_memory_utilization)
-                     for h in hardware])
-    model_axis = stack([model_params(m) for m in models])
-    point_axes = {n: np.asarray(axes[n], np.float32) for n in GridPoint._fields
-                  if n != "batching"}
-    point_axes["batching"] = np.array([batching.index(b) for b in policies], np.int32)
-    coords = {
-        "hardware": np.array([h.name for h in hardware]),
-        "model": np.array([m.name for m in models]),
-        "workload": np.array([w.name for w in workloads]),
-        **{n: np.asarray(axes[n]) for n in GridPoint._fields if n != "batching"},
-        "batching": np.array(policies),
+    labels = {"hardware": [h.name for h in hardware], "model": [m.name for m in models],
+              "workload": [w.name for w in workloads], "batching": policies}
+    roofline_dims = contract.dims(contract.ROOFLINE)
+    coords = {}
+    for d in roofline_dims:
+        kind = contract.AXIS[d].kind
+        coords[d] = np.array(labels[d]) if kind == contract.LABEL else (
+            np.asarray(axes[d]).astype(np.int64) if kind == contract.INTEGER
+            else np.asarray(axes[d]))
+    # what the point functions receive along each axis, by name
+    inputs = {
+        "hardware": stack([hardware_params(h, app.grid.gpu_memory_utilization)
+                           for h in hardware]),
+        "model": stack([model_params(m) for m in models]),
+        "workload": stack(_padded(tables)),
+        "batching": np.array([batching.index(b) for b in policies], np.int32),
+        **{d: np.asarray(axes[d], np.float32) for d in roofline_dims
+           if d not in labels},
     }
-    for d in ("tensor_parallel", "concurrency", "token_budget", "context_tokens",
-              "long_prompt_tokens"):
-        coords[d] = coords[d].astype(np.int64)
-    coords = {d: coords[d] for d in DIMS}
-    roofline_axes = (hw_axis, model_axis, stack(_padded(tables)),
-                     *(point_axes[n] for n in DIMS[3:]))
     util = _static_utilization(tables, axes["concurrency"])
-    shape = tuple(len(v) for v in coords.values())
-    parts = [Part("roofline", DIMS, grid_point, roofline_axes,
+    shape = tuple(len(coords[d]) for d in roofline_dims)
+    parts = [Part(contract.ROOFLINE, grid_point,
+                  {d: inputs[d] for d in roofline_dims},
                   blocking(shape, app.grid.chunk_points),
-                  tuple(results.ROOFLINE_VARIABLES), tables=(util,),
-                  table_dims=((DIMS.index("workload"), DIMS.index("concurrency")),))]
+                  lookups={"static_utilization": (util, ("workload", "concurrency"))})]
     if app.latency.method != LatencyMethod.none:
-        part, rate_coord = p99.part(app, workloads, tables, models, hw_axis,
-                                    model_axis, point_axes, coords)
+        part, rate_coord = p99.part(app, workloads, tables, models, inputs, coords)
         coords["arrival_rate_per_s"] = rate_coord
         parts.append(part)
-    extra = {
-        "usd_per_gpu_hour": xr.DataArray(
-            [h.usd_per_gpu_hour for h in hardware], dims="hardware",
-            attrs={"units": "USD/h", "long_name": "price per GPU-hour"}),
-        "weight_bytes": xr.DataArray(
-            [float(weight_bytes(model_params(m))) for m in models], dims="model",
-            attrs={"units": "bytes", "long_name": "weights"}),
-        "kv_bytes_per_token": xr.DataArray(
-            [2.0 * m.layers * m.kv_heads * m.head_dim * m.kv_dtype_bytes
-             for m in models], dims="model",
-            attrs={"units": "bytes/token", "long_name": "KV cache per token"}),
-        "mean_prompt_tokens": xr.DataArray(
-            [t.mean_prompt_tokens for t in tables], dims="workload",
-            attrs={"units": "tokens", "long_name": "mean prompt length"}),
-        "mean_output_tokens": xr.DataArray(
-            [t.mean_output_tokens for t in tables], dims="workload",
-            attrs={"units": "tokens", "long_name": "mean output length"}),
+    per_value = {
+        "usd_per_gpu_hour": [h.usd_per_gpu_hour for h in hardware],
+        "weight_bytes": [float(weight_bytes(model_params(m))) for m in models],
+        "kv_bytes_per_token": [2.0 * m.layers * m.kv_heads * m.head_dim
+                               * m.kv_dtype_bytes for m in models],
+        "mean_prompt_tokens": [t.mean_prompt_tokens for t in tables],
+        "mean_output_tokens": [t.mean_output_tokens for t in tables],
     }
+    extra = {}
+    for name, values in per_value.items():
+        m = contract.METRIC[name]
+        extra[name] = xr.DataArray(np.asarray(values, m.dtype), dims=m.over,
+                                   attrs=m.attrs())
     return GridJob(app, coords, parts, extra)
 
 

@@ -675,21 +675,23 @@ def _good_fraction(ttft_band_cdf, slow, wl, st: _State, lam, ttft_slo_s, itl_slo
     return jnp.clip(jnp.asarray(ttft_ok @ wl.joint_probs @ gaps_ok, dtype), 0.0, 1.0)
 
 
-def _e2e_p99(ttft_band_cdf, wl, st: _State, lo, hi):
-    """p99 of TTFT + (O - 1) mean gaps over the joint bands."""
+def _e2e(ttft_band_cdf, wl, st: _State, lo, hi):
+    """p50 and p99 of TTFT + (O - 1) mean gaps over the joint bands."""
     decode_time = jnp.maximum(wl.output_tokens - 1.0, 0.0) * st.step_s  # (I,)
 
     def cdf(t):
         per = ttft_band_cdf(t[:, None, None] - decode_time[None, :, None])  # (L, I, J)
         return jnp.einsum("lij,ji->l", per, wl.joint_probs)
 
-    (p99,) = quantile(cdf, (0.99,), lo, hi + jnp.max(decode_time))
-    return p99
+    # one bisection per level: each quantile is the same compiled program
+    # whichever other levels are asked for (bit for bit)
+    return tuple(quantile(cdf, (level,), lo, hi + jnp.max(decode_time))[0]
+                 for level in _LEVELS)
 
 
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf):
-    """p50/p99 TTFT and ITL, p99 E2E, throughput and goodput of one point.
+    """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
       hw, model: ``HardwareParams`` / ``ModelParams`` of the point.
@@ -703,7 +705,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
-      ``itl_p99_s``, ``e2e_p99_s``, ``output_tokens_per_s`` (achieved),
+      ``itl_p99_s``, ``e2e_p50_s``, ``e2e_p99_s``, ``output_tokens_per_s``
+      (achieved),
       ``achieved_req_per_s`` (the offered rate up to the capacity of the
       slots and of the prefill server), ``goodput_req_per_s`` (achieved
       requests meeting both SLOs), ``utilization`` (the larger of the slot
@@ -749,7 +752,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     itl_cdf, itl_lo, itl_hi, slow = _itl(hw, model, tp, wl, st, d_st.pre, n, slots)
     itl_p50, itl_p99 = quantile(itl_cdf, _LEVELS, itl_lo, itl_hi)
-    e2e_p99 = _e2e_p99(ttft_band, wl, st, ttft_lo, ttft_hi)
+    e2e_p50, e2e_p99 = _e2e(ttft_band, wl, st, ttft_lo, ttft_hi)
     good = _good_fraction(ttft_band, slow, wl, st, lam, ttft_slo_s, itl_slo_s)
 
     status = (jnp.where(kv_mean_slots < 1.0, flags.KV_INFEASIBLE, flags.OK)
@@ -759,6 +762,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         "ttft_p99_s": ttft_p99,
         "itl_p50_s": itl_p50,
         "itl_p99_s": itl_p99,
+        "e2e_p50_s": e2e_p50,
         "e2e_p99_s": e2e_p99,
         "output_tokens_per_s": rate * wl.mean_output_tokens,
         "achieved_req_per_s": rate,

@@ -147,7 +147,7 @@ def _optimize_app(cfg: DictConfig) -> None:
         with outputs.lock(out):  # held from before the search to the write
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
-                                       restore(overrides()))
+                                       restore(overrides()), job.specs)
             optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Every grid-sweep metric of one grid point, from the roofline and cost rules.
 
 One pure function of scalar pytrees; ``sweep.evaluate`` vmaps it over the
-cube's axes (``grid_point`` takes one argument per axis). Points whose
+cube's axes (``grid_point`` takes one keyword argument per axis). Points whose
 KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
 get NaN for every other metric (SPEC: infeasible is data, not an exception).
 """
@@ -10,21 +10,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sweep import batching, cost, roofline
+from sweep import batching, contract, cost, roofline
 from sweep.params import GridPoint, WorkloadParams
 
-DIMS = (
-    "hardware",
-    "model",
-    "workload",
-    "tensor_parallel",
-    "concurrency",
-    "token_budget",
-    "context_tokens",
-    "batching",
-    "long_prompt_tokens",
-    "traffic_tokens_per_day",
-)
+DIMS = contract.dims(contract.ROOFLINE)
 """The roofline cube's axes, in order."""
 
 
@@ -79,10 +68,9 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     return metrics
 
 
-def grid_point(hw, model, wl: WorkloadParams, tensor_parallel, concurrency,
-               token_budget, context_tokens, batching, long_prompt_tokens,
-               traffic_tokens_per_day, static_utilization):
-    """``evaluate_point`` with one argument per cube axis (the order of ``DIMS``)."""
-    pt = GridPoint(tensor_parallel, concurrency, token_budget, context_tokens,
-                   batching, long_prompt_tokens, traffic_tokens_per_day)
-    return evaluate_point(hw, model, wl, pt, static_utilization)
+def grid_point(*, hardware, model, workload: WorkloadParams, static_utilization,
+               **settings):
+    """``evaluate_point`` with one keyword argument per cube axis (``DIMS``):
+    the serving settings are the ``GridPoint`` fields, by name."""
+    return evaluate_point(hardware, model, workload, GridPoint(**settings),
+                          static_utilization)

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sweep import contract
 from sweep._numerics import softplus
 from sweep.latency import LatencyWorkload, surrogate
 from sweep.params import HardwareParams, ModelParams
@@ -73,8 +74,7 @@ if TYPE_CHECKING:
 NEIGHBOURS = 4
 """Lattice neighbours of a continuous answer: (c down/up) x (b down/up)."""
 
-METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
-           "utilization")
+METRICS = (*contract.LATENCY, "utilization")
 """Surrogate outputs kept for every evaluated integer configuration."""
 
 REACH = ("ttft_p99_s", "itl_p99_s", "utilization")

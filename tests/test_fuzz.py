@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sweep
+from sweep import contract
 from sweep.cli import check as grid_check
 from sweep.config.schema import ConfigError
-from sweep.results import ROOFLINE_VARIABLES
 
 TINY = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
         "grid.tensor_parallel=[1]", "grid.concurrency=[8]", "grid.token_budget=[512]",
@@ -99,6 +99,7 @@ def test_console_runs_or_refuses_with_one_line(tmp_path_factory, drawn):
         return
     assert proc.returncode == 0, proc.stderr
     ds = sweep.open_cube(cwd / "c.zarr")
-    assert set(ROOFLINE_VARIABLES) <= set(ds.data_vars)
+    roofline = contract.names(contract.metrics(contract.ROOFLINE))
+    assert set(roofline) <= set(ds.data_vars)
     leftovers = [p.name for p in cwd.iterdir() if p.name not in ("c.zarr", "outputs")]
     assert leftovers == [], leftovers

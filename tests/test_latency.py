@@ -169,6 +169,38 @@ def test_zero_load_is_the_bare_roofline(setup):
                                rtol=2e-3)
 
 
+def _fixed_at_zero_load(setup):
+    """The surrogate on 1,500-token prompts and 200-token outputs, no traffic."""
+    one, wls, tables = setup
+    fixed = latency_workload(WorkloadTables(
+        "fixed", np.array([1500.0]), np.array([1.0]), np.array([200.0]),
+        np.array([1.0])))
+    return run((one, {**wls, "fixed": fixed}, tables), [("fixed", 64, 2048, 1e-6)])
+
+
+def test_zero_load_e2e_is_prefill_plus_decodes(setup):
+    """One prompt and output length, no traffic: every request's E2E is its
+    prefill alone plus O - 1 decode steps of one sequence, at contexts
+    P + 1 .. P + O - 1 (mean P + O / 2: a step is linear in its context)."""
+    out = _fixed_at_zero_load(setup)
+    want = h.step(1500, 0, h.chunk_keys(1500, 0)) + 199 * h.decode(1, 1600.0)
+    # the surrogate's gaps are the mean decode step at the mean load, which at
+    # zero load leaves out the request's own KV read (0.07 of 4.96 ms: 1.5 %
+    # low; see the floor test below)
+    for k in ("e2e_p50_s", "e2e_p99_s"):
+        np.testing.assert_allclose(out[k][0], want, rtol=2e-2, err_msg=k)
+
+
+@pytest.mark.xfail(strict=True, reason="the surrogate's E2E decode gaps are the "
+                   "mean step at the mean load, below one decode of one sequence "
+                   "near zero load")
+def test_zero_load_e2e_never_below_its_floor(setup):
+    out = _fixed_at_zero_load(setup)
+    # the prefill, then 199 gaps each at least one decode at context 1,501
+    floor = h.step(1500, 0, h.chunk_keys(1500, 0)) + 199 * h.decode(1, 1501.0)
+    assert out["e2e_p50_s"][0] >= floor * (1 - 3e-3)  # the kernels' width
+
+
 def test_percentiles_ordered_and_monotone_in_rate(setup):
     seed = [("seed_chat", 64, 2048, r) for r in np.geomspace(0.3, 30.0, 8)]
     rag = [("rag_long_prompt", 64, 8192, r) for r in np.geomspace(0.05, 6.0, 8)]
@@ -179,8 +211,12 @@ def test_percentiles_ordered_and_monotone_in_rate(setup):
     assert np.all(out["ttft_p99_s"] >= out["ttft_p50_s"])
     assert np.all(out["itl_p99_s"] >= out["itl_p50_s"])
     assert np.all(out["e2e_p99_s"] >= out["ttft_p99_s"])
+    # E2E >= TTFT request by request, so their medians are ordered too
+    assert np.all(out["e2e_p50_s"] >= out["ttft_p50_s"])
+    assert np.all(out["e2e_p99_s"] >= out["e2e_p50_s"])
     for sl in (slice(0, 8), slice(8, 16)):
-        for k in ("ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "utilization"):
+        for k in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s",
+                  "utilization"):
             v = out[k][sl]
             assert np.all(np.diff(v) >= -1e-6 * v[1:]), (k, v)
         # the achieved rate never exceeds the offered one, nor goodput it

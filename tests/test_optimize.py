@@ -13,6 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 import xarray as xr
+import yaml
 from conftest import OPTIMIZE_QUICK, script
 
 import sweep
@@ -92,8 +93,16 @@ def test_run_writes_dataset_and_flags(optimize_run):
     for front in ("pareto_itl", "pareto_ttft"):
         assert 0 < int(ds[front].sum()) <= ds.sizes["config"]
     for name in ("cost_per_mtok_out_usd", "surrogate_ttft_p99_s",
-                 "simulated_itl_p99_s", "config_itl_p99_s", "replicas"):
+                 "simulated_itl_p99_s", "config_itl_p99_s", "replicas",
+                 "surrogate_e2e_p50_s", "simulated_e2e_p50_s"):
         assert "units" in ds[name].attrs and "long_name" in ds[name].attrs
+    # every latency percentile of both models: the E2E median below its p99
+    assert float(chosen.simulated_e2e_p50_s) <= float(chosen.simulated_e2e_p99_s)
+    assert float(chosen.surrogate_e2e_p50_s) <= float(chosen.surrogate_e2e_p99_s)
+    # the searched specs (hardware=h100_sxm model=qwen3_8b) and the units' meaning
+    assert yaml.safe_load(a["hardware_specs"])["h100_sxm"]["memory_bytes"] == 8e10
+    assert list(yaml.safe_load(a["model_specs"])) == ["qwen3_8b"]
+    assert a["Conventions"].startswith("CF-") and "USD = " in a["unit_definitions"]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from sweep import contract
 from sweep.errors import ConfigError
 
 
@@ -345,26 +346,15 @@ class Grid:
     )
 
     def __post_init__(self) -> None:
-        self.axes = {
-            "tensor_parallel": _numeric_axis(
-                self.tensor_parallel, "grid.tensor_parallel", integer=True, low=1),
-            "concurrency": _numeric_axis(self.concurrency, "grid.concurrency",
-                                         integer=True, low=1),
-            "token_budget": _numeric_axis(self.token_budget, "grid.token_budget",
-                                          integer=True, low=1),
-            "context_tokens": _numeric_axis(self.context_tokens, "grid.context_tokens",
-                                            integer=True, low=1),
-            "long_prompt_tokens": _numeric_axis(self.long_prompt_tokens,
-                                                "grid.long_prompt_tokens",
-                                                integer=True, low=1),
-            "traffic_tokens_per_day": _numeric_axis(
-                self.traffic_tokens_per_day, "grid.traffic_tokens_per_day",
-                integer=False, low=1e-6, high=1e18),
-        }
-        if len(self.arrival_rate_per_s) > 0:
-            self.axes["arrival_rate_per_s"] = _numeric_axis(
-                self.arrival_rate_per_s, "grid.arrival_rate_per_s", integer=False,
-                low=1e-9, high=1e12)
+        # the numeric axes of the cube (sweep.contract), each a list of floats
+        self.axes = {}
+        for a in contract.AXES:
+            spec = getattr(self, a.name) if a.kind != contract.LABEL else None
+            if spec is None or (a.optional and len(spec) == 0):
+                continue
+            self.axes[a.name] = _numeric_axis(
+                spec, f"grid.{a.name}", integer=a.kind == contract.INTEGER,
+                low=a.low, high=MAX_TOKENS if a.high is None else a.high)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
         _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
