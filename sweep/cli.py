@@ -34,7 +34,7 @@ from rich.console import Console
 from sweep import outputs
 from sweep.config.resolve import config_yaml, grid_options, restore, stash_lists
 from sweep.config.schema import ConfigError
-from sweep.config.store import register_configs
+from sweep.config.store import register_configs, resolve_lists_to_nodes
 from sweep.outputs import OutputError
 from sweep.plan import grid_plan
 from sweep.progress import BlockProgress
@@ -206,6 +206,8 @@ def grid_main() -> None:
     global _preflight_options
     # Hydra's grammar is quadratic in a list's length: long lists go by stash
     argv = stash_lists(sys.argv[1:])
+    if "--resolve" in argv:  # Hydra then resolves the config in place
+        resolve_lists_to_nodes()
     _preflight_options = _preflight("sweep-grid", "grid", argv, _grid_check)
     sys.argv[1:] = argv + (_preflight("sweep-grid", "grid", argv, partial(
         _place_run, command="sweep-grid", kind="cube", default_name="cube.zarr",

@@ -38,6 +38,7 @@ from sweep.cli import (
 )
 from sweep.config.resolve import config_yaml, restore, stash_lists
 from sweep.config.schema import ConfigError
+from sweep.config.store import resolve_lists_to_nodes
 from sweep.plan import optimize_plan
 
 COMMAND = "sweep-optimize"
@@ -165,6 +166,8 @@ def main() -> None:
     global _preflight_job
     # Hydra's grammar is quadratic in a list's length: long lists go by stash
     argv = stash_lists(sys.argv[1:])
+    if "--resolve" in argv:  # Hydra then resolves the config in place
+        resolve_lists_to_nodes()
     _preflight_job = _preflight(COMMAND, "optimize", argv, _check)
     sys.argv[1:] = argv + (_preflight(COMMAND, "optimize", argv, partial(
         _place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",

@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import socket
-import subprocess
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import CUBE_GRID
-from hydra import compose
-from omegaconf import OmegaConf
-from test_roofline import SEED_TABLE
+import yaml
+from helpers import (
+    CUBE_GRID,
+    REPO,
+    SEED_TABLE,
+    assert_cube_matches_baseline,
+    config_yaml,
+    grid_job,
+    run_script,
+)
 
 import sweep
 from sweep import grid, outputs
-from sweep.config.resolve import grid_options
+
+pytestmark = pytest.mark.slow  # every test here runs the console script
 
 SEED_ARGS = [
     "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
@@ -26,11 +33,7 @@ SEED_ARGS = [
 ]
 
 
-def run(args, cwd):
-    exe = shutil.which("sweep-grid")
-    assert exe, "sweep-grid is not installed (pip install -e .)"
-    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+run = partial(run_script, "sweep-grid")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +76,9 @@ def test_cube_contract(seed_run):
     for key in ("sweep_version", "config_yaml", "created_utc", "seed"):
         assert key in ds.attrs
     assert "qwen3_8b" in ds.attrs["config_yaml"]
-    plain = xr.open_zarr(cwd / "seed.zarr")
-    xr.testing.assert_identical(plain.load(), ds.load())
+    # every point of the cube the script wrote, against the plain-Python
+    # baseline evaluated here on the same command line's config
+    assert_cube_matches_baseline(ds.load(), grid_job(SEED_ARGS))
 
 
 def test_default_run_writes_under_outputs(tmp_path):
@@ -106,7 +110,7 @@ def test_bad_input_gets_one_line_and_exit_2(tmp_path, args, pattern):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert __import__("re").search(pattern, lines[0]), lines[0]
+    assert re.search(pattern, lines[0]), lines[0]
     assert not any(tmp_path.iterdir()), "bad input must leave nothing behind"
 
 
@@ -232,20 +236,19 @@ def test_multirun_jobs_sharing_one_out_second_is_refused(tmp_path):
     assert list(sweep.open_cube(tmp_path / "m.zarr").concurrency.values) == [1]
 
 
-def test_app_config_is_the_one_a_rerun_looks_for(cube_path, hydra_ctx):
+def test_app_config_is_the_one_a_rerun_looks_for(cube_path):
     # a rerun without out= finds an unfinished cube by the digest of the config
     # it composes; the job wrote the digest of Hydra's own composition
     out = f"out={cube_path}"
     written = sweep.open_cube(cube_path).attrs["config_yaml"]
-    assert OmegaConf.to_yaml(compose(config_name="grid", overrides=[
-        *CUBE_GRID, out])) == written
+    assert config_yaml("grid", [*CUBE_GRID, out]) == written
     assert not (cube_path.parent / "outputs").exists()
 
 
-def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path, hydra_ctx):
+def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path):
     args = [*SMALL, "grid.chunk_points=12"]
-    config_yaml = OmegaConf.to_yaml(compose(config_name="grid", overrides=args))
-    job = grid.prepare(*grid_options("grid", args))
+    text = config_yaml("grid", args)
+    job = grid_job(args)
     assert len(job.parts[0].plan) == 2
     folder = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
 
@@ -254,7 +257,7 @@ def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path, hydra_ctx):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        grid.run(job, folder / "cube.zarr", {"run": "first"}, config_yaml,
+        grid.run(job, folder / "cube.zarr", {"run": "first"}, text,
                  progress=stop)
     # a run of another config is not resumed
     other = tmp_path / "outputs" / "2026-01-01" / "00-00-01"
@@ -266,9 +269,78 @@ def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path, hydra_ctx):
             "00-00-00/cube.zarr (1 of 2 blocks done)") in proc.stderr
     assert sorted(p.name for p in (tmp_path / "outputs").glob("*/*")) == [
         "00-00-00", "00-00-01"], "no new run directory"
-    assert sorted(p.name for p in folder.iterdir()) == [".hydra", "cli.log",
-                                                         "cube.zarr"]
+    assert sorted(p.name for p in folder.iterdir()) == [".hydra", "cube.zarr",
+                                                         "sweep-grid.log"]
     ds = sweep.open_cube(folder / "cube.zarr").load()
     assert ds.attrs["run"] == "first"  # its store was continued, not started over
-    fresh = grid.run(job, tmp_path / "fresh.zarr", {"run": "first"}, config_yaml)
+    assert_cube_matches_baseline(ds, job)
+    fresh = grid.run(job, tmp_path / "fresh.zarr", {"run": "first"}, text)
     xr.testing.assert_equal(ds, fresh.load())
+
+
+# --- Hydra's own flags: --cfg, --help, tab completion ---
+
+@pytest.mark.parametrize("command", ["sweep-grid", "sweep-optimize"])
+def test_cfg_job_resolve_prints_the_resolved_config(tmp_path, command):
+    # the shipped grid's axes are ${range:...}; a 100-value list is parsed
+    # outside Hydra (stash_lists); both resolve to lists
+    extra = [f"grid.token_budget=[{','.join(map(str, range(1, 101)))}]"] if (
+        command == "sweep-grid") else []
+    proc = run_script(command, ["--cfg", "job", "--resolve", *extra], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    if command == "sweep-grid":
+        assert cfg["grid"]["concurrency"] == [2.0**i for i in range(11)]
+        assert cfg["grid"]["token_budget"] == list(range(1, 101))
+    else:
+        assert cfg["search"]["tensor_parallel"] == [1, 2, 4, 8]
+    assert "${" not in proc.stdout
+    assert list(tmp_path.iterdir()) == [], "printing a config writes nothing"
+
+
+SHIPPED_HARDWARE = sorted(p.stem for p in (REPO / "conf" / "hardware").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("command", ["sweep-grid", "sweep-optimize"])
+def test_help_names_the_command_and_lists_configs_not_schemas(tmp_path, command):
+    proc = run_script(command, ["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{command}: ")
+    assert "cli" not in proc.stdout.split("== Config ==")[0]
+    assert f"hardware: {', '.join(SHIPPED_HARDWARE)}\n" in proc.stdout
+    assert "base_" not in proc.stdout
+
+
+def test_tab_completion_offers_configs_not_schemas(tmp_path):
+    def complete(line):
+        env = {**os.environ, "COMP_LINE": line}
+        proc = run_script("sweep-grid", ["-sc", "query=bash"], tmp_path, env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.split()
+
+    assert complete("sweep-grid hardware=") == [
+        f"hardware={h}" for h in SHIPPED_HARDWARE]
+    assert complete("sweep-grid hardware=b") == ["hardware=b200"]
+    assert complete("sweep-grid latency=") == [
+        "latency=none", "latency=simulate", "latency=surrogate"]
+
+
+# --- numeric axes: sorted, integer axes deduplicated ---
+
+def test_axes_are_sorted_and_a_log_range_of_integers_deduplicated(tmp_path):
+    args = ["grid=small", "hardware=h100_sxm", "model=qwen3_8b",
+            "grid.concurrency=${range:1,1024,64,log}", "grid.token_budget=[2048,512]",
+            "grid.tensor_parallel=[2,1]", "out=c.zarr"]
+    proc = run(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "c.zarr").load()
+    # 64 log-spaced values from 1 to 1024, each rounded to an integer: the
+    # small ones repeat (1, 1.12, 1.25, 1.39 -> 1)
+    conc = sorted({round(1024 ** (i / 63)) for i in range(64)})
+    assert 40 < len(conc) < 64
+    assert ds.concurrency.values.tolist() == conc
+    assert ds.token_budget.values.tolist() == [512, 2048]
+    assert ds.tensor_parallel.values.tolist() == [1, 2]
+    assert ds.sel(concurrency=slice(1, 16)).concurrency.values.tolist() == [
+        c for c in conc if c <= 16]
+    assert_cube_matches_baseline(ds, grid_job(args[:-1]))
