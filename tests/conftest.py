@@ -70,14 +70,22 @@ def cube_path(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def jax_cache_env(tmp_path_factory) -> dict[str, str]:
-    """The environment of console-script runs: one JAX compilation cache (a
-    temporary folder) for the session, so a later run reuses an earlier one's
-    compiled programs."""
-    env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    return env
+@pytest.fixture(scope="session", autouse=True)
+def jax_cache(tmp_path_factory):
+    """One JAX compilation cache (a temporary folder) for every console-script
+    run of the session, however small the program: a run reuses what an
+    earlier one compiled (a rerun of the same grid, the same search). This
+    process imported JAX before and keeps compiling in memory only."""
+    names = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    old = {n: os.environ.get(n) for n in names}
+    os.environ[names[0]] = str(tmp_path_factory.mktemp("jax_cache"))
+    os.environ[names[1]] = "0"
+    yield
+    for n, v in old.items():
+        if v is None:
+            os.environ.pop(n)
+        else:
+            os.environ[n] = v
 
 
 @dataclass(frozen=True)
@@ -87,12 +95,11 @@ class OptimizeRun:
 
 
 @pytest.fixture(scope="session")
-def optimize_run(tmp_path_factory, jax_cache_env) -> OptimizeRun:
+def optimize_run(tmp_path_factory) -> OptimizeRun:
     """``sweep-optimize OPTIMIZE_QUICK out=opt.zarr`` by the installed script,
     once a session; its exit code is for the tests to check."""
     root = tmp_path_factory.mktemp("sweep_optimize")
-    proc = run_script("sweep-optimize", [*OPTIMIZE_QUICK, "out=opt.zarr"], root,
-                      jax_cache_env)
+    proc = run_script("sweep-optimize", [*OPTIMIZE_QUICK, "out=opt.zarr"], root)
     return OptimizeRun(root / "opt.zarr", proc)
 
 
@@ -102,8 +109,8 @@ class GridRun:
     proc: subprocess.CompletedProcess
 
 
-def _grid_run(root: Path, args: list[str], env: dict[str, str]) -> GridRun:
-    proc = run_script("sweep-grid", [*args, "out=cube.zarr"], root, env)
+def _grid_run(root: Path, args: list[str]) -> GridRun:
+    proc = run_script("sweep-grid", [*args, "out=cube.zarr"], root)
     assert proc.returncode == 0, proc.stderr
     return GridRun(root / "cube.zarr", proc)
 
@@ -113,22 +120,22 @@ P99_BASE = ["model=qwen3_8b", "grid.tensor_parallel=[1]",
 
 
 @pytest.fixture(scope="session")
-def simulated_run(tmp_path_factory, jax_cache_env) -> GridRun:
+def simulated_run(tmp_path_factory) -> GridRun:
     """A ``latency=simulate`` cube by the installed ``sweep-grid``: two arrival
     rates, two contexts, static and continuous batching (once a session)."""
     return _grid_run(tmp_path_factory.mktemp("simulated"), [
         *P99_BASE, "hardware=h100_sxm", "workload=azure_conv_2023",
         "grid.arrival_rate_per_s=[1,4]", "grid.concurrency=[16,64]",
         "grid.token_budget=[512,2048]", "grid.batching=[static,continuous]",
-        "latency=simulate", "latency.num_requests=300"], jax_cache_env)
+        "latency=simulate", "latency.num_requests=300"])
 
 
 @pytest.fixture(scope="session")
-def surrogate_run(tmp_path_factory, jax_cache_env) -> GridRun:
+def surrogate_run(tmp_path_factory) -> GridRun:
     """A ``latency=surrogate`` cube by the installed ``sweep-grid``: two GPUs,
     two contexts, the workload's own rate set to 3 req/s (once a session)."""
     return _grid_run(tmp_path_factory.mktemp("surrogate"), [
         *P99_BASE, "grid.hardware=[h100_sxm,l40s]", "workload=seed_chat",
         "workload.arrival_rate_per_s=3", "grid.concurrency=[1,8,64]",
         "grid.token_budget=[512,2048]", "grid.batching=[static,continuous]",
-        "latency=surrogate"], jax_cache_env)
+        "latency=surrogate"])

@@ -215,11 +215,11 @@ def test_long_axis_through_the_console(long_run):
 
 
 @pytest.mark.slow
-def test_optimize_says_replicas_max_binds(optimize_run, jax_cache_env, tmp_path):
+def test_optimize_says_replicas_max_binds(optimize_run, tmp_path):
     # the session's sweep-optimize run compiled the same search (cache reused)
     proc = run_script("sweep-optimize", [*OPTIMIZE_QUICK,
                                          "workload.arrival_rate_per_s=1e9",
-                                         "out=o.zarr"], tmp_path, jax_cache_env)
+                                         "out=o.zarr"], tmp_path)
     assert proc.returncode == 3, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(r"sweep-optimize: infeasible at search.replicas_max = 256: each "

@@ -1,7 +1,7 @@
 """``sweep-optimize`` as a user runs it, and the job's pure-Python parts.
 
 The console-script runs share one JAX compilation cache (a temporary folder,
-``jax_cache_env``), so a later run reuses the first one's compiled search; the
+``conftest.jax_cache``), so a later run reuses the first one's compiled search; the
 successful run is the session's ``optimize_run``, which ``sweep-report``'s
 tests read too.
 """
@@ -96,10 +96,9 @@ def test_run_writes_dataset_and_flags(optimize_run):
 
 
 @pytest.mark.slow
-def test_infeasible_slo_names_the_constraint_exit_3(tmp_path, jax_cache_env):
+def test_infeasible_slo_names_the_constraint_exit_3(tmp_path):
     # 0.5 ms p99 ITL is below one decode step of Qwen3-8B on any H100 split
-    proc = run([*OPTIMIZE_QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path,
-               jax_cache_env)
+    proc = run([*OPTIMIZE_QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path)
     assert proc.returncode == 3, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("sweep-optimize: infeasible SLO: binding constraint "
