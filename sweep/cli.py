@@ -32,6 +32,7 @@ from sweep.commands import (
     quiet_backend_probe,
 )
 from sweep.config.resolve import config_yaml, grid_options, restore, stash_lists
+from sweep.config.store import resolve_lists_to_nodes
 from sweep.errors import ConfigError
 from sweep.outputs import OutputError
 from sweep.plan import grid_plan
@@ -110,6 +111,8 @@ def grid_main() -> None:
     global _preflight_options
     # Hydra's grammar is quadratic in a list's length: long lists go by stash
     argv = stash_lists(sys.argv[1:])
+    if "--resolve" in argv:  # Hydra then resolves the config in place
+        resolve_lists_to_nodes()
     _preflight_options = preflight("sweep-grid", "grid", argv, check)
     sys.argv[1:] = argv + (preflight("sweep-grid", "grid", argv, partial(
         place_run, command="sweep-grid", kind="cube", default_name="cube.zarr",

@@ -197,9 +197,15 @@ def config_digest(config_yaml: str) -> str:
 
 
 def fingerprint(config_yaml: str, job: GridJob) -> str:
-    """Identifies a sweep for resuming: same config and blocking, same blocks."""
-    text = config_yaml + repr([(p.name, p.plan) for p in job.parts])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """Identifies a sweep for resuming: same config, coordinates and blocking,
+    same blocks. (The config's text alone does not fix the coordinates: the
+    numeric axes are sorted, a search path's options may change.)"""
+    h = hashlib.sha256((config_yaml + repr([(p.name, p.plan) for p in job.parts]))
+                       .encode())
+    for name, values in job.coords.items():
+        h.update(f"{name}:{values.dtype}:".encode())
+        h.update(np.ascontiguousarray(values).tobytes())
+    return h.hexdigest()[:16]
 
 
 def run(job: GridJob, out, attrs: dict, config_yaml: str,

@@ -37,6 +37,7 @@ from sweep.commands import (
     quiet_backend_probe,
 )
 from sweep.config.resolve import config_yaml, restore, stash_lists
+from sweep.config.store import resolve_lists_to_nodes
 from sweep.errors import ConfigError
 from sweep.plan import optimize_plan
 
@@ -170,6 +171,8 @@ def main() -> None:
     global _preflight_job
     # Hydra's grammar is quadratic in a list's length: long lists go by stash
     argv = stash_lists(sys.argv[1:])
+    if "--resolve" in argv:  # Hydra then resolves the config in place
+        resolve_lists_to_nodes()
     _preflight_job = preflight(COMMAND, "optimize", argv, check)
     sys.argv[1:] = argv + (preflight(COMMAND, "optimize", argv, partial(
         place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import script
+from helpers import script
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 

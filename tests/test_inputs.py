@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
+from functools import partial
 
 import numpy as np
 import pytest
 import yaml
-from conftest import OPTIMIZE_QUICK, script
+from helpers import OPTIMIZE_QUICK, compose_app, grid_inputs, run_script
 
 import sweep
 from sweep import plan
@@ -116,11 +116,10 @@ def test_optimize_preflight_refuses(hydra_ctx):
     assert msg.startswith("search.verify_requests = 16000000 with search.verify_top")
 
 
-def run(args, cwd, env=None):
-    return subprocess.run([script("sweep-grid"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, env=env)
+run = partial(run_script, "sweep-grid")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, pattern", [
     (["grid.tensor_parallel=[3]"], r"grid.tensor_parallel = 3: model\[qwen3_8b\]"),
     (["latency=simulate", "latency.num_requests=10000000", "max_memory_gb=2",
@@ -149,6 +148,19 @@ def test_long_axis_is_parsed_without_hydra(hydra_ctx):
     assert base.grid.axes["concurrency"] == [float(v) for v in values]
 
 
+def test_numeric_axes_ascend_and_integer_axes_merge_what_rounds_alike():
+    app, _ = grid_inputs([*TINY[:3], "grid.concurrency=${range:1,1024,64,log}",
+                          "grid.token_budget=[2048,512,511.8]",
+                          "grid.traffic_tokens_per_day=[1e9,1e7]"])
+    conc = app.grid.axes["concurrency"]
+    assert conc == sorted({float(round(1024 ** (i / 63))) for i in range(64)})
+    assert conc[:3] == [1.0, 2.0, 3.0] and conc[-1] == 1024.0
+    assert app.grid.axes["token_budget"] == [512.0, 2048.0]
+    assert app.grid.axes["traffic_tokens_per_day"] == [1e7, 1e9]
+    search = compose_app("optimize", ["search.tensor_parallel=[8,1,2]"]).search
+    assert search.tp_values == [1.0, 2.0, 8.0]
+
+
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory):
     """sweep-grid with a 2,000-value axis in blocks of 500 points, progress
@@ -165,6 +177,7 @@ def long_run(tmp_path_factory):
     return cwd, proc, conc, args
 
 
+@pytest.mark.slow
 def test_plan_line_comes_first(long_run):
     _, proc, _, _ = long_run
     first = proc.stderr.splitlines()[0]
@@ -175,6 +188,7 @@ def test_plan_line_comes_first(long_run):
         r"long.zarr", first), first
 
 
+@pytest.mark.slow
 def test_progress_lines_when_stderr_is_not_a_terminal(long_run):
     _, proc, _, _ = long_run
     lines = [ln for ln in proc.stderr.splitlines()
@@ -183,11 +197,13 @@ def test_progress_lines_when_stderr_is_not_a_terminal(long_run):
     assert lines[-1].startswith("sweep-grid: 4/4 blocks in ")
 
 
+@pytest.mark.slow
 def test_no_backend_probe_noise(long_run):
     _, proc, _, _ = long_run
     assert "Unable to initialize backend" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_long_axis_through_the_console(long_run):
     cwd, _, conc, args = long_run
     ds = sweep.open_cube(cwd / "long.zarr")
@@ -199,12 +215,11 @@ def test_long_axis_through_the_console(long_run):
 
 
 @pytest.mark.slow
-def test_optimize_says_replicas_max_binds(optimize_run, jax_cache_env, tmp_path):
+def test_optimize_says_replicas_max_binds(optimize_run, tmp_path):
     # the session's sweep-optimize run compiled the same search (cache reused)
-    proc = subprocess.run([script("sweep-optimize"), *OPTIMIZE_QUICK,
-                           "workload.arrival_rate_per_s=1e9", "out=o.zarr"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env=jax_cache_env)
+    proc = run_script("sweep-optimize", [*OPTIMIZE_QUICK,
+                                         "workload.arrival_rate_per_s=1e9",
+                                         "out=o.zarr"], tmp_path)
     assert proc.returncode == 3, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(r"sweep-optimize: infeasible at search.replicas_max = 256: each "

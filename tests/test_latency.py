@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import math
 
+import helpers as h
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
 
 from sweep import _numerics as nm
 from sweep import status
@@ -31,7 +29,6 @@ from sweep.params import stack
 from sweep.simulate import simulate
 from sweep.status import KV_INFEASIBLE, OK, SATURATED
 from sweep.workload import WorkloadTables, workload_tables
-from tests import helpers as h
 
 LONG_PROMPT = 100_000  # tokens: the "long" workload's only prompt
 
@@ -40,16 +37,11 @@ BATCH = 16  # every surrogate call below uses this batch size (one compilation)
 
 @pytest.fixture(scope="module")
 def setup():
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        def get(group, name):
-            return OmegaConf.to_object(
-                getattr(compose(config_name=f"{group}/{name}"), group))
-        hw = hardware_params(get("hardware", "h100_sxm"), 1.0)
-        model = model_params(get("model", "qwen3_8b"))
-        tables = {w: workload_tables(get("workload", w))
-                  for w in ("seed_chat", "rag_long_prompt")}
-    GlobalHydra.instance().clear()
+    app = h.compose_app("grid", ["hardware=h100_sxm", "model=qwen3_8b"])
+    hw = hardware_params(app.hardware, 1.0)
+    model = model_params(app.model)
+    tables = {w: workload_tables(h.compose_app("grid", [f"workload={w}"]).workload)
+              for w in ("seed_chat", "rag_long_prompt")}
     seed = tables["seed_chat"]
     tables["long"] = WorkloadTables("long", np.array([float(LONG_PROMPT)]),
                                     np.array([1.0]), seed.output_values,

@@ -1,28 +1,25 @@
 """``sweep-optimize`` as a user runs it, and the job's pure-Python parts.
 
 The console-script runs share one JAX compilation cache (a temporary folder,
-``jax_cache_env``), so a later run reuses the first one's compiled search; the
+``conftest.jax_cache``), so a later run reuses the first one's compiled search; the
 successful run is the session's ``optimize_run``, which ``sweep-report``'s
 tests read too.
 """
 
 from __future__ import annotations
 
-import subprocess
+from functools import partial
 
 import numpy as np
 import pytest
 import xarray as xr
 import yaml
-from conftest import OPTIMIZE_QUICK, script
+from helpers import OPTIMIZE_QUICK, run_script
 
 import sweep
 from sweep import outputs, pareto
 
-
-def run(args, cwd, env=None):
-    return subprocess.run([script("sweep-optimize"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=900, env=env)
+run = partial(run_script, "sweep-optimize")
 
 
 def test_pareto_front():
@@ -33,6 +30,7 @@ def test_pareto_front():
                                   [True, True, False, True, False, True])
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2(tmp_path):
     proc = run(["search.tensor_parallel=[0]"], tmp_path)
     assert proc.returncode == 2
@@ -42,6 +40,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_out_the_tool_must_not_replace_is_refused(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "k.txt").write_text("keep")
@@ -55,7 +54,6 @@ def test_out_the_tool_must_not_replace_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 
-@pytest.mark.slow
 def test_run_writes_dataset_and_flags(optimize_run):
     proc = optimize_run.proc
     assert proc.returncode == 0, proc.stderr
@@ -106,10 +104,9 @@ def test_run_writes_dataset_and_flags(optimize_run):
 
 
 @pytest.mark.slow
-def test_infeasible_slo_names_the_constraint_exit_3(tmp_path, jax_cache_env):
+def test_infeasible_slo_names_the_constraint_exit_3(tmp_path):
     # 0.5 ms p99 ITL is below one decode step of Qwen3-8B on any H100 split
-    proc = run([*OPTIMIZE_QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path,
-               jax_cache_env)
+    proc = run([*OPTIMIZE_QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path)
     assert proc.returncode == 3, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("sweep-optimize: infeasible SLO: binding constraint "

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import optimize_inputs
 
 from sweep import optimize
 from sweep.arrivals import Requests, route, split
@@ -51,15 +52,7 @@ def test_random_routing_is_reproducible_and_complete():
 
 @pytest.fixture(scope="module")
 def job():
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        base, hardware, models = optimize.options("optimize", OVERRIDES)
-        out = optimize.prepare(base, hardware, models)
-    GlobalHydra.instance().clear()
-    return out
+    return optimize.prepare(*optimize_inputs(OVERRIDES))
 
 
 def test_split_replicas_pool_every_request(job):

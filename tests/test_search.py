@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hydra import compose
-from omegaconf import OmegaConf
+from helpers import compose_app
 
 from sweep import search
 from sweep.config.convert import hardware_params, model_params
@@ -35,14 +34,7 @@ SLO = (1.0, 0.05)  # p99 TTFT, p99 ITL (s)
 
 @pytest.fixture(scope="module")
 def scenario():
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        app = OmegaConf.to_object(compose("optimize", ["hardware=h100_sxm",
-                                                       "model=qwen3_8b"]))
-    GlobalHydra.instance().clear()
+    app = compose_app("optimize", ["hardware=h100_sxm", "model=qwen3_8b"])
     hw = hardware_params(app.hardware, 0.9)
     model = model_params(app.model)
     lw = latency_workload(workload_tables(app.workload))

@@ -9,22 +9,19 @@ running) go through one more vmapped call per precision (``big``).
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hydra import initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
+from helpers import grid_inputs
+from reference_scheduler import simulate_reference, step_time_s
 
 from sweep import simulate as sim
 from sweep.arrivals import Requests, sample_requests
 from sweep.batching import CONTINUOUS, REQUEST, STATIC
 from sweep.config.convert import hardware_params, model_params
-from sweep.config.resolve import grid_options
 from sweep.config.schema import ArrivalKind
 from sweep.params import REJECT, TRUNCATE, HardwareParams, ModelParams
 from sweep.simulate import (
@@ -36,9 +33,6 @@ from sweep.simulate import (
     summarize,
 )
 from sweep.workload import WorkloadTables, context_limit, load_trace, workload_tables
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference_scheduler import simulate_reference, step_time_s  # noqa: E402
 
 R = 40  # requests per case (one jit shape)
 SLOTS = 8
@@ -383,13 +377,8 @@ SHIPPED = ("seed_chat", "rag_long_prompt", "offline_batch", "azure_conv_2023",
 
 def composed():
     """The grid app over the shipped workloads, H100 SXM and MI300X, Qwen3-8B."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        app, options = grid_options("grid", [
-            f"grid.workload=[{','.join(SHIPPED)}]", "grid.hardware=[h100_sxm,mi300x]",
-            "model=qwen3_8b"])
-    GlobalHydra.instance().clear()
-    return app, options
+    return grid_inputs([f"grid.workload=[{','.join(SHIPPED)}]",
+                        "grid.hardware=[h100_sxm,mi300x]", "model=qwen3_8b"])
 
 
 def shipped_stream(w, rate_factor, seed):

@@ -104,10 +104,10 @@ def config_yaml(cfg) -> str:
 
 
 def group_options(group: str, app: str, overrides: list[str]) -> list[str]:
-    """Options of a config group (user search paths included), less ``base_*``."""
-    names = GlobalHydra.instance().config_loader().get_group_options(
+    """Options of a config group, user search paths included (the schemas are
+    not options: ``sweep.config.store``)."""
+    return GlobalHydra.instance().config_loader().get_group_options(
         group, config_name=app, overrides=overrides)
-    return sorted(n for n in names if not n.startswith("base_"))
 
 
 def _one_line(e: BaseException) -> str:
@@ -135,9 +135,8 @@ def compose_object(app: str, overrides: list[str]):
     except MissingConfigException as e:
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         if group and e.options is not None:
-            opts = ", ".join(o for o in e.options if not o.startswith("base_"))
-            raise ConfigError(
-                f"{group}={name}: unknown option; allowed: {opts}") from None
+            raise ConfigError(f"{group}={name}: unknown option; allowed: "
+                              f"{', '.join(e.options)}") from None
         raise ConfigError(_one_line(e)) from None
     except ConfigError:
         raise

@@ -293,6 +293,14 @@ def axis_range(start, stop, num, scale="linear") -> list[float]:
 
 def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float,
                   high: float = MAX_TOKENS) -> list[float]:
+    """An axis's values, checked, in ascending order.
+
+    A value typed twice is refused (a slip of the pen); on an integer axis,
+    distinct values that round to the same integer are kept once, so a log
+    range over small integers (``${range:1,1024,64,log}``) is usable. The
+    order is ascending whatever the order typed: the values become a cube's
+    coordinate, which ``.sel(axis=slice(a, b))`` reads as sorted.
+    """
     values = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     _check(len(values) > 0, key, values, "must list at least one value")
     _check(len(values) <= MAX_AXIS_VALUES, key, f"{len(values)} values",
@@ -301,16 +309,16 @@ def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float,
     for v in values:
         _check(isinstance(v, (int, float)) and not isinstance(v, bool)
                and math.isfinite(v), key, v, "must be a number")
-        v = float(round(v)) if integer else float(v)
-        _check(low <= v <= high, key, v,
+        r = float(round(v)) if integer else float(v)
+        _check(low <= r <= high, key, r,
                f"every value must be in [{_bound(low)}, {_bound(high)}]")
-        out.append(v)
-    if len(set(out)) != len(out):
+        out.append(r)
+    if len(set(values)) != len(values):
         seen: set[float] = set()
-        twice = next(v for v in out if v in seen or seen.add(v))
+        twice = next(v for v in values if v in seen or seen.add(v))
         raise ConfigError(f"{key}: {twice:g} appears more than once; values must be "
                           "distinct")
-    return out
+    return sorted(set(out))
 
 
 @dataclass
