@@ -4,9 +4,9 @@ A policy answers, for one grid point, the questions the models ask of it:
 
 * ``running(concurrency)``: how many sequences run at once;
 * ``slot_utilization(padded_utilization)``: the share of the running slots
-  that emit a token, given ``E[out] / E[max of B outputs]`` at ``B =
-  concurrency`` (``sweep.cost.static_slot_utilization``), the share of a
-  batch that waits for its longest output;
+  that emit a token, given the share ``E[out] / E[max of B outputs]`` at
+  ``B = concurrency`` that a batch kept until its longest output ends reaches
+  (``sweep.cost.static_slot_utilization``);
 * ``continuous``: whether requests join and leave the running batch between
   steps, as in vLLM, SGLang and TGI. Chunked prefill, the surrogate's
   queueing model and vLLM's engine flags exist only then.
@@ -17,11 +17,14 @@ request-at-a-time serving, static batching with batches of one.
 
 The ``batching`` axis holds a policy's index into ``POLICIES`` (int32, traced),
 so one compiled program serves every policy. ``running``, ``slot_utilization``
-and ``is_continuous`` evaluate their question for every registered policy
-(static Python objects, so each answer is a few operations on the point's
-scalars) and keep the traced policy's answer with one ``jax.lax.select_n``;
-no Python branch ever sees the traced index. Host code (cube analysis, plots)
-reads the same answers by name: ``policy(name)``.
+and ``is_continuous`` ask their question of every registered policy (static
+Python objects: each answer is a number or a few operations on the point's
+scalars) and keep the traced policy's answer with ``jnp.where``, never a
+Python branch on the index. Policies giving the same answer share it, so a
+question on which one policy differs compiles to the one ``where`` a
+hand-written branch would, and the cubes are bit for bit those of such
+branches. Host code (cube analysis, plots) reads the same answers by name:
+``policy(name)``.
 
 Adding a policy: one class below with its three answers, its entry in
 ``POLICIES``, and its name in ``sweep.config.schema.Batching`` (what a user
@@ -30,23 +33,29 @@ may write; tests/test_batching.py checks that the two agree).
 
 from __future__ import annotations
 
-import jax
+import functools
+import operator
+
 import jax.numpy as jnp
 
 
 class Policy:
-    """What the models ask of a batching policy (scalars of one grid point)."""
+    """What the models ask of a batching policy (scalars of one grid point).
+
+    An answer is a Python number or a function of the arguments; returning an
+    argument itself, or a number, lets policies that agree share it.
+    """
 
     name: str
     continuous: bool  # requests join and leave the batch between steps
 
     def running(self, concurrency):
-        """Sequences running at once (the dtype of ``concurrency``)."""
+        """Sequences running at once (default: the concurrency)."""
         return concurrency
 
     def slot_utilization(self, padded_utilization):
-        """Share of running slots emitting a token (the dtype of the argument)."""
-        return jnp.ones_like(padded_utilization)
+        """Share of running slots emitting a token (default: every slot works)."""
+        return 1.0
 
 
 class Continuous(Policy):
@@ -76,7 +85,7 @@ class Request(Policy):
     continuous = False
 
     def running(self, concurrency):
-        return jnp.ones_like(concurrency)
+        return 1
 
 
 POLICIES: tuple[Policy, ...] = (Request(), Static(), Continuous())
@@ -107,13 +116,33 @@ CONTINUOUS_NAMES = tuple(p.name for p in POLICIES if p.continuous)
 
 
 def _select(batching, answers):
-    """``answers[batching]``: one answer per policy, the index traced (int32)."""
-    return jax.lax.select_n(jnp.asarray(batching, jnp.int32),
-                            *(jnp.asarray(a) for a in answers))
+    """The answer of policy ``batching`` (a traced int32 index), given one
+    answer per policy.
+
+    The most common answer (the same object, or equal Python numbers) is the
+    default; each policy answering otherwise costs one comparison and one
+    ``jnp.where``. Bool answers compile to the comparisons alone.
+    """
+    keys = [(type(a), a) if isinstance(a, bool | int | float) else id(a)
+            for a in answers]
+    default = max(keys, key=keys.count)  # the first on a tie
+    base = answers[keys.index(default)]
+    other = [(i, a) for i, (k, a) in enumerate(zip(keys, answers)) if k != default]
+    batching = jnp.asarray(batching)
+    if all(isinstance(a, bool) for a in answers):
+        if not other:
+            return jnp.full(batching.shape, base)
+        hit = functools.reduce(operator.or_, [batching == i for i, _ in other])
+        return ~hit if base else hit
+    out = base
+    for i, a in other:
+        out = jnp.where(batching == i, a, out)
+    return jnp.asarray(out)
 
 
 def running(batching, concurrency):
-    """Sequences running at once under policy ``batching`` (an index, scalar)."""
+    """Sequences running at once under policy ``batching`` (an index, scalar);
+    the dtype of ``concurrency``."""
     return _select(batching, [p.running(concurrency) for p in POLICIES])
 
 

@@ -113,3 +113,17 @@ def test_a_new_policy_is_one_class_and_its_registration(monkeypatch):
     assert float(out["slot_utilization"]) == 1.0
     # continuous: the chunked-prefill interference is computed, not NaN
     assert np.isfinite(float(out["long_prefill_s"]))
+
+
+def test_a_question_one_policy_answers_differently_is_one_where():
+    # what the hand-written branches compiled to, so that moving a model onto
+    # the policies leaves its compiled program (and its cube) as it was
+    b, c, u = jnp.int32(1), jnp.int32(8), jnp.float32(0.4)
+
+    def same(f, g, *args):
+        assert str(jax.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(g)(*args))
+
+    same(batching.running, lambda b, c: jnp.where(b == batching.REQUEST, 1, c), b, c)
+    same(batching.slot_utilization,
+         lambda b, u: jnp.where(b == batching.STATIC, u, 1.0), b, u)
+    same(batching.is_continuous, lambda b: b == batching.CONTINUOUS, b)
