@@ -683,10 +683,7 @@ def _e2e(ttft_band_cdf, wl, st: _State, lo, hi):
         per = ttft_band_cdf(t[:, None, None] - decode_time[None, :, None])  # (L, I, J)
         return jnp.einsum("lij,ji->l", per, wl.joint_probs)
 
-    # one bisection per level: each quantile is the same compiled program
-    # whichever other levels are asked for (bit for bit)
-    return tuple(quantile(cdf, (level,), lo, hi + jnp.max(decode_time))[0]
-                 for level in _LEVELS)
+    return quantile(cdf, _LEVELS, lo, hi + jnp.max(decode_time))
 
 
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
