@@ -19,7 +19,13 @@ diffrax's ``RESULTS``):
   outputs the search keeps (``sweep.search.METRICS``).
 
 Adding a metric: one ``Metric`` below, and the code that computes it (the
-point function of its part returns it under its name or ``source``).
+point function of its part returns it under its name or ``source``); a
+latency percentile (``latency=True``) comes from both latency models, and the
+optimizer keeps and reports it for each. Adding a numeric axis: one ``Axis``
+below (its place is its place in the cube), a field of the same name in the
+schema's ``Grid`` (the values a user sweeps), and the code that uses it: a
+``GridPoint`` field of the same name for the roofline, a keyword argument of
+the p99 point functions for the latency part.
 
 Units are written so that pint parses them (``unit_registry``) once the few
 counting units and the currency below are defined (``UNIT_DEFINITIONS``,

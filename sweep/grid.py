@@ -3,11 +3,10 @@
 A cube is made of *parts*, each a point function evaluated over the product of
 some of the cube's axes: the roofline metrics over ``point.DIMS``, and (with
 ``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS`` (both
-``sweep.contract.dims``). Point functions take their inputs by axis name.
-``prepare``
-does everything that can fail on bad input (trace loading, the cross-group
-checks) without compiling anything; ``run`` evaluates the missing blocks of
-every part, writes them, and returns the finished cube.
+``sweep.contract.dims``); point functions take their inputs by axis name.
+``prepare`` does everything that can fail on bad input (trace loading, the
+cross-group checks) without compiling anything; ``run`` evaluates the missing
+blocks of every part, writes them, and returns the finished cube.
 """
 
 from __future__ import annotations

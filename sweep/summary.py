@@ -33,17 +33,18 @@ from sweep.accessor import CONFIG_DIMS, MASK_VARIABLES, cube_slo
 from sweep.plan import LOAD_POINTS
 
 MAX_ROWS = 60
-ROW_DIMS = tuple(a.name for a in contract.AXES
-                 if a.role == contract.SCENARIO and not a.affects)
-"""Scenario dims that get rows; one that changes only a few metrics (none
-shown) is fixed at its first value instead."""
-FIXED_DIMS = tuple(a.name for a in contract.AXES
-                   if a.role == contract.SCENARIO and a.affects)
 COLUMNS = tuple(sorted((m for m in contract.METRICS if m.column),
                        key=lambda m: (contract.SPEED, contract.COST).index(
                            m.column.section)))
 """The metrics shown (those a cube has): speed, then cost, each in
 declaration order."""
+FIXED_DIMS = tuple(a.name for a in contract.AXES if a.role == contract.SCENARIO
+                   and a.affects and not set(a.affects) & {m.name for m in COLUMNS})
+"""Scenario dims that change only metrics the table does not show: fixed at
+their first value."""
+ROW_DIMS = tuple(a.name for a in contract.AXES
+                 if a.role == contract.SCENARIO and a.name not in FIXED_DIMS)
+"""Scenario dims that get rows."""
 
 
 def _fmt(dim: str, v) -> str:
