@@ -54,6 +54,16 @@ def refused(check, app: str, overrides: list[str]) -> str:
     (["model.kv_heads=5"], r"model\[qwen3_8b\].kv_heads = 5: must divide q_heads"),
     (["hardware.memory_bytes=1e300"], r"memory_bytes = 1e\+300: .* \[1e\+06, 1e\+14\]"),
     (["hardware.mbu=1e-300"], r"hardware\[h100_sxm\].mbu = 1e-300"),
+    (["hardware.mbu=fast"], r"hardware.mbu"),
+    (["hardware.memory_bandwidth_bytes_per_s=-1"],
+     r"memory_bandwidth_bytes_per_s = -1.0: must be a finite number in "
+     r"\[1e\+06, 1e\+15\]"),
+    (["hardware=nope"], r"^hardware=nope: unknown option; allowed: a100_80gb_sxm, "
+     r"b200, h100_sxm, h200_sxm, l40s, mi300x$"),
+    (["grid.hardware=[h100_sxm,nope]"], r"^grid.hardware entry hardware=nope"),
+    (["grid.concurrency=[0,8]"],
+     r"grid.concurrency = 0.0: every value must be in \[1, 16777216\]"),
+    (["grid.concurrency=[]"], r"grid.concurrency = \[\]: must list at least one"),
     (["grid.concurrency=[8,8]"], r"^grid.concurrency: 8 appears more than once"),
     (["grid.concurrency=${range:1,8,0}"], r"num must be an integer in \[1, "),
     (["grid.concurrency=[1e9]"], r"grid.concurrency = 1000000000.0: every value "
