@@ -24,6 +24,9 @@ experts per token chosen uniformly, ``t`` tokens touch a fraction
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
 from sweep.params import HardwareParams, ModelParams
@@ -68,6 +71,16 @@ def allreduce_s(hw: HardwareParams, model: ModelParams, tp, new_tokens):
     return ALLREDUCES_PER_LAYER * model.layers * moved / hw.interconnect_bytes_per_s
 
 
+def effective_bandwidth_bytes_per_s(hw: HardwareParams, tp):
+    """Memory bandwidth the TP group achieves: ``tp x peak x mbu``."""
+    return tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
+
+
+def effective_flops_per_s(hw: HardwareParams, tp):
+    """FLOP rate the TP group achieves: ``tp x peak x mfu``."""
+    return tp * hw.peak_flops_per_s * hw.mfu
+
+
 def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
            attention_keys):
     """One step's wall time, seconds.
@@ -85,8 +98,8 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
         2.0 * model.active_params * new_tokens
         + attention_flops_per_key(model) * attention_keys
     )
-    memory_s = bytes_moved / tp / (hw.memory_bandwidth_bytes_per_s * hw.mbu)
-    compute_s = flops / tp / (hw.peak_flops_per_s * hw.mfu)
+    memory_s = bytes_moved / effective_bandwidth_bytes_per_s(hw, tp)
+    compute_s = flops / effective_flops_per_s(hw, tp)
     return (
         jnp.maximum(memory_s, compute_s)
         + allreduce_s(hw, model, tp, new_tokens)
@@ -129,10 +142,82 @@ def prefill_step_s(hw, model, tp, prompt_tokens):
     return mixed_step_s(hw, model, tp, 0.0, 0.0, prompt_tokens, 0.0)
 
 
-def _sum_linear(lo, hi, a, s):
-    """``sum_{i=lo}^{hi-1} (a + s i)`` for ``lo <= hi``."""
+class StepLines(NamedTuple):
+    """Step times along a run: ``max(memory_s + memory_slope_s x, compute_s +
+    compute_slope_s x) + fixed_s`` at ``x`` (a step index, or a cached prefix)."""
+
+    memory_s: jax.Array
+    memory_slope_s: jax.Array
+    compute_s: jax.Array
+    compute_slope_s: jax.Array
+    fixed_s: jax.Array
+
+    def at(self, x):
+        """The step time at ``x``."""
+        return jnp.maximum(self.memory_s + self.memory_slope_s * x,
+                           self.compute_s + self.compute_slope_s * x) + self.fixed_s
+
+
+def step_lines(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
+               kv_read_slope, attention_keys, attention_keys_slope) -> StepLines:
+    """``step_s`` of steps with ``new_tokens`` each whose KV read and attention
+    keys grow linearly in ``x``: ``kv_read_tokens + kv_read_slope x`` and
+    ``attention_keys + attention_keys_slope x``."""
+    bandwidth = effective_bandwidth_bytes_per_s(hw, tp)
+    flop_rate = effective_flops_per_s(hw, tp)
+    kvb = kv_bytes_per_token(model)
+    fpk = attention_flops_per_key(model)
+    return StepLines(
+        (weight_bytes_read(model, new_tokens) + kv_read_tokens * kvb) / bandwidth,
+        kv_read_slope * kvb / bandwidth,
+        (2.0 * model.active_params * new_tokens + fpk * attention_keys) / flop_rate,
+        fpk * attention_keys_slope / flop_rate,
+        allreduce_s(hw, model, tp, new_tokens) + hw.step_overhead_s,
+    )
+
+
+def crossing(lines: StepLines):
+    """Where the memory and compute lines meet (``0 / 1`` when parallel)."""
+    d0 = lines.memory_s - lines.compute_s
+    ds = lines.memory_slope_s - lines.compute_slope_s
+    return -d0 / jnp.where(ds == 0.0, 1.0, ds)
+
+
+def split_at_crossing(lines: StepLines, steps):
+    """Splits steps ``0 .. steps - 1`` where the larger of the two lines changes.
+
+    Returns ``(j, (a, s), (b, r))``: step ``i < j`` lasts ``a + s i``, a later
+    one ``b + r i`` (plus ``fixed_s``); ``j`` is a float in ``[0, steps]``.
+    """
+    d0 = lines.memory_s - lines.compute_s
+    ds = lines.memory_slope_s - lines.compute_slope_s
+    x = crossing(lines)
+    h = jnp.asarray(steps, x.dtype)
+    # memory is the larger from ceil(x) on (ds > 0) or up to floor(x) (ds < 0)
+    j = jnp.where(ds > 0, jnp.clip(jnp.ceil(x), 0.0, h),
+                  jnp.where(ds < 0, jnp.clip(jnp.floor(x) + 1.0, 0.0, h), 0.0))
+    memory_first = ds < 0
+    memory_last = (ds > 0) | ((ds == 0) & (d0 >= 0))
+    pick = jnp.where
+    first = (pick(memory_first, lines.memory_s, lines.compute_s),
+             pick(memory_first, lines.memory_slope_s, lines.compute_slope_s))
+    second = (pick(memory_last, lines.memory_s, lines.compute_s),
+              pick(memory_last, lines.memory_slope_s, lines.compute_slope_s))
+    return j, first, second
+
+
+def sum_linear(lo, hi, a, s):
+    """``sum_{i=lo}^{hi-1} (a + s i)`` for ``lo <= hi`` (float)."""
     n = hi - lo
     return n * a + s * n * (hi + lo - 1.0) / 2.0
+
+
+def run_s(lines: StepLines, split, steps):
+    """Duration of the first ``steps`` steps (float) of a run, in closed form;
+    ``split`` is ``split_at_crossing(lines, ...)``."""
+    j, (a, s), (b, r) = split
+    k = jnp.minimum(j, steps)
+    return sum_linear(0.0, k, a, s) + sum_linear(k, steps, b, r) + steps * lines.fixed_s
 
 
 def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
@@ -156,34 +241,22 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     ctx = decodes * context_tokens
     kvb = kv_bytes_per_token(model)
     new = decodes + b
-    mem_bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
-    flop_rate = tp * hw.peak_flops_per_s * hw.mfu
+    mem_bw = effective_bandwidth_bytes_per_s(hw, tp)
+    flop_rate = effective_flops_per_s(hw, tp)
     fpk = attention_flops_per_key(model)
-    # step i of the full chunks: memory a_m + s_m i, compute a_c + s_c i
-    a_m = (weight_bytes_read(model, new) + ctx * kvb) / mem_bw
-    s_m = b * kvb / mem_bw
-    a_c = (2.0 * model.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0)) / (
-        flop_rate
+    # step i of the full chunks: ``step_lines(.., ctx, b, ctx + b (b + 1) / 2,
+    # b * b)``, but with the compute slope rounded as (fpk b) b, the order the
+    # surrogate's figures and gradients are built on
+    lines = StepLines(
+        (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
+        b * kvb / mem_bw,
+        (2.0 * model.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0))
+        / flop_rate,
+        fpk * b * b / flop_rate,
+        allreduce_s(hw, model, tp, new) + hw.step_overhead_s,
     )
-    s_c = fpk * b * b / flop_rate
-    fixed = allreduce_s(hw, model, tp, new) + hw.step_overhead_s
-    # indices with memory >= compute form a suffix (s_m > s_c) or prefix
-    d0, ds = a_m - a_c, s_m - s_c
-    safe_ds = jnp.where(ds == 0.0, 1.0, ds)
-    cross = -d0 / safe_ds
-    suffix_start = jnp.clip(jnp.ceil(cross), 0.0, full)
-    prefix_end = jnp.clip(jnp.floor(cross) + 1.0, 0.0, full)
-    mem_lo = jnp.where(ds > 0, suffix_start, 0.0)
-    mem_hi = jnp.where(ds > 0, full, jnp.where(ds < 0, prefix_end, full))
-    mem_hi = jnp.where((ds == 0.0) & (d0 < 0.0), 0.0, mem_hi)
-    full_sum = (
-        _sum_linear(mem_lo, mem_hi, a_m, s_m)
-        + _sum_linear(0.0, mem_lo, a_c, s_c)
-        + _sum_linear(mem_hi, full, a_c, s_c)
-        + full * fixed
-    )
-    last_full = jnp.maximum(a_m + s_m * (full - 1.0), a_c + s_c * (full - 1.0)) + fixed
-    last_full = jnp.where(full > 0, last_full, 0.0)
+    full_sum = run_s(lines, split_at_crossing(lines, full), full)
+    last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
     partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, full * b)
     partial = jnp.where(rest > 0, partial, 0.0)
     steps = full + jnp.where(rest > 0, 1.0, 0.0)
