@@ -20,6 +20,12 @@ A mixture of experts reads its shared weights every step and each routed
 expert when at least one token of the step is sent to it; with ``k`` of ``E``
 experts per token chosen uniformly, ``t`` tokens touch a fraction
 ``1 - (1 - k/E)^t`` of the experts (the standard balls-into-bins estimate).
+
+A run of steps whose KV read and attention keys grow linearly with the step
+(a long prompt's chunks; the simulator's runs between scheduling events) has
+its memory and compute times on two lines (``step_lines``); the larger of
+the two changes at most once, at their crossing (``split_at_crossing``), so
+the run's duration is two arithmetic series (``run_s``).
 """
 
 from __future__ import annotations
@@ -71,14 +77,14 @@ def allreduce_s(hw: HardwareParams, model: ModelParams, tp, new_tokens):
     return ALLREDUCES_PER_LAYER * model.layers * moved / hw.interconnect_bytes_per_s
 
 
-def effective_bandwidth_bytes_per_s(hw: HardwareParams, tp):
-    """Memory bandwidth the TP group achieves: ``tp x peak x mbu``."""
-    return tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
+def effective_bandwidth_bytes_per_s(hw: HardwareParams):
+    """Memory bandwidth one GPU achieves: peak x ``mbu`` (a TP group: ``tp`` x)."""
+    return hw.memory_bandwidth_bytes_per_s * hw.mbu
 
 
-def effective_flops_per_s(hw: HardwareParams, tp):
-    """FLOP rate the TP group achieves: ``tp x peak x mfu``."""
-    return tp * hw.peak_flops_per_s * hw.mfu
+def effective_flops_per_s(hw: HardwareParams):
+    """FLOP rate one GPU achieves: peak x ``mfu`` (a TP group: ``tp`` x)."""
+    return hw.peak_flops_per_s * hw.mfu
 
 
 def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
@@ -98,8 +104,8 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
         2.0 * model.active_params * new_tokens
         + attention_flops_per_key(model) * attention_keys
     )
-    memory_s = bytes_moved / effective_bandwidth_bytes_per_s(hw, tp)
-    compute_s = flops / effective_flops_per_s(hw, tp)
+    memory_s = bytes_moved / tp / effective_bandwidth_bytes_per_s(hw)
+    compute_s = flops / tp / effective_flops_per_s(hw)
     return (
         jnp.maximum(memory_s, compute_s)
         + allreduce_s(hw, model, tp, new_tokens)
@@ -163,15 +169,16 @@ def step_lines(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_t
     """``step_s`` of steps with ``new_tokens`` each whose KV read and attention
     keys grow linearly in ``x``: ``kv_read_tokens + kv_read_slope x`` and
     ``attention_keys + attention_keys_slope x``."""
-    bandwidth = effective_bandwidth_bytes_per_s(hw, tp)
-    flop_rate = effective_flops_per_s(hw, tp)
     kvb = kv_bytes_per_token(model)
     fpk = attention_flops_per_key(model)
+    bandwidth = effective_bandwidth_bytes_per_s(hw)
+    flop_rate = effective_flops_per_s(hw)
     return StepLines(
-        (weight_bytes_read(model, new_tokens) + kv_read_tokens * kvb) / bandwidth,
-        kv_read_slope * kvb / bandwidth,
-        (2.0 * model.active_params * new_tokens + fpk * attention_keys) / flop_rate,
-        fpk * attention_keys_slope / flop_rate,
+        (weight_bytes_read(model, new_tokens) + kv_read_tokens * kvb) / tp / bandwidth,
+        kv_read_slope * kvb / tp / bandwidth,
+        (2.0 * model.active_params * new_tokens + fpk * attention_keys) / tp
+        / flop_rate,
+        fpk * attention_keys_slope / tp / flop_rate,
         allreduce_s(hw, model, tp, new_tokens) + hw.step_overhead_s,
     )
 
@@ -196,14 +203,11 @@ def split_at_crossing(lines: StepLines, steps):
     # memory is the larger from ceil(x) on (ds > 0) or up to floor(x) (ds < 0)
     j = jnp.where(ds > 0, jnp.clip(jnp.ceil(x), 0.0, h),
                   jnp.where(ds < 0, jnp.clip(jnp.floor(x) + 1.0, 0.0, h), 0.0))
-    memory_first = ds < 0
-    memory_last = (ds > 0) | ((ds == 0) & (d0 >= 0))
-    pick = jnp.where
-    first = (pick(memory_first, lines.memory_s, lines.compute_s),
-             pick(memory_first, lines.memory_slope_s, lines.compute_slope_s))
-    second = (pick(memory_last, lines.memory_s, lines.compute_s),
-              pick(memory_last, lines.memory_slope_s, lines.compute_slope_s))
-    return j, first, second
+    def line(memory):
+        return (jnp.where(memory, lines.memory_s, lines.compute_s),
+                jnp.where(memory, lines.memory_slope_s, lines.compute_slope_s))
+
+    return j, line(ds < 0), line((ds > 0) | ((ds == 0) & (d0 >= 0)))
 
 
 def sum_linear(lo, hi, a, s):
@@ -241,12 +245,15 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     ctx = decodes * context_tokens
     kvb = kv_bytes_per_token(model)
     new = decodes + b
-    mem_bw = effective_bandwidth_bytes_per_s(hw, tp)
-    flop_rate = effective_flops_per_s(hw, tp)
+    mem_bw = tp * effective_bandwidth_bytes_per_s(hw)
+    flop_rate = tp * effective_flops_per_s(hw)
     fpk = attention_flops_per_key(model)
-    # step i of the full chunks: ``step_lines(.., ctx, b, ctx + b (b + 1) / 2,
-    # b * b)``, but with the compute slope rounded as (fpk b) b, the order the
-    # surrogate's figures and gradients are built on
+    # step i of the full chunks: step_lines(.., ctx, b, ctx + b (b + 1) / 2,
+    # b b), written out: it divides by the group's rates once and takes the
+    # compute slope as (fpk b) b, and the grid's and the surrogate's figures
+    # and gradients are bitwise tied to this order (XLA turns a division by a
+    # broadcast into a reciprocal multiply and fuses multiply-adds within a
+    # fusion, so the same formula rounds differently in another order)
     lines = StepLines(
         (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
         b * kvb / mem_bw,
