@@ -19,9 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# sweep.simulate's names for two policies until its chains call sweep.batching
-from sweep.batching import CONTINUOUS, REQUEST  # noqa: F401
-
 OVERLONG = ("reject", "truncate")
 """``workload.overlong`` values; the simulator receives their index."""
 REJECT, TRUNCATE = range(2)

@@ -148,7 +148,8 @@ import jax.numpy as jnp
 from sweep import roofline
 from sweep import status as status_flags
 from sweep.arrivals import Requests
-from sweep.params import CONTINUOUS, REJECT, REQUEST, TRUNCATE
+from sweep.batching import CONTINUOUS, is_continuous, running
+from sweep.params import REJECT, TRUNCATE
 from sweep.workload import context_limit
 
 FREE, PREFILL, DECODE, WAIT = range(4)
@@ -948,7 +949,7 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
       token_budget: tokens per step (decodes + prefill chunks).
       requests: the stream (``sweep.arrivals.Requests``); its float dtype is the
         simulation's time dtype.
-      batching: ``sweep.params`` ``REQUEST``, ``STATIC`` or ``CONTINUOUS`` (int).
+      batching: a policy's index in ``sweep.batching.POLICIES`` (int).
       ttft_slo_s, itl_slo_s: SLOs for goodput.
       overlong: ``sweep.params`` ``REJECT`` or ``TRUNCATE`` (int): what becomes
         of a request whose prompt + output exceeds
@@ -981,7 +982,7 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
     arrival = jnp.asarray(requests.arrival_s, dt)[order]
     tp = jnp.asarray(tp, dt)
     conc = jnp.floor(jnp.asarray(concurrency, dt)).astype(jnp.int32)
-    conc = jnp.where(jnp.asarray(batching) == REQUEST, 1, conc)
+    conc = running(jnp.asarray(batching), conc)
     cx = _Ctx(
         hw=hw, model=model, tp=tp,
         concurrency=jnp.clip(conc, 1, max_slots),
@@ -990,7 +991,7 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
             jnp.int32),
         capacity=jnp.floor(jnp.clip(roofline.kv_capacity_tokens(hw, model, tp),
                                     -1.0, 2.0**30)).astype(jnp.int32),
-        continuous=jnp.asarray(batching) == CONTINUOUS,
+        continuous=is_continuous(jnp.asarray(batching)),
         ttft_slo_s=jnp.asarray(ttft_slo_s, dt),
         itl_slo_s=jnp.asarray(itl_slo_s, dt),
         arrival_s=arrival, prompt=prompt[order].astype(jnp.int32),
