@@ -12,8 +12,6 @@ end, the cheapest feasible point per scenario (``sweep.summary``).
 
 from __future__ import annotations
 
-import sys
-from functools import partial
 from pathlib import Path
 
 import hydra
@@ -27,12 +25,10 @@ from sweep.commands import (
     check_output,
     fail,
     overrides,
-    place_run,
-    preflight,
     quiet_backend_probe,
+    start,
 )
-from sweep.config.resolve import config_yaml, grid_options, restore, stash_lists
-from sweep.config.store import resolve_lists_to_nodes
+from sweep.config.resolve import config_yaml, grid_options, restore
 from sweep.errors import ConfigError
 from sweep.outputs import OutputError
 from sweep.plan import grid_plan
@@ -109,12 +105,6 @@ def _grid_app(cfg: DictConfig) -> None:
 def grid_main() -> None:
     """``sweep-grid [hydra overrides]``: evaluate a grid, write ``cube.zarr``."""
     global _preflight_options
-    # Hydra's grammar is quadratic in a list's length: long lists go by stash
-    argv = stash_lists(sys.argv[1:])
-    if "--resolve" in argv:  # Hydra then resolves the config in place
-        resolve_lists_to_nodes()
-    _preflight_options = preflight("sweep-grid", "grid", argv, check)
-    sys.argv[1:] = argv + (preflight("sweep-grid", "grid", argv, partial(
-        place_run, command="sweep-grid", kind="cube", default_name="cube.zarr",
-        resume=True)) or [])
+    _preflight_options = start("sweep-grid", "grid", check, kind="cube",
+                               default_name="cube.zarr", resume=True)
     _grid_app()

@@ -20,6 +20,7 @@ import glob
 import logging
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 from hydra import compose, initialize_config_module
@@ -29,8 +30,8 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
 from sweep import outputs
-from sweep.config.resolve import config_yaml
-from sweep.config.store import register_configs
+from sweep.config.resolve import config_yaml, stash_lists
+from sweep.config.store import register_configs, resolve_lists_to_nodes
 from sweep.errors import ConfigError
 from sweep.outputs import OutputError
 
@@ -63,6 +64,27 @@ def preflight(command: str, app: str, argv: list[str], check):
         fail(command, e)
     finally:
         GlobalHydra.instance().clear()
+
+
+def start(command: str, app: str, check, *, kind: str, default_name: str,
+          resume: bool):
+    """Readies ``sys.argv`` for the command's ``@hydra.main``.
+
+    Long axis lists are stashed (Hydra's grammar is quadratic in a list's
+    length), the config is checked (``preflight``) and the run is placed
+    (``place_run``), all before Hydra creates a run directory.
+
+    Returns:
+      What ``check`` returned, or None when Hydra's own flags skip it.
+    """
+    argv = stash_lists(sys.argv[1:])
+    if "--resolve" in argv:  # Hydra then resolves the config in place
+        resolve_lists_to_nodes()
+    checked = preflight(command, app, argv, check)
+    sys.argv[1:] = argv + (preflight(command, app, argv, partial(
+        place_run, command=command, kind=kind, default_name=default_name,
+        resume=resume)) or [])
+    return checked
 
 
 # with out=, Hydra writes nothing: no run directory, no .hydra/, no log file

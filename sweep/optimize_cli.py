@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import partial
 from pathlib import Path
 
 import hydra
@@ -32,12 +31,10 @@ from sweep.commands import (
     check_output,
     fail,
     overrides,
-    place_run,
-    preflight,
     quiet_backend_probe,
+    start,
 )
-from sweep.config.resolve import config_yaml, restore, stash_lists
-from sweep.config.store import resolve_lists_to_nodes
+from sweep.config.resolve import config_yaml, restore
 from sweep.errors import ConfigError
 from sweep.plan import optimize_plan
 
@@ -169,13 +166,7 @@ def _optimize_app(cfg: DictConfig) -> None:
 def main() -> None:
     """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
     global _preflight_job
-    # Hydra's grammar is quadratic in a list's length: long lists go by stash
-    argv = stash_lists(sys.argv[1:])
-    if "--resolve" in argv:  # Hydra then resolves the config in place
-        resolve_lists_to_nodes()
-    _preflight_job = preflight(COMMAND, "optimize", argv, check)
-    sys.argv[1:] = argv + (preflight(COMMAND, "optimize", argv, partial(
-        place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",
-        resume=False)) or [])
+    _preflight_job = start(COMMAND, "optimize", check, kind="optimize",
+                           default_name="optimize.zarr", resume=False)
     _enable_compilation_cache()
     _optimize_app()

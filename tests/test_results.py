@@ -32,6 +32,17 @@ class Interrupt(Exception):
     pass
 
 
+def stop_at(block: int, seen: list | None = None):
+    """A progress callback that interrupts the sweep once ``block`` blocks
+    are written (recording each count in ``seen``)."""
+    def progress(done, total):
+        if seen is not None:
+            seen.append(done)
+        if done == block:
+            raise Interrupt
+    return progress
+
+
 @pytest.fixture(scope="module")
 def job():
     """48 points in blocks of at most 12."""
@@ -51,13 +62,8 @@ def test_interrupted_sweep_resumes_without_recomputing(job, tmp_path):
     assert len(job.parts[0].plan) > 2
     seen = []
 
-    def stop_after_two(done, total):
-        seen.append(done)
-        if done == 2:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        grid.run(job, out, attrs, "x", progress=stop_after_two)
+        grid.run(job, out, attrs, "x", progress=stop_at(2, seen))
     assert not out.exists(), "an unfinished cube must not appear under its name"
     with pytest.raises(FileNotFoundError, match="interrupted; rerun it to resume"):
         results.open_cube(out)
@@ -74,12 +80,8 @@ def test_interrupted_sweep_resumes_without_recomputing(job, tmp_path):
 def test_a_changed_config_starts_over(job, tmp_path):
     out = tmp_path / "cube.zarr"
 
-    def stop(done, total):
-        if done == 1:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        grid.run(job, out, {}, "config A", progress=stop)
+        grid.run(job, out, {}, "config A", progress=stop_at(1))
     seen = []
     grid.run(job, out, {}, "config B", progress=lambda d, t: seen.append(d))
     assert seen[0] == 0
@@ -89,12 +91,8 @@ def test_an_axis_typed_out_of_order_resumes_into_sorted_coordinates(tmp_path):
     job = grid_job([*ARGS, "grid.concurrency=[64,1,8]"])
     out = tmp_path / "c.zarr"
 
-    def stop(done, total):
-        if done == 2:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        grid.run(job, out, {}, "x", progress=stop)
+        grid.run(job, out, {}, "x", progress=stop_at(2))
     ds = grid.run(job, out, {}, "x").load()
     assert ds.concurrency.values.tolist() == [1, 8, 64]
     assert ds.sel(concurrency=slice(1, 16)).sizes["concurrency"] == 2
@@ -201,13 +199,9 @@ def test_a_kill_while_starting_leaves_the_old_cube(rerun, tmp_path):
         out = folder / "c.zarr"
         grid.run(job, out, {"run": "old"}, "old")
 
-        def stop_at_one(done, total):
-            if done == 1:
-                raise Interrupt
-
         # an interrupted sweep of another config left its partial store
         with pytest.raises(Interrupt):
-            grid.run(job, out, {"run": "other"}, "other", progress=stop_at_one)
+            grid.run(job, out, {"run": "other"}, "other", progress=stop_at(1))
         state = results.Progress(out, fp, grid.config_digest("new"), 1)
         ds = results.template(job.coords, job.parts, {"run": "new"}, job.extra)
         for step in results.create_steps(state, ds)[:k]:
