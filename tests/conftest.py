@@ -1,6 +1,7 @@
-"""Shared fixtures: strict JAX promotion, a Hydra context, a PRNG key, and
-the outputs of the ``sweep-grid`` and ``sweep-optimize`` runs shared by a
-session (a roofline, a surrogate and a simulated cube, an optimize dataset).
+"""Shared fixtures: strict JAX promotion, a Hydra context, a PRNG key, one
+JAX compilation cache for the console scripts, and the outputs of the
+``sweep-grid`` and ``sweep-optimize`` runs shared by a session (a roofline,
+a surrogate and a simulated cube, an optimize dataset).
 
 A test that runs a console script is marked ``slow``: by hand where it runs
 one itself, here (``pytest_collection_modifyitems``) where it reads a run of
@@ -29,19 +30,17 @@ from helpers import (
     run_script,
 )
 
-from sweep.config.store import register_configs
-
 if not os.environ.get("SWEEP_DATA_DIR") and SHARED_DATA is not None:
     os.environ["SWEEP_DATA_DIR"] = str(SHARED_DATA)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
-register_configs()
 
 CONSOLE_FIXTURES = frozenset({"cube_path", "optimize_run", "simulated_run",
                               "surrogate_run"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if CONSOLE_FIXTURES & set(getattr(item, "fixturenames", ())):
