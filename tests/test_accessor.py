@@ -190,6 +190,19 @@ def test_to_serving_flags(ds):
         "--gpu-memory-utilization 1")
     # 1e8 tokens/day is 1,157 tokens/s: one replica
     assert flags.replicas == 1 == int(ds.replicas.sel(sel).squeeze())
+    assert flags.engine == "vllm"
+    sglang = ds.sweep.to_serving_flags(engine="sglang", **sel)
+    assert sglang.cli == ("--tp-size 2 --max-running-requests 64 "
+                          "--chunked-prefill-size 2048 --mem-fraction-static 1")
+    # the cube's GPU memory and weights give TensorRT-LLM's share of what the
+    # weights leave: at utilisation 1 the KV cache takes all of it
+    assert float(ds.memory_bytes.sel(hardware="h100_sxm")) == 80e9
+    trt = ds.sweep.to_serving_flags(engine="trtllm", **sel)
+    assert trt.flags == {"--tp_size": 2, "--max_batch_size": 64,
+                         "--max_num_tokens": 2048,
+                         "--kv_cache_free_gpu_memory_fraction": 1.0}
+    with pytest.raises(ValueError, match="unknown engine; allowed: vllm, sglang"):
+        ds.sweep.to_serving_flags(engine="tgi", **sel)
 
 
 def test_to_serving_flags_refuses(ds):

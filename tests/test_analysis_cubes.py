@@ -7,6 +7,8 @@ dataset); expectations are recomputed here with NumPy on the raw arrays.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import xarray as xr
@@ -173,6 +175,16 @@ def test_accessor_on_the_optimize_dataset(optimized):
     chosen = int(np.flatnonzero(ds.chosen.values)[0])
     flags = ds.sweep.to_serving_flags(candidate=chosen)
     assert ds.attrs["vllm_flags"].startswith(flags.cli)
+    # TensorRT-LLM's memory share by hand from the candidate's GPU and weights
+    util = float(re.search(r"--gpu-memory-utilization (\S+)", flags.cli).group(1))
+    tp = int(ds.tensor_parallel[chosen])
+    m, w = float(ds.memory_bytes[chosen]), float(ds.weight_bytes[chosen]) / tp
+    trt = ds.sweep.to_serving_flags(engine="trtllm", candidate=chosen)
+    assert trt.flags["--kv_cache_free_gpu_memory_fraction"] == round(
+        (util * m - w) / (m - w), 4)
+    assert ds.attrs["trtllm_flags"].startswith(trt.cli)
+    assert ds.attrs["sglang_flags"].startswith(
+        ds.sweep.to_serving_flags(engine="sglang", candidate=chosen).cli)
     assert flags.replicas == ds.attrs["chosen_replicas"]
     front = ds.sweep.pareto("surrogate_itl_p99_s", "cost_per_mtok_out_usd")
     assert len(front) >= 1

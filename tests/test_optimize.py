@@ -70,6 +70,17 @@ def test_run_writes_dataset_and_flags(optimize_run):
     assert flags in proc.stdout and flags in a["vllm_flags"]
     n = a["chosen_replicas"]
     assert f"x {n} replica{'' if n == 1 else 's'}" in proc.stdout
+    for label, key in (("SGLang", "sglang_flags"), ("TensorRT-LLM", "trtllm_flags")):
+        assert f"{label} flags: {a[key]}" in proc.stdout
+    assert a["sglang_flags"].startswith(
+        f"--tp-size {a['chosen_tensor_parallel']} --max-running-requests "
+        f"{a['chosen_concurrency']} --chunked-prefill-size {a['chosen_token_budget']}")
+    # the check on one replica: its share of 3 req/s, the SLO in milliseconds
+    bench = a["vllm_bench_command"]
+    assert bench in proc.stdout.replace("\n", "")
+    assert bench.startswith("vllm bench serve --model Qwen/Qwen3-8B ")
+    assert f"--request-rate {3.0 / n:.4g} " in bench
+    assert "--num-prompts 200 " in bench and "--goodput ttft:1000 tpot:50 " in bench
     for key in ("sweep_version", "config_yaml", "created_utc", "seed", "log"):
         assert key in a
     # cost by hand: replicas x TP x USD 4.29/h over 3 req/s x 360 tokens

@@ -35,7 +35,7 @@ from sweep.cli.commands import (
     start,
 )
 from sweep.config.resolve import config_yaml, restore
-from sweep.cube import outputs
+from sweep.cube import engines, outputs
 from sweep.errors import ConfigError
 from sweep.grid.plan import optimize_plan
 
@@ -157,7 +157,11 @@ def _optimize_app(cfg: DictConfig) -> None:
     console = Console(width=max(Console().width, 200))
     console.print(result_table(job, outcome))
     chosen = outcome.chosen
-    console.print(f"vLLM flags: {optimize.vllm_flags(job, chosen)}", markup=False)
+    for name, engine in engines.ENGINES.items():
+        console.print(f"{engine.label} flags: "
+                      f"{optimize.serving_flags(job, chosen, name)}", markup=False)
+    console.print(f"check on one replica: {optimize.bench_command(job, chosen)}",
+                  markup=False, soft_wrap=True)
     console.print(f"{outcome.rounds} round(s), {outcome.evaluations:,} surrogate "
                   f"evaluations ({outcome.search_s:.1f} s), {outcome.simulations} "
                   f"simulated configurations ({outcome.simulate_s:.1f} s)")

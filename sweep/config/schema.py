@@ -125,6 +125,8 @@ class Hardware:
 @dataclass
 class Model:
     name: str = MISSING
+    hf_id: str = field(default="", metadata={
+        "help": "Hugging Face repository the engines load (serving commands)"})
     params: float = field(default=MISSING, metadata={"help": "total parameters"})
     active_params: float = field(
         default=MISSING, metadata={"help": "parameters used per token (MoE < params)"}

@@ -18,8 +18,8 @@ reads the cube's own variables.
 * ``cheapest`` is an argmin that skips NaN (points that do not fit or are
   masked); ``pareto`` is the usual non-dominated filter (``sweep.search.pareto``;
   both axes maximised unless told otherwise);
-  ``to_serving_flags`` maps one point to vLLM's engine arguments
-  (https://docs.vllm.ai/en/latest/configuration/engine_args.html).
+  ``to_serving_flags`` maps one point to a serving engine's arguments
+  (vLLM, SGLang or TensorRT-LLM: ``sweep.cube.engines``).
 * On a p99 cube (``latency=simulate|surrogate``) the latency variables live
   on the latency axes (with ``arrival_rate_per_s``, without the context,
   long-prompt and traffic axes); the mask spans the union of both, so a
@@ -42,7 +42,7 @@ import pandas as pd
 import xarray as xr
 import yaml
 
-from sweep.cube import contract
+from sweep.cube import contract, engines
 from sweep.model import batching
 from sweep.search import pareto
 
@@ -66,8 +66,9 @@ def is_optimize(ds: xr.Dataset) -> bool:
 
 
 class ServingFlags(NamedTuple):
-    """vLLM engine arguments of one cube point."""
+    """A serving engine's arguments for one cube point."""
 
+    engine: str  # vllm, sglang or trtllm
     flags: dict[str, int | float]  # flag -> value, e.g. {"--max-num-seqs": 64}
     cli: str  # the same flags as one command-line string
     replicas: int | None  # replicas the cube's traffic needs, when it has them
@@ -327,19 +328,22 @@ class SweepAccessor:
         front = pd.concat(fronts) if fronts else df.iloc[:0]
         return front.sort_values([*by, x], kind="stable").reset_index(drop=True)
 
-    def to_serving_flags(self, **sel) -> ServingFlags:
-        """vLLM engine arguments for the one point ``sel`` selects.
+    def to_serving_flags(self, engine: str = "vllm", **sel) -> ServingFlags:
+        """Engine arguments for the one point ``sel`` selects.
 
         Args:
+          engine: ``vllm``, ``sglang`` or ``trtllm`` (``sweep.cube.engines``).
           **sel: coordinate values (as for ``Dataset.sel``); every dim of more
             than one value must be selected.
 
         Returns:
-          ``ServingFlags``: ``--tensor-parallel-size``, ``--max-num-seqs``,
-          ``--max-num-batched-tokens`` (when the cube has those dims) and
-          ``--gpu-memory-utilization`` (from the run's config), with the
-          replicas the traffic needs when the cube has them.
+          ``ServingFlags``: tensor parallelism, concurrency and token budget
+          (when the cube has those dims) and the memory share (from the run's
+          ``gpu_memory_utilization``; TensorRT-LLM's from it, the GPU's memory
+          and the weights) in the engine's names, with the replicas the
+          traffic needs when the cube has them.
         """
+        engines.engine(engine)  # an unknown name fails before any reading
         ds = self._ds
         if is_optimize(ds):  # one candidate's answer: its variables only
             ds = ds[[v for v in ds.data_vars if ds[v].dims == ("candidate",)]]
@@ -352,8 +356,9 @@ class SweepAccessor:
         pt = pt.squeeze(drop=False).compute()
         if "batching" in pt.coords and not batching.policy(
                 str(pt["batching"].values)).continuous:
-            raise ValueError(f"batching={pt['batching'].values}: vLLM serves with "
-                             "continuous batching; select batching='continuous'")
+            raise ValueError(f"batching={pt['batching'].values}: the serving "
+                             "engines use continuous batching; select "
+                             "batching='continuous'")
         if "meets_targets" in pt and not bool(pt["meets_targets"]):
             raise ValueError(f"the candidate {sel} has no configuration meeting its "
                              "targets (meets_targets False)")
@@ -364,18 +369,18 @@ class SweepAccessor:
             raise ValueError(f"token_budget {int(pt['token_budget'])} < concurrency "
                              f"{int(pt['concurrency'])}: vLLM needs "
                              "max_num_batched_tokens >= max_num_seqs")
-        flags: dict[str, int | float] = {}
-        for axis in contract.AXES:
-            if axis.flag and axis.name in pt.variables and np.isfinite(
-                    float(pt[axis.name])):
-                flags[axis.flag] = int(pt[axis.name])
+
+        def value(name):
+            return (float(pt[name]) if name in pt.variables
+                    and np.isfinite(float(pt[name])) else None)
+
         util = config_value(self._ds, "gpu_memory_utilization")
-        if util is not None:
-            flags["--gpu-memory-utilization"] = float(util)
-        replicas = None
-        if "replicas" in pt and np.isfinite(float(pt["replicas"])):
-            replicas = int(pt["replicas"])
-        cli = " ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-                       for k, v in flags.items())
-        return ServingFlags(flags, cli, replicas)
+        flags = engines.flags(
+            engine, tensor_parallel=int(pt["tensor_parallel"]),
+            concurrency=value("concurrency"), token_budget=value("token_budget"),
+            gpu_memory_utilization=None if util is None else float(util),
+            memory_bytes=value("memory_bytes"), weight_bytes=value("weight_bytes"))
+        replicas = value("replicas")
+        return ServingFlags(engine, flags, engines.command_line(flags),
+                            None if replicas is None else int(replicas))
 

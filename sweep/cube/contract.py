@@ -80,7 +80,6 @@ class Axis:
     kind: str  # LABEL, INTEGER or REAL
     parts: tuple[str, ...] = (ROOFLINE, P99)  # the parts whose dims include it
     header: str = ""  # its column in the summary table
-    flag: str = ""  # the vLLM engine argument it sets
     low: float = 1.0  # numeric axes: the values the schema allows
     high: float | None = None  # None: the schema's token ceiling
     optional: bool = False  # may be left empty (each workload's own value)
@@ -148,11 +147,11 @@ AXES: tuple[Axis, ...] = (
     Axis("model", "", "model", PLATFORM, LABEL, header="model"),
     Axis("workload", "", "workload", SCENARIO, LABEL, header="workload"),
     Axis("tensor_parallel", "GPU", "tensor-parallel GPUs", CONFIG, INTEGER,
-         header="TP", flag="--tensor-parallel-size"),
+         header="TP"),
     Axis("concurrency", "sequence", "concurrency (max_num_seqs)", CONFIG, INTEGER,
-         header="conc.", flag="--max-num-seqs"),
+         header="conc."),
     Axis("token_budget", "token", "token budget (max_num_batched_tokens)", CONFIG,
-         INTEGER, header="budget tok", flag="--max-num-batched-tokens"),
+         INTEGER, header="budget tok"),
     Axis("context_tokens", "token", "mean context", SCENARIO, INTEGER,
          parts=(ROOFLINE,), header="context tok"),
     Axis("batching", "", "batching", CONFIG, LABEL, header="batching"),
@@ -210,6 +209,7 @@ METRICS: tuple[Metric, ...] = (
     # properties of each value of an axis, from its config (sweep.grid.job)
     Metric("usd_per_gpu_hour", "USD / GPU / hour", "price per GPU-hour", "hardware",
            dtype="float64"),
+    Metric("memory_bytes", "byte", "memory per GPU", "hardware", dtype="float64"),
     Metric("weight_bytes", "byte", "weights", "model", dtype="float64"),
     Metric("kv_bytes_per_token", "byte / token", "KV cache per token", "model",
            dtype="float64"),

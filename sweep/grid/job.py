@@ -178,6 +178,7 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         parts.append(part)
     per_value = {
         "usd_per_gpu_hour": [h.usd_per_gpu_hour for h in hardware],
+        "memory_bytes": [h.memory_bytes for h in hardware],
         "weight_bytes": [float(weight_bytes(model_params(m))) for m in models],
         "kv_bytes_per_token": [2.0 * m.layers * m.kv_heads * m.head_dim
                                * m.kv_dtype_bytes for m in models],

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
+from sweep.cube import engines
 from sweep.cube.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, is_optimize, load_slo
 from sweep.cube.results import DamagedCube, check_chunks, open_cube
 from sweep.report import plots
@@ -325,7 +326,7 @@ def write_optimize_report(ds: xr.Dataset, path: Path, out: Path,
           f"search meeting their targets, {ds.sizes['verification']} simulated; "
           f"{plots.slo_note(ds)}.", "",
           "## Chosen deployment", "", *chosen_table(ds), "",
-          f"vLLM flags: `{a['vllm_flags']}`", "",
+          *engine_lines(a), "",
           "## Candidates", "",
           "Each candidate's cheapest configuration meeting its surrogate targets "
           "in the last search (the chosen candidate's: the chosen deployment); "
@@ -339,6 +340,18 @@ def write_optimize_report(ds: xr.Dataset, path: Path, out: Path,
         md += ["## Skipped charts", "", *skipped, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
     return drawn
+
+
+def engine_lines(a: dict) -> list[str]:
+    """The chosen deployment's flags per engine and the benchmark that checks
+    it (datasets written before these attributes existed show vLLM's only)."""
+    lines = [f"* {e.label} flags: `{a[f'{name}_flags']}`"
+             for name, e in engines.ENGINES.items() if f"{name}_flags" in a]
+    if "vllm_bench_command" in a:
+        lines += ["", "Check it on one replica (p50/p99 TTFT, TPOT and ITL, and the "
+                  "share of requests meeting the SLO as goodput):", "",
+                  "```", a["vllm_bench_command"], "```"]
+    return lines
 
 
 def chosen_table(ds: xr.Dataset) -> list[str]:

@@ -53,7 +53,7 @@ from sweep.config.schema import (
     OptimizeApp,
     check_tensor_parallel,
 )
-from sweep.cube import contract, outputs, status
+from sweep.cube import contract, engines, outputs, status
 from sweep.grid.plan import optimize_plan
 from sweep.latency.arrivals import Requests, route, split, workload_requests
 from sweep.latency.p99 import served_workload
@@ -536,15 +536,29 @@ def replicas_text(n: int) -> str:
     return f"{n} replica{'' if n == 1 else 's'}"
 
 
-def vllm_flags(job: OptimizeJob, c: Config) -> str:
-    """The serving flags of a configuration (vLLM's names), replicas included."""
-    util = job.app.search.gpu_memory_utilization
-    return (f"--tensor-parallel-size {job.candidates[c.candidate].tp} "
-            f"--max-num-seqs {c.concurrency} --max-num-batched-tokens "
-            f"{c.token_budget} --gpu-memory-utilization {util:g}  "
-            f"(x {replicas_text(c.replicas)})")
+def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
+    """A configuration's arguments for ``engine`` (``sweep.cube.engines``),
+    replicas included."""
+    cand = job.candidates[c.candidate]
+    values = engines.flags(
+        engine, tensor_parallel=cand.tp, concurrency=c.concurrency,
+        token_budget=c.token_budget,
+        gpu_memory_utilization=job.app.search.gpu_memory_utilization,
+        memory_bytes=cand.hardware.memory_bytes,
+        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))))
+    return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
 
 
+def bench_command(job: OptimizeJob, c: Config) -> str:
+    """The ``vllm bench serve`` run that checks ``c`` on one real replica."""
+    w, slo = job.app.workload, job.app.slo
+    return engines.bench_command(
+        hf_id=job.candidates[c.candidate].model.hf_id,
+        request_rate_per_s=w.arrival_rate_per_s / c.replicas,
+        num_prompts=job.app.search.verify_requests,
+        prompt_tokens=job.tables.mean_prompt_tokens,
+        output_tokens=job.tables.mean_output_tokens,
+        ttft_p99_s=slo.ttft_p99_s, itl_p99_s=slo.itl_p99_s)
 
 
 def _var(dims, data, name: str, prefix: str = "", source: str = ""):
@@ -574,6 +588,10 @@ def _candidate_vars(job: OptimizeJob, out: Outcome) -> dict:
     data = {
         "usd_per_gpu_hour": _var(cd, [c.hardware.usd_per_gpu_hour
                                       for c in job.candidates], "usd_per_gpu_hour"),
+        "memory_bytes": _var(cd, [c.hardware.memory_bytes for c in job.candidates],
+                             "memory_bytes"),
+        "weight_bytes": _var(cd, [float(roofline.weight_bytes(model_params(c.model)))
+                                  for c in job.candidates], "weight_bytes"),
         "meets_targets": _var(cd, col(lambda a: True, False), "meets_targets"),
         **{name: _var(cd, col(lambda a, name=name: getattr(a, name)), name)
            for name in ("concurrency", "token_budget", "replicas",
@@ -690,7 +708,8 @@ def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
         "chosen_token_budget": c.token_budget,
         "chosen_cost_per_mtok_out_usd": c.cost_per_mtok_out_usd,
         "chosen_cost_per_month_usd": c.cost_per_month_usd,
-        "vllm_flags": vllm_flags(job, c),
+        **{f"{e}_flags": serving_flags(job, c, e) for e in engines.ENGINES},
+        "vllm_bench_command": bench_command(job, c),
         "rounds": out.rounds,
         "surrogate_evaluations": out.evaluations,
         "simulations": out.simulations,
@@ -713,7 +732,8 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
     ``surrogate_<name>`` and ``simulated_<name>`` per candidate. ``config``
     marks the Pareto fronts of cost against p99 ITL / TTFT (``pareto_itl``,
     ``pareto_ttft``). The chosen configuration is in the ``chosen_*``
-    attributes and ``vllm_flags``.
+    attributes, its flags for each engine (``vllm_flags``,
+    ``sglang_flags``, ``trtllm_flags``) and ``vllm_bench_command``.
     """
     data = {**_candidate_vars(job, out), **_config_vars(job, out),
             **_verification_vars(out)}

@@ -1,0 +1,120 @@
+"""One deployment's settings in the words of each serving engine, and the
+``vllm bench serve`` command that checks a recommendation against a server.
+
+The cube's deployment axes map onto each engine's own arguments (vLLM;
+SGLang; TensorRT-LLM):
+
+* tensor_parallel: ``--tensor-parallel-size``; ``--tp-size``; ``--tp_size``
+* concurrency: ``--max-num-seqs``; ``--max-running-requests``; ``--max_batch_size``
+* token_budget: ``--max-num-batched-tokens``; ``--chunked-prefill-size``;
+  ``--max_num_tokens``
+* gpu_memory_utilization: ``--gpu-memory-utilization``;
+  ``--mem-fraction-static``; ``--kv_cache_free_gpu_memory_fraction``
+
+Sources: vLLM's engine arguments; SGLang's server arguments
+(docs.sglang.io, "Server Arguments"); ``trtllm-serve --help`` (TensorRT-LLM
+docs, "trtllm-serve").
+
+vLLM's and SGLang's memory settings are both the share of a GPU's memory
+for weights plus KV cache (SGLang: "static" memory, the weights and the KV
+pool), so the model's ``gpu_memory_utilization`` carries over unchanged.
+TensorRT-LLM's is the share of the memory *left after the weights* that
+the KV cache takes: with ``M`` bytes per GPU, ``W`` weight bytes per GPU
+and utilisation ``u``, the KV cache is ``u·M − W`` bytes, so the fraction
+is ``(u·M − W) / (M − W)``. TensorRT-LLM also subtracts its activation
+buffers before applying the fraction; the model does not size them, so the
+fraction is an upper bound to lower if the engine runs out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from sweep.errors import ConfigError
+
+
+class Engine(NamedTuple):
+    """A serving engine's names for the deployment settings."""
+
+    label: str  # how people write its name
+    tensor_parallel: str
+    concurrency: str
+    token_budget: str
+    memory: str
+    memory_after_weights: bool  # the memory share is of what the weights leave
+
+
+ENGINES = {
+    "vllm": Engine("vLLM", "--tensor-parallel-size", "--max-num-seqs",
+                   "--max-num-batched-tokens", "--gpu-memory-utilization", False),
+    "sglang": Engine("SGLang", "--tp-size", "--max-running-requests",
+                     "--chunked-prefill-size", "--mem-fraction-static", False),
+    "trtllm": Engine("TensorRT-LLM", "--tp_size", "--max_batch_size",
+                     "--max_num_tokens", "--kv_cache_free_gpu_memory_fraction", True),
+}
+"""Engine name (what ``engine=`` takes) -> its argument names."""
+
+
+def engine(name: str) -> Engine:
+    """The engine called ``name``; one line naming the allowed ones otherwise."""
+    if name not in ENGINES:
+        raise ConfigError(f"engine={name!r}: unknown engine; allowed: "
+                          + ", ".join(ENGINES))
+    return ENGINES[name]
+
+
+def kv_free_fraction(gpu_memory_utilization: float, memory_bytes: float,
+                     weight_bytes_per_gpu: float) -> float:
+    """TensorRT-LLM's KV share of the memory the weights leave:
+    ``(u·M − W) / (M − W)`` (module docstring)."""
+    free = memory_bytes - weight_bytes_per_gpu
+    return (gpu_memory_utilization * memory_bytes - weight_bytes_per_gpu) / free
+
+
+def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
+          token_budget: int | None, gpu_memory_utilization: float | None,
+          memory_bytes: float | None = None,
+          weight_bytes: float | None = None) -> dict[str, int | float]:
+    """One deployment's arguments for engine ``name`` (``None``: not set).
+
+    ``weight_bytes`` is the whole model's; TensorRT-LLM's memory fraction
+    needs it and ``memory_bytes`` (one GPU's), and is left out without them.
+    """
+    e = engine(name)
+    out: dict[str, int | float] = {e.tensor_parallel: int(tensor_parallel)}
+    for flag, value in ((e.concurrency, concurrency), (e.token_budget, token_budget)):
+        if value is not None and math.isfinite(value):
+            out[flag] = int(value)
+    if gpu_memory_utilization is None:
+        return out
+    if not e.memory_after_weights:
+        out[e.memory] = round(float(gpu_memory_utilization), 4)
+    elif memory_bytes is not None and weight_bytes is not None:
+        out[e.memory] = round(kv_free_fraction(
+            gpu_memory_utilization, memory_bytes, weight_bytes / tensor_parallel), 4)
+    return out
+
+
+def command_line(values: dict[str, int | float]) -> str:
+    """``--flag value ...`` (floats as ``%g``)."""
+    return " ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                    for k, v in values.items())
+
+
+def bench_command(*, hf_id: str, request_rate_per_s: float, num_prompts: int,
+                  prompt_tokens: float, output_tokens: float, ttft_p99_s: float,
+                  itl_p99_s: float) -> str:
+    """A ``vllm bench serve`` run against one replica that checks the
+    recommendation: the replica's share of the arrival rate (Poisson, the
+    tool's default), prompts and outputs of the workload's mean lengths
+    (``random`` dataset), the SLO as ``--goodput`` (milliseconds; vLLM's
+    ``tpot``, the mean gap after the first token, stands for the ITL), p50
+    and p99 reported, and a result file ``sweep-calibrate`` reads back."""
+    return (f"vllm bench serve --model {hf_id or '<hf-model-id>'} "
+            f"--dataset-name random --random-input-len {round(prompt_tokens)} "
+            f"--random-output-len {round(output_tokens)} --num-prompts {num_prompts} "
+            f"--request-rate {request_rate_per_s:.4g} "
+            f"--goodput ttft:{ttft_p99_s * 1e3:g} tpot:{itl_p99_s * 1e3:g} "
+            "--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 "
+            "--save-result --save-detailed")
