@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from sweep import contract
+from sweep.cube import contract
 from sweep.errors import ConfigError
 
 
@@ -354,7 +354,7 @@ class Grid:
     )
 
     def __post_init__(self) -> None:
-        # the numeric axes of the cube (sweep.contract), each a list of floats
+        # the numeric axes of the cube (sweep.cube.contract), each a list of floats
         self.axes = {}
         for a in contract.AXES:
             spec = getattr(self, a.name) if a.kind != contract.LABEL else None

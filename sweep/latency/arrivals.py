@@ -8,7 +8,7 @@ kept). Lengths are either
 
 * sampled (``workload.replay=sampled``, ``sample_requests``): prompt and
   output drawn independently from the workload's tables
-  (``sweep.workload.WorkloadTables``), so a discrete mixture, a binned
+  (``sweep.latency.workload.WorkloadTables``), so a discrete mixture, a binned
   lognormal and a trace's empirical distribution are sampled alike; or
 * replayed (``workload.replay=exact``, ``replay_requests``): the trace's rows
   in recorded order with their recorded (prompt, output) pairs, its first
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sweep.config.schema import ArrivalKind, Replay, Routing, Workload
-from sweep.workload import WorkloadTables
+from sweep.latency.workload import WorkloadTables
 
 
 class Requests(NamedTuple):

@@ -5,22 +5,22 @@ concurrency, token budget, batching mode and arrival rate, not on the
 roofline-only axes (context, long prompt, traffic): its variables live on
 ``DIMS`` only, and xarray broadcasts them against the rest of the cube.
 
-* ``latency=simulate``: ``sweep.simulate`` runs every configuration over
+* ``latency=simulate``: ``sweep.latency.simulate`` runs every configuration over
   ``latency.num_requests`` requests. Streams are sampled once per workload x
   rate from the run's seed; every configuration of a workload sees the same
   requests (common random numbers), the same arrivals compressed for a higher
   rate, so configurations and rates are compared on equal terms.
   With ``workload.replay=exact`` the stream is the trace's rows in recorded
-  order (``sweep.arrivals.replay_requests``).
-* ``latency=surrogate``: ``sweep.latency.surrogate``, closed forms for
+  order (``sweep.latency.arrivals.replay_requests``).
+* ``latency=surrogate``: ``sweep.latency.surrogate.surrogate``, closed forms for
   continuous batching; static and request-at-a-time points are NaN there.
 
 Context limit: a request whose prompt + output exceeds the model's
 ``max_context_tokens`` is rejected (``workload.overlong=reject``) or has its
-prompt cut (``truncate``), per model (``sweep.workload.context_limit``). The
+prompt cut (``truncate``), per model (``sweep.latency.workload.context_limit``). The
 simulator does it request by request; for the surrogate, the workload's
 length tables are conditioned on the requests the model serves
-(``sweep.workload.served_tables``) and the arrival rate is the served one.
+(``sweep.latency.workload.served_tables``) and the arrival rate is the served one.
 ``rejected_fraction`` is the share rejected.
 
 ``slo_met`` compares p99 TTFT and ITL with the ``slo`` group and the rejected
@@ -36,9 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep import contract, roofline
-from sweep.arrivals import workload_requests
-from sweep.batching import is_continuous
 from sweep.config.schema import (
     GridApp,
     LatencyMethod,
@@ -47,11 +44,15 @@ from sweep.config.schema import (
     Replay,
     Workload,
 )
-from sweep.evaluate import Part, blocking
-from sweep.latency import LatencyWorkload, latency_workload, surrogate
-from sweep.params import OVERLONG, stack
-from sweep.simulate import simulate
-from sweep.workload import WorkloadTables, served_tables
+from sweep.cube import contract
+from sweep.grid.evaluate import Part, blocking
+from sweep.latency.arrivals import workload_requests
+from sweep.latency.simulate import simulate
+from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
+from sweep.latency.workload import WorkloadTables, served_tables
+from sweep.model import roofline
+from sweep.model.batching import is_continuous
+from sweep.model.params import OVERLONG, stack
 
 DIMS = contract.dims(contract.P99)
 """The latency axes, in the cube's order."""
@@ -111,7 +112,7 @@ def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
 def served_workload(tables: WorkloadTables, workload: Workload,
                     model: Model) -> tuple[LatencyWorkload, float]:
     """The surrogate's summary of the requests ``model`` serves, and the share
-    it rejects (``sweep.workload.served_tables``).
+    it rejects (``sweep.latency.workload.served_tables``).
 
     Under exact replay the summary takes the trace's recorded (prompt, output)
     pairs (their joint law); sampled streams draw the lengths independently.

@@ -20,7 +20,7 @@ from collections import deque
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
 
-from sweep.plan import duration
+from sweep.grid.plan import duration
 
 INTERVAL_ENV = "SWEEP_PROGRESS_S"
 DEFAULT_INTERVAL_S = 10.0

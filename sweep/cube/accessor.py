@@ -16,7 +16,7 @@ reads the cube's own variables.
   optimistic; the criterion actually applied, proxies named, is returned in
   the mask's and the dataset's ``feasible`` attribute.
 * ``cheapest`` is an argmin that skips NaN (points that do not fit or are
-  masked); ``pareto`` is the usual non-dominated filter (``sweep.pareto``;
+  masked); ``pareto`` is the usual non-dominated filter (``sweep.search.pareto``;
   both axes maximised unless told otherwise);
   ``to_serving_flags`` maps one point to vLLM's engine arguments
   (https://docs.vllm.ai/en/latest/configuration/engine_args.html).
@@ -42,7 +42,9 @@ import pandas as pd
 import xarray as xr
 import yaml
 
-from sweep import batching, contract, pareto
+from sweep.cube import contract
+from sweep.model import batching
+from sweep.search import pareto
 
 SLO_FIELDS = contract.SLO
 """The limits an SLO option sets (``conf/slo``), each bounding the metric of its
@@ -298,7 +300,7 @@ class SweepAccessor:
 
     def pareto(self, x: str, y: str, *, by: str | Sequence[str] | None = None,
                maximize: tuple[bool, bool] = (True, True)) -> pd.DataFrame:
-        """Non-dominated points of ``x`` and ``y`` (``sweep.pareto.front``).
+        """Non-dominated points of ``x`` and ``y`` (``sweep.search.pareto.front``).
 
         A point is dropped when another is at least as good on both and better
         on one; by default larger is better on both (throughputs). Points with

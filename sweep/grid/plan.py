@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from sweep import contract
 from sweep.config.schema import LatencyMethod
+from sweep.cube import contract
 from sweep.errors import ConfigError
-from sweep.evaluate import Blocking, blocking
+from sweep.grid.evaluate import Blocking, blocking
 
 # -- measured constants (benchmarks/README.md, "Run plans") --------------------
 # Time, on the 2-core CPU machine when quiet: the rates of the quiet reruns of
@@ -252,7 +252,7 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
       candidates: hardware x model x TP candidates that fit.
       settings: the job's ``search.Settings`` (for its scan length).
     """
-    from sweep.search import PAD
+    from sweep.search.descent import PAD
 
     s = app.search
     padded = candidates + (-candidates % PAD)

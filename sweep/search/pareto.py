@@ -1,7 +1,7 @@
 """The Pareto filter: points that no other point beats on two objectives.
 
 One filter for the whole package: ``ds.sweep.pareto`` (a cube's fronts) and
-``sweep.optimize`` (cost against p99 latency over the configurations a search
+``sweep.search.optimize`` (cost against p99 latency over the configurations a search
 evaluated) both call ``front``. Each objective is minimised unless
 ``maximize`` says otherwise.
 """

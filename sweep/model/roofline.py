@@ -35,7 +35,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sweep.params import HardwareParams, ModelParams
+from sweep.model.params import HardwareParams, ModelParams
 
 ACTIVATION_BYTES = 2.0
 """Bytes per activation element in all-reduces (bf16 activations)."""

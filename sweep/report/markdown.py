@@ -1,12 +1,13 @@
-"""``sweep-report CUBE``: PNG charts and a markdown report of a result cube.
+"""PNG charts and a markdown report of a result cube (``sweep-report``, whose
+console script is ``sweep.cli.report``).
 
-The report (``report.md`` and one PNG per chart of ``sweep.plots.CHARTS``)
+The report (``report.md`` and one PNG per chart of ``sweep.report.plots.CHARTS``)
 goes to ``<cube>.report/`` beside the cube (``c.zarr`` -> ``c.report/``), so
 two cubes in one folder never share one, or to ``--out``. It is written into
 a temporary folder beside the target and moved into place only when
 complete, so an older report is replaced whole or not at all; the folder it
-replaces must be a report of this tool (its ``sweep.outputs.REPORT_MARKER``) or
-empty, and one ``sweep-report`` at a time writes it (``sweep.outputs``). A
+replaces must be a report of this tool (its ``sweep.cube.outputs.REPORT_MARKER``) or
+empty, and one ``sweep-report`` at a time writes it (``sweep.cube.outputs``). A
 path that is not a cube, a damaged cube (a chunk missing or unreadable), a
 cube without the variables every report needs, or an output folder the tool
 must not replace is refused with one line and exit code 2; a chart whose own
@@ -15,21 +16,20 @@ variables are missing is skipped and the report says which and why.
 The dataset ``sweep-optimize`` writes (``optimize.zarr``: dims ``candidate``,
 ``config``, ``verification``) gets its own report the same way: the chosen
 deployment and its vLLM flags, the candidates, the verification rounds, the
-run's log and the charts of ``sweep.plots.OPTIMIZE_CHARTS``.
+run's log and the charts of ``sweep.report.plots.OPTIMIZE_CHARTS``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
-from sweep import outputs, plots
-from sweep.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, is_optimize, load_slo
-from sweep.results import DamagedCube, check_chunks, open_cube
+from sweep.cube.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, is_optimize, load_slo
+from sweep.cube.results import DamagedCube, check_chunks, open_cube
+from sweep.report import plots
 
 # what the summary table and every chart's reduction rely on
 CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_per_s",
@@ -38,7 +38,7 @@ CORE_DIMS = ("concurrency",)
 PROVENANCE = ("sweep_version", "created_utc", "git_sha", "jax_version", "jax_backend",
               "x64", "seed", "hydra_overrides")
 
-# the optimize report's tables (``sweep.optimize.to_dataset``): (name, header,
+# the optimize report's tables (``sweep.search.optimize.to_dataset``): (name, header,
 # format); seconds are shown in ms
 CHOSEN_COLUMNS = (
     ("chosen_hardware", "hardware", "{}"), ("chosen_model", "model", "{}"),
@@ -369,50 +369,3 @@ def verification_table(ds: xr.Dataset) -> list[str]:
             for i in range(ds.sizes["verification"])]
     return md_table(["round", "candidate", *(c[1] for c in VERIFICATION_COLUMNS),
                      "SLO met"], rows)
-
-
-def default_out(cube: Path) -> Path:
-    """``<cube>.report`` beside the cube: ``c.zarr`` -> ``c.report``, ``c.nc`` ->
-    ``c.nc.report``."""
-    cube = cube.resolve()
-    stem = cube.stem if cube.suffix == ".zarr" else cube.name
-    return cube.with_name(stem + ".report")
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="sweep-report",
-        description="Charts (PNG) and a markdown report of a sweep result cube.")
-    p.add_argument("cube", type=Path, help="the cube (a .zarr store)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="report folder (default: <cube>.report/ beside the cube); "
-                   "an existing folder must be empty or an earlier report")
-    p.add_argument("--slo", default=None,
-                   help="SLO option name (conf/slo/<name>.yaml) for feasibility")
-    p.add_argument("--ttft-p99-s", dest="ttft_p99_s", type=float, default=None,
-                   help="p99 TTFT limit in seconds")
-    p.add_argument("--itl-p99-s", dest="itl_p99_s", type=float, default=None,
-                   help="p99 ITL limit in seconds")
-    p.add_argument("--hardware", default=None,
-                   help="hardware of the single-panel charts (default: cheapest)")
-    p.add_argument("--model", default=None,
-                   help="model of the single-panel charts (default: cheapest)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``sweep-report CUBE [--out DIR]``: write ``report.md`` and its charts."""
-    args = parse(argv)
-    cube = args.cube.expanduser()
-    out = (args.out.expanduser() if args.out else default_out(cube)).absolute()
-    label = f"--out {args.out}" if args.out else f"report folder {out}"
-    try:
-        outputs.check_target(out, label, "report")
-        with outputs.lock(out), outputs.staged(out) as staged:
-            drawn = write_report(cube, staged, args)
-            outputs.mark(staged, "report")
-            outputs.install(staged, out, "report")
-    except (ReportError, outputs.OutputError) as e:
-        print(f"sweep-report: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"sweep-report: {len(drawn)} chart(s) and report.md -> {out}")

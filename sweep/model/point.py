@@ -1,6 +1,6 @@
 """Every grid-sweep metric of one grid point, from the roofline and cost rules.
 
-One pure function of scalar pytrees; ``sweep.evaluate`` vmaps it over the
+One pure function of scalar pytrees; ``sweep.grid.evaluate`` vmaps it over the
 cube's axes (``grid_point`` takes one keyword argument per axis). Points whose
 KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
 get NaN for every other metric (SPEC: infeasible is data, not an exception).
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sweep import batching, contract, cost, roofline
-from sweep.params import GridPoint, WorkloadParams
+from sweep.cube import contract
+from sweep.model import batching, cost, roofline
+from sweep.model.params import GridPoint, WorkloadParams
 
 DIMS = contract.dims(contract.ROOFLINE)
 """The roofline cube's axes, in order."""
@@ -23,7 +24,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     Args:
       static_utilization: ``E[out] / E[max of concurrency outputs]`` for this
         workload and concurrency, computed once per (workload, concurrency);
-        the batching policy (``sweep.batching``) decides what it costs.
+        the batching policy (``sweep.model.batching``) decides what it costs.
     """
     tp = pt.tensor_parallel
     running = batching.running(pt.batching, pt.concurrency)

@@ -6,7 +6,7 @@ directory and no compilation), then hands the command line to
 ``@hydra.main``, which creates the run directory and runs the job on the
 preflight's config.
 
-Between the two, ``place_run`` checks the output path (``sweep.outputs``)
+Between the two, ``place_run`` checks the output path (``sweep.cube.outputs``)
 and adds the Hydra settings that place the run: with ``out=``, no run
 directory at all; without, a sweep continues the unfinished run of the same
 config under ``outputs/`` in its own directory. In the job, ``check_output``
@@ -29,11 +29,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import OmegaConf, open_dict
 
-from sweep import outputs
 from sweep.config.resolve import config_yaml, stash_lists
 from sweep.config.store import register_configs, resolve_lists_to_nodes
+from sweep.cube import outputs
+from sweep.cube.outputs import OutputError
 from sweep.errors import ConfigError
-from sweep.outputs import OutputError
 
 CONFIG_MODULE = "sweep.conf"
 """The package holding the shipped configs (``@hydra.main``'s ``pkg://`` path)."""
@@ -103,7 +103,7 @@ def place_run(app: str, argv: list[str], *, command: str, kind: str,
     """Checks ``out=`` and returns the Hydra overrides that place the run.
 
     With ``out=``: the path is checked for an output of ``kind``
-    (``sweep.outputs.check_target``) and Hydra writes nothing. Without, when
+    (``sweep.cube.outputs.check_target``) and Hydra writes nothing. Without, when
     ``resume``: the latest unfinished ``default_name`` of the same config
     under the outputs root (the run directory's pattern, ``outputs/*/*``) is
     continued in its own run directory, and a line says which. The user's own
@@ -116,8 +116,8 @@ def place_run(app: str, argv: list[str], *, command: str, kind: str,
         return [o for o in _NO_RUN_DIR if o.split("=")[0] not in given]
     if not resume or "hydra.run.dir" in given:
         return []
-    from sweep import grid, results
-
+    from sweep.cube import results
+    from sweep.grid import job as grid
     run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
     folders = "*".join(glob.escape(p) for p in re.split(r"\$\{[^}]*\}", run_dir))
     with open_dict(cfg):

@@ -6,7 +6,7 @@ A policy answers, for one grid point, the questions the models ask of it:
 * ``slot_utilization(padded_utilization)``: the share of the running slots
   that emit a token, given the share ``E[out] / E[max of B outputs]`` at
   ``B = concurrency`` that a batch kept until its longest output ends reaches
-  (``sweep.cost.static_slot_utilization``);
+  (``sweep.model.cost.static_slot_utilization``);
 * ``continuous``: whether requests join and leave the running batch between
   steps, as in vLLM, SGLang and TGI. Chunked prefill, the surrogate's
   queueing model and vLLM's engine flags exist only then.

@@ -1,8 +1,9 @@
 """``sweep-optimize``: the cheapest deployment within a p99 SLO, and its flags.
 
-As every console script (``sweep.commands``): the config is composed and checked before
+As every console script (``sweep.cli.commands``): the config is composed and
+checked before
 Hydra creates a run directory (bad input: one line, exit code 2), then
-``@hydra.main`` runs the job (``sweep.optimize``). An SLO that nothing meets
+``@hydra.main`` runs the job (``sweep.search.optimize``). An SLO that nothing meets
 prints one line naming the binding constraint and exits with code 3; the
 dataset is not written then.
 
@@ -25,8 +26,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from sweep import outputs
-from sweep.commands import (
+from sweep.cli.commands import (
     CONFIG_MODULE,
     check_output,
     fail,
@@ -35,8 +35,9 @@ from sweep.commands import (
     start,
 )
 from sweep.config.resolve import config_yaml, restore
+from sweep.cube import outputs
 from sweep.errors import ConfigError
-from sweep.plan import optimize_plan
+from sweep.grid.plan import optimize_plan
 
 COMMAND = "sweep-optimize"
 INFEASIBLE_EXIT = 3
@@ -48,7 +49,7 @@ def check(app: str, argv: list[str]):
     Raises:
       ConfigError: one line naming the field, its value and what is allowed.
     """
-    from sweep import optimize
+    from sweep.search import optimize
 
     base, hardware, models = optimize.options(app, argv)
     return optimize.prepare(base, hardware, models)
@@ -71,7 +72,7 @@ def _pair(metrics, name: str) -> str:
 
 def result_table(job, out) -> Table:
     """The chosen configuration first, then the other candidates by cost."""
-    from sweep.optimize import met
+    from sweep.search.optimize import met
 
     slo = job.app.slo
     table = Table(title=f"cheapest deployment of {job.app.workload.name} at "
@@ -123,8 +124,8 @@ def _enable_compilation_cache() -> None:
 def _optimize_app(cfg: DictConfig) -> None:
     import jax
 
-    from sweep import optimize, results
-
+    from sweep.cube import results
+    from sweep.search import optimize
     quiet_backend_probe()
     err = Console(stderr=True)
     try:

@@ -7,16 +7,16 @@ an analysis, its summary-table column. Everything else is built from these
 declarations (the idea of xarray-simlab's declare-once variables and of
 diffrax's ``RESULTS``):
 
-* the cube's template, dims order, dtypes and attributes (``sweep.results``,
-  ``sweep.grid``, ``sweep.p99``), and the plan's disk estimate;
-* the point functions' arguments, which are named by axis (``sweep.point``,
-  ``sweep.p99``): no code depends on the position of an axis but the cube's
+* the cube's template, dims order, dtypes and attributes (``sweep.cube.results``,
+  ``sweep.grid.job``, ``sweep.latency.p99``), and the plan's disk estimate;
+* the point functions' arguments, which are named by axis (``sweep.model.point``,
+  ``sweep.latency.p99``): no code depends on the position of an axis but the cube's
   layout itself, which is the order of ``AXES``;
 * the schema's numeric grid axes and their ranges (``sweep.config.schema``);
 * the analysis roles, SLO fields and vLLM flags of ``ds.sweep``
-  (``sweep.accessor``), the summary table (``sweep.summary``);
-* the optimizer's dataset (``sweep.optimize.to_dataset``) and the surrogate
-  outputs the search keeps (``sweep.search.METRICS``).
+  (``sweep.cube.accessor``), the summary table (``sweep.cube.summary``);
+* the optimizer's dataset (``sweep.search.optimize.to_dataset``) and the surrogate
+  outputs the search keeps (``sweep.search.descent.METRICS``).
 
 Adding a metric: one ``Metric`` below, and the code that computes it (the
 point function of its part returns it under its name or ``source``); a
@@ -37,10 +37,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sweep import status
+from sweep.cube import status
 
 ROOFLINE = "roofline"
-"""The part of a cube evaluated by ``sweep.point`` over the roofline axes."""
+"""The part of a cube evaluated by ``sweep.model.point`` over the roofline axes."""
 P99 = "p99"
 """The part evaluated by the simulator or the surrogate over the latency axes."""
 OPTIMIZE = "optimize"
@@ -124,7 +124,7 @@ class Metric:
     source: str = ""  # the producing function's key, when not ``name``
     latency: bool = False  # a latency percentile both latency models give
     slo: bool = False  # an SLO limit of ``conf/slo`` bounds it
-    flags: bool = False  # a ``sweep.status`` bit mask (CF flag attributes)
+    flags: bool = False  # a ``sweep.cube.status`` bit mask (CF flag attributes)
     column: Column | None = None  # shown in the summary table
 
     @property
@@ -167,7 +167,7 @@ AXES: tuple[Axis, ...] = (
 """Every sweep axis, in the cube's order (SPEC.md's names)."""
 
 METRICS: tuple[Metric, ...] = (
-    # the roofline part (sweep.point)
+    # the roofline part (sweep.model.point)
     Metric("step_s", "s", "decode step time (ITL)",
            column=Column("ITL ms", "{:.2f}", 1e3)),
     Metric("user_tokens_per_s", "token / s", "per-user decode rate",
@@ -188,7 +188,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv_fits", "1", "KV cache fits in memory", dtype="bool"),
     Metric("max_concurrency_fit", "sequence", "largest concurrency that fits",
            column=Column("max conc.", "{:,.0f}", section=COST)),
-    # the p99 part (sweep.p99: the simulator or the surrogate)
+    # the p99 part (sweep.latency.p99: the simulator or the surrogate)
     Metric("ttft_p50_s", "s", "p50 time to first token", P99, latency=True),
     Metric("ttft_p99_s", "s", "p99 time to first token", P99, latency=True, slo=True,
            column=Column("p99 TTFT s", "{:.3f}")),
@@ -207,7 +207,7 @@ METRICS: tuple[Metric, ...] = (
            "slo.max_rejected_fraction", P99, dtype="bool"),
     Metric("latency_status", "", "latency model status flags (0 = ok)", P99,
            dtype="int32", source="status", flags=True),
-    # properties of each value of an axis, from its config (sweep.grid)
+    # properties of each value of an axis, from its config (sweep.grid.job)
     Metric("usd_per_gpu_hour", "USD / GPU / hour", "price per GPU-hour", "hardware",
            dtype="float64"),
     Metric("weight_bytes", "byte", "weights", "model", dtype="float64"),
@@ -217,7 +217,7 @@ METRICS: tuple[Metric, ...] = (
            dtype="float64"),
     Metric("mean_output_tokens", "token", "mean output length", "workload",
            dtype="float64"),
-    # sweep-optimize's dataset only (sweep.optimize)
+    # sweep-optimize's dataset only (sweep.search.optimize)
     Metric("round", "", "search round", OPTIMIZE),
     Metric("meets_targets", "1", "meets the surrogate targets", OPTIMIZE,
            dtype="bool"),

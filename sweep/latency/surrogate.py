@@ -2,7 +2,7 @@
 
 One grid point in, scalars out, differentiable in the concurrency, the token
 budget and the arrival rate (the optax search descends it in log space). It
-shares the roofline of ``sweep.roofline`` with the simulator and replaces the
+shares the roofline of ``sweep.model.roofline`` with the simulator and replaces the
 simulation by the approximations below, one function per section; their
 agreement with the simulator is measured in ``benchmarks/surrogate_agreement.py``
 (``benchmarks/README.md``). Where an approximation cannot be exact it is
@@ -116,9 +116,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep import roofline
-from sweep import status as flags
-from sweep._numerics import (
+from sweep.cube import status as flags
+from sweep.latency.workload import WorkloadTables
+from sweep.model import roofline
+from sweep.model._numerics import (
     bisect,
     implicit_step,
     quantile,
@@ -131,7 +132,6 @@ from sweep._numerics import (
     softplus,
     ste_ceil,
 )
-from sweep.workload import WorkloadTables
 
 BAND_EDGES = np.array([0.0, 0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85,
                        0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998, 1.0])
@@ -805,7 +805,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       requests meeting both SLOs), ``utilization`` (the larger of the slot
       and prefill-server utilisations; >= 1 is saturated),
       ``slot_utilization``, ``prefill_utilization``, ``mean_itl_s``,
-      ``mean_running`` and ``status`` (int32 bit mask of ``sweep.status``
+      ``mean_running`` and ``status`` (int32 bit mask of ``sweep.cube.status``
       flags: ``SATURATED``, ``KV_INFEASIBLE``).
     """
     dtype = wl.band_probs.dtype

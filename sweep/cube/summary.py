@@ -1,7 +1,7 @@
 """The table ``sweep-grid`` prints: the cheapest feasible point of each scenario.
 
 Scenario axes (workload, context, arrival rate, traffic) describe the
-situation, not a choice (``sweep.accessor.SCENARIO_DIMS``): every combination
+situation, not a choice (``sweep.cube.accessor.SCENARIO_DIMS``): every combination
 of their values gets its own rows, one per hardware x model. The deployment
 choices (tensor parallelism, concurrency, token budget, batching) are
 optimised: a row is the point of least ``cost_per_mtok_out_usd`` among the
@@ -9,9 +9,9 @@ feasible ones, as ``sweep-report`` decides feasibility
 (``ds.sweep.feasible_mask``: the KV cache fits, the token budget is at least
 the concurrency, and on a cube with p99 variables the SLO of the cube's own
 config). A scenario axis that changes only a few metrics
-(``sweep.contract.Axis.affects``: ``long_prompt_tokens``, the interference
+(``sweep.cube.contract.Axis.affects``: ``long_prompt_tokens``, the interference
 variables), none of them shown, is fixed at its first value. The columns
-are the metrics declared with a ``column`` (``sweep.contract``).
+are the metrics declared with a ``column`` (``sweep.cube.contract``).
 
 Rows go scenario by scenario, so a long table cut at ``MAX_ROWS`` still
 compares every hardware x model on its first scenarios; the rest are in the
@@ -27,10 +27,10 @@ import numpy as np
 import xarray as xr
 from rich.table import Table
 
-import sweep.accessor  # noqa: F401  (registers ds.sweep)
-from sweep import contract
-from sweep.accessor import CONFIG_DIMS, MASK_VARIABLES, cube_slo
-from sweep.plan import LOAD_POINTS
+import sweep.cube.accessor  # noqa: F401  (registers ds.sweep)
+from sweep.cube import contract
+from sweep.cube.accessor import CONFIG_DIMS, MASK_VARIABLES, cube_slo
+from sweep.grid.plan import LOAD_POINTS
 
 MAX_ROWS = 60
 COLUMNS = tuple(sorted((m for m in contract.METRICS if m.column),

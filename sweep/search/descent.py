@@ -6,7 +6,7 @@ token budget ``b`` (``--max-num-batched-tokens``) and the number of replicas
 ``r``; the workload's arrival rate ``lam`` is split evenly over the replicas
 (random splitting of a Poisson stream is Poisson, at ``lam / r``). Cost per 1M
 output tokens is ``r * tp * usd_per_gpu_hour / (lam * E[O] * 3600) * 1e6``
-(``sweep.cost.cost_per_mtok_usd``): it depends on ``r`` only, and ``c`` and
+(``sweep.model.cost.cost_per_mtok_usd``): it depends on ``r`` only, and ``c`` and
 ``b`` decide at how few replicas the SLO still holds.
 
 **Relaxation.** ``theta = (log c, log b, log r)`` is continuous and kept in a
@@ -16,7 +16,7 @@ is
     log r + w * sum_k s * softplus(log(p99_k / target_k) / s)
 
 over ``k`` in {TTFT, ITL}, with the p99s from the analytic surrogate
-(``sweep.latency.surrogate``), which is smooth in ``c``, ``b`` and the rate.
+(``sweep.latency.surrogate.surrogate``), which is smooth in ``c``, ``b`` and the rate.
 Both terms are in log units, so one weight ``w`` serves every workload and
 price: at the optimum the penalty's slope balances the cost's slope of 1.
 This is a smooth exterior barrier rather than an augmented Lagrangian: the
@@ -62,11 +62,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sweep import contract
-from sweep._numerics import softplus
-from sweep.latency import LatencyWorkload, surrogate
-from sweep.params import HardwareParams, ModelParams
-from sweep.status import OK
+from sweep.cube import contract
+from sweep.cube.status import OK
+from sweep.latency.surrogate import LatencyWorkload, surrogate
+from sweep.model._numerics import softplus
+from sweep.model.params import HardwareParams, ModelParams
 
 if TYPE_CHECKING:
     from sweep.config.schema import Search

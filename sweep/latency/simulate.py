@@ -38,7 +38,7 @@ step-by-step reference):
   nothing else runs, and ``status`` says so.
 * context limit (vLLM's ``max_model_len``): a request whose prompt + output
   exceeds ``model.max_context_tokens`` is rejected, or its prompt truncated
-  (``overlong``; ``sweep.workload.context_limit``). A rejected request, like
+  (``overlong``; ``sweep.latency.workload.context_limit``). A rejected request, like
   one a load balancer sent to another replica (``mine``), is never admitted:
   the served requests are queued first, in arrival order, and the run ends
   when they are done. Percentiles, goodput and throughput count served
@@ -145,17 +145,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sweep import roofline
-from sweep import status as status_flags
-from sweep.arrivals import Requests
-from sweep.batching import CONTINUOUS, is_continuous, running
-from sweep.params import REJECT, TRUNCATE
-from sweep.workload import context_limit
+from sweep.cube import status as status_flags
+from sweep.latency.arrivals import Requests
+from sweep.latency.workload import context_limit
+from sweep.model import roofline
+from sweep.model.batching import CONTINUOUS, is_continuous, running
+from sweep.model.params import REJECT, TRUNCATE
 
 FREE, PREFILL, DECODE, WAIT = range(4)
 _BIG = 2**30  # "no limit" for step counts (int32)
 
-# ``status`` is a bit mask of the shared flags (``sweep.status``)
+# ``status`` is a bit mask of the shared flags (``sweep.cube.status``)
 STATUS_OK = status_flags.OK
 STATUS_RAN_OUT = status_flags.RAN_OUT
 STATUS_OVERSIZE = status_flags.OVERSIZE
@@ -188,7 +188,7 @@ class SimResult(NamedTuple):
     preemptions: jax.Array  # int32
     steps: jax.Array  # int32, scheduler steps simulated
     iterations: jax.Array  # int32, loop turns used
-    status: jax.Array  # int32 bit mask of ``sweep.status`` flags
+    status: jax.Array  # int32 bit mask of ``sweep.cube.status`` flags
 
 
 class SimOutcome(NamedTuple):
@@ -947,15 +947,15 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
       concurrency: most requests running at once (rounded down; request-at-a-time
         batching uses 1).
       token_budget: tokens per step (decodes + prefill chunks).
-      requests: the stream (``sweep.arrivals.Requests``); its float dtype is the
+      requests: the stream (``sweep.latency.arrivals.Requests``); its float dtype is the
         simulation's time dtype.
-      batching: a policy's index in ``sweep.batching.POLICIES`` (int).
+      batching: a policy's index in ``sweep.model.batching.POLICIES`` (int).
       ttft_slo_s, itl_slo_s: SLOs for goodput.
-      overlong: ``sweep.params`` ``REJECT`` or ``TRUNCATE`` (int): what becomes
+      overlong: ``sweep.model.params`` ``REJECT`` or ``TRUNCATE`` (int): what becomes
         of a request whose prompt + output exceeds
-        ``model.max_context_tokens`` (``sweep.workload.context_limit``).
+        ``model.max_context_tokens`` (``sweep.latency.workload.context_limit``).
       mine: optional bool ``(R,)``: the requests this replica is offered (a
-        load balancer's share, ``sweep.arrivals.split``); the others are not
+        load balancer's share, ``sweep.latency.arrivals.split``); the others are not
         served and not counted, as rejected ones are not served.
       max_slots: static size of the slot arrays: the largest concurrency of a
         grid is always exact. A smaller size is faster under light load; if

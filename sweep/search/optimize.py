@@ -3,24 +3,24 @@
 1. **Candidates.** Every hardware x model x tensor parallelism of the search
    space whose weights and one average request's KV fit in
    ``gpu_memory_utilization`` of the replica's memory (others are listed as
-   excluded). They are stacked, padded to a multiple of ``search.PAD`` (fewer
+   excluded). They are stacked, padded to a multiple of ``descent.PAD`` (fewer
    distinct shapes to compile), with per-candidate surrogate targets that
    start at the SLO.
-2. **Search** (``sweep.search``): one compiled call optimises every candidate
+2. **Search** (``sweep.search.descent``): one compiled call optimises every candidate
    x restart and returns, per lattice neighbour of each answer, the fewest
    replicas meeting the targets under the surrogate. A candidate's answer is
    its cheapest such configuration (ties: the most slack). If none meets the
    SLO anywhere, the SLO is infeasible (``Infeasible``, exit code 3): the
    message names the binding constraint and the best p99 reached.
 3. **Verification.** The ``verify_top`` cheapest answers not simulated yet
-   run through the simulator (``sweep.simulate``). Their replicas are fed as
+   run through the simulator (``sweep.latency.simulate``). Their replicas are fed as
    a load balancer feeds them: one stream at the workload's full rate (one
    PRNG stream for every configuration: common random numbers), of which a
    configuration of ``R`` replicas takes the first ``min(verify_requests * R,
    verify_requests_max)`` requests, split over the ``R`` replicas by
-   ``search.routing`` (``sweep.arrivals.route``/``split``); every replica of
+   ``search.routing`` (``sweep.latency.arrivals.route``/``split``); every replica of
    every configuration is one row of one ``jit(vmap)`` call, and the p99s
-   are over all of a configuration's requests (``sweep.simulate.pool``),
+   are over all of a configuration's requests (``sweep.latency.simulate.pool``),
    never over one replica fed a stream slowed ``R`` times. A candidate whose
    simulated p99 misses an SLO gets its surrogate target for that metric scaled by
    ``slo / simulated * surrogate / target * tighten_margin`` (the simulator's
@@ -45,9 +45,6 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import contract, outputs, pareto, roofline, search, status
-from sweep.arrivals import Requests, route, split, workload_requests
-from sweep.batching import CONTINUOUS
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
@@ -56,13 +53,18 @@ from sweep.config.schema import (
     OptimizeApp,
     check_tensor_parallel,
 )
-from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
-from sweep.latency import LatencyWorkload
-from sweep.p99 import served_workload
-from sweep.params import OVERLONG, stack
-from sweep.plan import optimize_plan
-from sweep.simulate import pool, simulate_requests, summarize
-from sweep.workload import WorkloadTables, workload_tables
+from sweep.cube import contract, outputs, status
+from sweep.grid.plan import optimize_plan
+from sweep.latency.arrivals import Requests, route, split, workload_requests
+from sweep.latency.p99 import served_workload
+from sweep.latency.simulate import pool, simulate_requests, summarize
+from sweep.latency.surrogate import LatencyWorkload
+from sweep.latency.workload import WorkloadTables, workload_tables
+from sweep.model import roofline
+from sweep.model.batching import CONTINUOUS
+from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
+from sweep.model.params import OVERLONG, stack
+from sweep.search import descent, pareto
 
 
 class Infeasible(Exception):
@@ -91,7 +93,7 @@ class OptimizeJob:
     # per model name: the surrogate's summary of the requests it serves, and
     # the share it rejects (context limit)
     served: dict[str, tuple[LatencyWorkload, float]]
-    settings: search.Settings
+    settings: descent.Settings
     # the validated configs searched, per axis (provenance of the dataset)
     specs: dict[str, list] = field(default_factory=dict)
 
@@ -100,9 +102,9 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             models: list[Model]) -> OptimizeJob:
     """Checks the search space and loads the workload; raises ``ConfigError``."""
     s = app.search
-    settings = search.Settings.of(s)
+    settings = descent.Settings.of(s)
     try:
-        search.make_optimizer(settings)
+        descent.make_optimizer(settings)
     except (AttributeError, TypeError) as e:
         raise ConfigError(
             f"search.optimizer = {s.optimizer!r} with options "
@@ -169,14 +171,14 @@ def options(app_name: str, overrides: list[str]):
     return base, out["hardware"], out["model"]
 
 
-def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> search.Candidates:
-    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % search.PAD)
+def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candidates:
+    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % descent.PAD)
     util = job.app.search.gpu_memory_utilization
     n = len(cands)
     f32 = jnp.float32
     served = [job.served[c.model.name] for c in cands]
     rate = job.app.workload.arrival_rate_per_s
-    return search.Candidates(
+    return descent.Candidates(
         hw=stack([hardware_params(c.hardware, util) for c in cands]),
         model=stack([model_params(c.model) for c in cands]),
         workload=stack([lw for lw, _ in served]),
@@ -224,7 +226,7 @@ class Outcome:
     chosen: Config | None
     answers: list[Config | None]  # per candidate, the last search's answer
     verifications: list[Verification]
-    last: search.SearchResult
+    last: descent.SearchResult
     ttft_target_s: np.ndarray
     itl_target_s: np.ndarray
     rounds: int
@@ -245,7 +247,7 @@ def _costs(job: OptimizeJob, replicas) -> tuple[np.ndarray, np.ndarray]:
     return cost_per_mtok_usd(usd, gpus, tokens_per_s), usd * gpus * HOURS_PER_MONTH
 
 
-def _answers(job: OptimizeJob, res: search.SearchResult, ttft_t, itl_t,
+def _answers(job: OptimizeJob, res: descent.SearchResult, ttft_t, itl_t,
              rnd: int) -> list[Config | None]:
     """Each candidate's cheapest feasible configuration (ties: most slack)."""
     n = len(job.candidates)
@@ -265,13 +267,13 @@ def _answers(job: OptimizeJob, res: search.SearchResult, ttft_t, itl_t,
             candidate=c, concurrency=int(res.concurrency[c, r, k]),
             token_budget=int(res.token_budget[c, r, k]),
             replicas=int(res.replicas[c, r, k]),
-            surrogate={m: float(res.metrics[m][c, r, k]) for m in search.METRICS},
+            surrogate={m: float(res.metrics[m][c, r, k]) for m in descent.METRICS},
             cost_per_mtok_out_usd=float(per_mtok[c, r, k]),
             cost_per_month_usd=float(per_month[c, r, k]), round=rnd))
     return out
 
 
-def _surrogate_infeasible(job: OptimizeJob, res: search.SearchResult) -> str:
+def _surrogate_infeasible(job: OptimizeJob, res: descent.SearchResult) -> str:
     """The message of an SLO no candidate meets under the surrogate."""
     slo = job.app.slo
     n = len(job.candidates)
@@ -432,8 +434,8 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     ttft_t = np.full(n, app.slo.ttft_p99_s)
     itl_t = np.full(n, app.slo.itl_p99_s)
     key_init, key_sim = jax.random.split(jax.random.key(app.seed))
-    init = search.initial_theta(key_init, job.settings,
-                                n + (-n % search.PAD), s.restarts)
+    init = descent.initial_theta(key_init, job.settings,
+                                n + (-n % descent.PAD), s.restarts)
     cache: dict[tuple, Config] = {}
     verifications: list[Verification] = []
     lines: list[str] = []
@@ -445,7 +447,7 @@ def run(job: OptimizeJob, log=print) -> Outcome:
 
     for rnd in range(1, s.rounds + 1):
         t0 = time.perf_counter()
-        res = search.search(_candidates(job, ttft_t, itl_t), init, job.settings)
+        res = descent.search(_candidates(job, ttft_t, itl_t), init, job.settings)
         search_s += time.perf_counter() - t0
         evaluations += res.evaluations
         answers = [cache.get(a.key, a) if a is not None else None
@@ -547,7 +549,7 @@ def vllm_flags(job: OptimizeJob, c: Config) -> str:
 
 def _var(dims, data, name: str, prefix: str = "", source: str = ""):
     """A variable with the attributes of ``name``'s declaration
-    (``sweep.contract``), its long name prefixed; ``source``: the latency
+    (``sweep.cube.contract``), its long name prefixed; ``source``: the latency
     model it comes from (the ``method`` attribute, as in a cube)."""
     attrs = contract.attrs(name)
     attrs["long_name"] = prefix + attrs["long_name"]
@@ -707,7 +709,7 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
 
     One builder per dim (``_candidate_vars``, ``_config_vars``,
     ``_verification_vars``); every variable's units and long name come from
-    ``sweep.contract``, and each latency percentile it declares appears as
+    ``sweep.cube.contract``, and each latency percentile it declares appears as
     ``surrogate_<name>`` and ``simulated_<name>`` per candidate. ``config``
     marks the Pareto fronts of cost against p99 ITL / TTFT (``pareto_itl``,
     ``pareto_ttft``). The chosen configuration is in the ``chosen_*``
@@ -722,7 +724,7 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
 def write(ds: xr.Dataset, out: Path) -> None:
     """Writes the dataset to zarr under a temporary name, then moves it into
     place; an existing ``out`` is replaced only when the tool wrote it
-    (``sweep.outputs``; the caller holds ``out``'s lock)."""
+    (``sweep.cube.outputs``; the caller holds ``out``'s lock)."""
     import zarr
 
     with outputs.staged(out) as tmp:

@@ -1,13 +1,13 @@
 """``sweep-grid``: evaluate a grid of deployments, write ``cube.zarr``.
 
-As every console script (``sweep.commands``), the command first composes and
+As every console script (``sweep.cli.commands``), the command first composes and
 validates its config outside Hydra's run (bad input: one line, exit code 2,
 no run directory, no compilation), then hands the command line to
 ``@hydra.main``, which creates the run directory (or, without ``out=``,
 continues the unfinished run of the same config) and runs the job on the
 preflight's config. Before the first block, ``sweep-grid`` prints its plan
-(``sweep.plan``); while it runs, its progress (``sweep.progress``); at the
-end, the cheapest feasible point per scenario (``sweep.summary``).
+(``sweep.grid.plan``); while it runs, its progress (``sweep.grid.progress``); at the
+end, the cheapest feasible point per scenario (``sweep.cube.summary``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
-from sweep import outputs
-from sweep.commands import (
+from sweep.cli.commands import (
     CONFIG_MODULE,
     check_output,
     fail,
@@ -29,11 +28,12 @@ from sweep.commands import (
     start,
 )
 from sweep.config.resolve import config_yaml, grid_options, restore
+from sweep.cube import outputs
+from sweep.cube.outputs import OutputError
+from sweep.cube.summary import summary_table
 from sweep.errors import ConfigError
-from sweep.outputs import OutputError
-from sweep.plan import grid_plan
-from sweep.progress import BlockProgress
-from sweep.summary import summary_table
+from sweep.grid.plan import grid_plan
+from sweep.grid.progress import BlockProgress
 
 
 def check(app: str, argv: list[str]):
@@ -45,7 +45,7 @@ def check(app: str, argv: list[str]):
     Raises:
       ConfigError: one line naming the field, its value and what is allowed.
     """
-    from sweep import grid
+    from sweep.grid import job as grid
 
     base, options = grid_options(app, argv)
     grid.check(base, options)
@@ -62,8 +62,8 @@ _preflight_options = None
 def _grid_app(cfg: DictConfig) -> None:
     import jax
 
-    from sweep import grid, results
-
+    from sweep.cube import results
+    from sweep.grid import job as grid
     quiet_backend_probe()
     console = Console(stderr=True)
     try:

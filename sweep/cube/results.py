@@ -8,7 +8,7 @@ finds the partial store and evaluates only the missing blocks; a rerun
 without ``out=`` finds it under the outputs root by the config's digest
 (``find_unfinished``). When every block is in, the metadata is consolidated
 and the store is renamed to ``<out>``, replacing an older cube there only if
-the tool wrote it (``sweep.outputs``): a reader never sees a half-written
+the tool wrote it (``sweep.cube.outputs``): a reader never sees a half-written
 cube under the final name. Each of these writes is a list of steps
 (``create_steps``, ``block_steps``, ``finish_steps``) ordered so that a kill
 after any step leaves the old cube or the new one, and a rerun that works;
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from sweep import contract, outputs
+from sweep.cube import contract, outputs
 
 
 def provenance(config_yaml: str, seed: int, overrides: list[str],
@@ -80,7 +80,7 @@ def git_commit() -> str:
     """The commit of the source tree the package runs from (``-dirty`` when a
     tracked file differs from it); "" when it runs from an installed copy or
     git is not there."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # sweep/cube/results.py -> the checkout
     # only the project's own checkout: an installed copy may sit in another repo
     if not ((root / ".git").exists() and (root / "pyproject.toml").is_file()):
         return ""
@@ -102,7 +102,7 @@ def template(coords: dict[str, np.ndarray], parts, attrs: dict,
     """An unwritten cube: coordinates, attributes and lazily-zero variables.
 
     Every variable's dtype and attributes come from its declaration
-    (``sweep.contract``).
+    (``sweep.cube.contract``).
 
     Args:
       parts: the job's parts; each contributes its variables on its dims,

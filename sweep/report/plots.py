@@ -8,7 +8,7 @@ stated way (``view``):
 * scenario dims (workload, context, long prompt, traffic, arrival rate) are
   fixed at their first coordinate value;
 * batching is fixed at a continuous policy (``continuous``: what vLLM /
-  SGLang / TGI run; ``sweep.batching``) when the cube has one, else at its
+  SGLang / TGI run; ``sweep.model.batching``) when the cube has one, else at its
   first value;
 * the deployment choices the chart does not show (tensor parallelism, token
   budget, concurrency) are reduced to the cheapest point in USD per 1M output
@@ -47,9 +47,9 @@ from matplotlib.ticker import (
     NullLocator,
 )
 
-import sweep.accessor  # noqa: F401  (registers ds.sweep)
-from sweep import batching
-from sweep.accessor import CONFIG_DIMS, SCENARIO_DIMS
+import sweep.cube.accessor  # noqa: F401  (registers ds.sweep)
+from sweep.cube.accessor import CONFIG_DIMS, SCENARIO_DIMS
+from sweep.model import batching
 
 COST = "cost_per_mtok_out_usd"
 PER_GPU = "output_tokens_per_s_per_gpu"

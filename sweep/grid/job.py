@@ -3,7 +3,7 @@
 A cube is made of *parts*, each a point function evaluated over the product of
 some of the cube's axes: the roofline metrics over ``point.DIMS``, and (with
 ``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS`` (both
-``sweep.contract.dims``); point functions take their inputs by axis name.
+``sweep.cube.contract.dims``); point functions take their inputs by axis name.
 ``prepare`` does everything that can fail on bad input (trace loading, the
 cross-group checks) without compiling anything; ``run`` evaluates the missing
 blocks of every part, writes them, and returns the finished cube.
@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import batching, contract, outputs, p99, results
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
@@ -31,13 +30,16 @@ from sweep.config.schema import (
     Model,
     check_tensor_parallel,
 )
-from sweep.cost import static_slot_utilization
-from sweep.evaluate import Part, blocking, iterate_blocks
-from sweep.params import WorkloadParams, stack
-from sweep.plan import grid_plan
-from sweep.point import grid_point
-from sweep.roofline import weight_bytes
-from sweep.workload import WorkloadTables, workload_tables
+from sweep.cube import contract, outputs, results
+from sweep.grid.evaluate import Part, blocking, iterate_blocks
+from sweep.grid.plan import grid_plan
+from sweep.latency import p99
+from sweep.latency.workload import WorkloadTables, workload_tables
+from sweep.model import batching
+from sweep.model.cost import static_slot_utilization
+from sweep.model.params import WorkloadParams, stack
+from sweep.model.point import grid_point
+from sweep.model.roofline import weight_bytes
 
 
 @dataclass

@@ -79,6 +79,6 @@ class GridPoint(NamedTuple):
     concurrency: jax.Array
     token_budget: jax.Array
     context_tokens: jax.Array
-    batching: jax.Array  # index into sweep.batching.POLICIES, int32
+    batching: jax.Array  # index into sweep.model.batching.POLICIES, int32
     long_prompt_tokens: jax.Array
     traffic_tokens_per_day: jax.Array

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep import contract
+from sweep.cube import contract
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,11 @@ class Part:
 
     The function takes one keyword argument per axis of the part and per
     table, named as they are: nothing depends on positions but the cube's
-    layout (``sweep.contract.dims``). ``fn``, ``axes``, ``tables`` and
-    ``table_dims`` are the positional views ``sweep.evaluate`` takes.
+    layout (``sweep.cube.contract.dims``). ``fn``, ``axes``, ``tables`` and
+    ``table_dims`` are the positional views ``sweep.grid.evaluate`` takes.
     """
 
-    name: str  # sweep.contract.ROOFLINE or P99: the part's dims and variables
+    name: str  # sweep.cube.contract.ROOFLINE or P99: the part's dims and variables
     point: Callable  # keyword arguments: each dim's value, each table's
     inputs: dict[str, Any]  # per dim: its values, stacked along the leading axis
     plan: Blocking
