@@ -47,16 +47,19 @@ holding time grows with their number (every step carries every running
 request): a negative binomial below ``c`` (Erlang C when the holding time
 does not grow), continued to real ``c`` through the incomplete beta
 function, and beyond ``c`` a queue served at the slots' saturated rate (the
-mean-field utilisation put the waiting probability 3-8x low at concurrency
-16: ``benchmarks/README.md``). Given that it waits, a request waits as in
-M/G/1 with service ``S / c`` (whose mean is the Allen-Cunneen one: Whitt
-1993, Prod. Oper. Manag. 2, 114-161). The prefill server is M/G/1 with the band mixture as its service
-law, and its wait is the exact Pollaczek-Khinchine law: a geometric sum of
-residual service times, ``P(W <= t) = (1 - rho) sum_k rho^k R^{*k}(t)``
-(Kleinrock 1975, *Queueing Systems I*, sec. 5.7), computed on a lattice of
-``WAIT_POINTS`` points by FFT, where the sum is ``(1 - rho) / (1 - rho R(z))``
-(exponentially damped against wrap-around: Abate & Whitt 1992, Queueing
-Systems 10, 5-88); the residual law is a mixture of uniforms, discretised
+mean-field utilisation put the waiting probability 8x low in a probe at
+concurrency 16: ``benchmarks/README.md``). Given that it waits, a request
+waits as in M/G/1 with service ``S / c`` (whose mean is the Allen-Cunneen
+one: Whitt 1993, Prod. Oper. Manag. 2, 114-161). The prefill server is M/G/1
+with the band mixture as its service law, and its wait is the exact
+Pollaczek-Khinchine law: a geometric sum of residual service times,
+``P(W <= t) = (1 - rho) sum_k rho^k R^{*k}(t)`` (Kleinrock 1975, *Queueing
+Systems I*, sec. 5.7), computed on a lattice of ``WAIT_POINTS`` points by
+FFT, where the sum is ``(1 - rho) / (1 - rho R(z))`` (exponentially damped
+against wrap-around: Abate & Whitt 1992, Queueing Systems 10, 5-88); the
+residual law is a mixture of uniforms, one per band, whose span keeps the
+band's second moment (its within-band spread included: on heavy tails the
+top bands' spread carries much of ``E[X^2]``), discretised
 mean-preservingly. The admission wait is convolved in on the same lattice.
 This holds at any service variability (``benchmarks/mg1_wait_tail.py``
 measured the previous two-moment tail at 0.67-0.82x the exact p99 at cv 2),
@@ -120,6 +123,7 @@ from sweep.cube import status as flags
 from sweep.latency.workload import WorkloadTables
 from sweep.model import roofline
 from sweep.model._numerics import (
+    betainc,
     bisect,
     implicit_step,
     quantile,
@@ -491,59 +495,67 @@ class _Wait(NamedTuple):
     cdf: jax.Array  # shape=(WAIT_POINTS,), P(W <= k dt)
 
 
-def _residual_hat(service_s, probs, dt, damp, cdtype):
+def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
     """Damped DFT of the lattice law of the residual of a service time.
 
-    The residual of service ``x_j`` (probability ``w_j``) is uniform on
-    ``[0, x_j]`` with weight ``w_j x_j / E[X]``; each lattice bin's mass is
-    split between its two ends (mean-preserving).
+    The residual of a band of mean service ``x_j`` (probability ``w_j``) is
+    uniform on ``[0, y_j]`` with weight ``w_j x_j / E[X]``, where ``y_j =
+    E[X_j^2] / x_j`` keeps the band's second moment (so the residual's mean is
+    ``E[X^2] / 2 E[X]``, the band's spread included); each lattice bin's mass
+    is split between its two ends (mean-preserving).
     """
     dtype = service_s.dtype
     k = jnp.arange(WAIT_POINTS + 1, dtype=dtype)
     v = safe_div(probs * service_s, probs @ service_s)
     edge_cdf = (v[None, :] * jnp.clip(k[:, None] * dt / jnp.maximum(
-        service_s[None, :], 1e-30), 0.0, 1.0)).sum(-1)
+        span_s[None, :], 1e-30), 0.0, 1.0)).sum(-1)
     mass = jnp.diff(edge_cdf)
     r = 0.5 * (mass + jnp.concatenate([jnp.zeros((1,), dtype), mass[:-1]]))
     return jnp.fft.fft((r * damp).astype(cdtype))
 
 
-def _wait_lattice(rho, service_s, probs, p_slot, slot_util, slot_service_s,
+def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_service_s,
                   slot_probs) -> _Wait:
     """Admission wait + the exact M/G/1 prefill wait, on one lattice.
 
     Args:
       rho: prefill server utilisation (any value; kept below 1 by ``slack``).
-      service_s, probs: the prefill service law, shape ``(J,)``.
+      service_s, probs: the prefill service law, shape ``(J,)``, by band
+        means; spread_s: the service's std within each band.
       p_slot: probability of waiting for a slot (``_slot_queue``).
       slot_util: the slots' utilisation when all are taken; slot_service_s,
-        slot_probs: the law of a slot's holding time then. Given that it waits, a request waits as in an
-        M/G/1 queue of service ``S / c`` (the heavy-traffic form of M/G/c,
-        whose mean is the Allen-Cunneen one), which keeps the holding time's
-        variability in the tail.
+        slot_probs: the law of a slot's holding time then. Given that it
+        waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
+        heavy-traffic form of M/G/c, whose mean is the Allen-Cunneen one),
+        which keeps the holding time's variability in the tail.
     """
     dtype = service_s.dtype
     cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
     rho = 1.0 - slack(1.0 - rho)
     rho_s = 1.0 - slack(1.0 - slot_util)
-    residual_mean = safe_div(probs @ service_s**2, 2.0 * (probs @ service_s))
+    # heavy tails: the top bands' spread carries much of E[X^2]
+    service_span = service_s + safe_div(spread_s**2, service_s)
+    residual_mean = safe_div(probs @ (service_s * service_span),
+                             2.0 * (probs @ service_s))
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
-    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_s)
+    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_span)
             + p_slot * (16.0 * slot_residual / (1.0 - rho_s)
                         + 2.0 * safe_max(slot_service_s)) + 1e-9)
     dt = span / WAIT_POINTS
     k = jnp.arange(WAIT_POINTS, dtype=dtype)
     damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)
 
-    def pk(service, w, util):
+    def pk(service, service_span, w, util):
         """Pollaczek-Khinchine: (1 - rho) / (1 - rho R(z))."""
         u = util.astype(cdtype)
-        return (1.0 - u) / (1.0 - u * _residual_hat(service, w, dt, damp, cdtype))
+        return (1.0 - u) / (1.0 - u * _residual_hat(service, service_span, w, dt,
+                                                     damp, cdtype))
 
     # both laws through one batched transform (one copy of the code to compile)
     prefill_hat, slot_hat = jax.vmap(pk)(
-        jnp.stack([service_s, slot_service_s]), jnp.stack([probs, slot_probs]),
+        jnp.stack([service_s, slot_service_s]),
+        jnp.stack([service_span, slot_service_s]), jnp.stack([probs, slot_probs]),
         jnp.stack([rho, rho_s]))
     p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
     queued = (slot_hat - (1.0 - rs_c)) / rs_c
@@ -561,7 +573,8 @@ class _SlotQueue(NamedTuple):
     full_residence_s: jax.Array  # a slot's mean holding time when all are taken
 
 
-def _slot_queue(state_at, st: _State, d_st: _State, lam, n, slots) -> _SlotQueue:
+def _slot_queue(state_at, st: _State, d_st: _State, lam, mean_decodes,
+                slots) -> _SlotQueue:
     """Requests holding a slot: a birth-death chain whose holding time grows
     with the occupancy, and the queue beyond the slots.
 
@@ -583,7 +596,9 @@ def _slot_queue(state_at, st: _State, d_st: _State, lam, n, slots) -> _SlotQueue
     ``q`` multiplies the waiting probability by ``1 / (1 - q)``.
     """
     occupancy = lam * st.residence_s
-    decode_share = safe_div(n, occupancy)
+    # the share of a slot's holding time spent decoding (n / occupancy, by
+    # Little's law; defined at zero load too)
+    decode_share = safe_div(mean_decodes * st.step_s, st.residence_s)
     # each request more holds decode_share decodes more
     theta = jnp.clip(lam * d_st.residence_s * decode_share, 0.02, 0.9)
     n_full = slots * decode_share
@@ -603,7 +618,7 @@ def _p_wait(occupancy, theta, slots, full_util):
     ratio ``full_util`` from them on (``_slot_queue``); continuous in the slots.
     """
     r = jnp.maximum(occupancy * (1.0 - theta) / theta, 1e-6)
-    below = jax.scipy.special.betainc(r, slots, 1.0 - theta)  # P(N <= c - 1)
+    below = betainc(r, slots, 1.0 - theta)  # P(N <= c - 1)
     log_at = (jax.scipy.special.gammaln(slots + r) - jax.scipy.special.gammaln(r)
               - jax.scipy.special.gammaln(slots + 1.0) + r * jnp.log1p(-theta)
               + slots * jnp.log(theta))
@@ -614,17 +629,22 @@ def _p_wait(occupancy, theta, slots, full_util):
     return jnp.where(some, queued / jnp.where(some, total, 1.0), 1.0)
 
 
-def _wait(st: _State, wl, slots, sq: _SlotQueue, gap_s) -> _Wait:
+def _wait(st: _State, wl, slots, sq: _SlotQueue, gap_s, per_token_s) -> _Wait:
     """The wait for a slot and then for the prefill server. Given that it
     waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
     heavy-traffic form of M/G/c), ``S`` a slot's holding time when every slot
-    is taken."""
+    is taken.
+
+    Args:
+      per_token_s: ``d service / d P`` per band (the within-band spread).
+    """
     w = wl.band_probs
     holding = (w @ st.service_s + st.mean_wait_s
                + jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s)  # (J,)
     holding_full = holding * safe_div(sq.full_residence_s, st.residence_s)
-    return _wait_lattice(st.prefill_util, st.service_s, w, sq.p_wait, sq.full_util,
-                         holding_full / slots, w)
+    return _wait_lattice(st.prefill_util, st.service_s,
+                         per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
+                         sq.full_util, holding_full / slots, w)
 
 
 def _wait_cdf_beyond_zero(wait: _Wait, s):
@@ -822,14 +842,13 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     slot_util, utilization, rate = _throughput(st, wl, lam, mean_decodes, slots)
     gap_s = _tagged_gap_s(st, d_st, n, slots)
     queue = _slot_queue(lambda d, rate: _state(hw, model, tp, wl, d, budget, rate),
-                        st, d_st, lam, n, slots)
-    wait = _wait(st, wl, slots, queue, gap_s)
-
+                        st, d_st, lam, mean_decodes, slots)
     _, per_token = jax.jvp(
         lambda p: _prefill(hw, model, tp, wl, n, budget, p).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
-    ttft_band, ttft_lo, ttft_hi = _ttft(st, wait, wl, n, lam,
-                                        jax.lax.stop_gradient(jnp.abs(per_token)))
+    per_token = jax.lax.stop_gradient(jnp.abs(per_token))
+    wait = _wait(st, wl, slots, queue, gap_s, per_token)
+    ttft_band, ttft_lo, ttft_hi = _ttft(st, wait, wl, n, lam, per_token)
     ttft_p50, ttft_p99 = quantile(lambda t: ttft_band(t[:, None]) @ w, _LEVELS,
                                   ttft_lo, ttft_hi)
 
