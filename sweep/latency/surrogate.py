@@ -599,7 +599,8 @@ def _slot_queue(state_at, st: _State, d_st: _State, lam, mean_decodes,
     # the share of a slot's holding time spent decoding (n / occupancy, by
     # Little's law; defined at zero load too)
     decode_share = safe_div(mean_decodes * st.step_s, st.residence_s)
-    # each request more holds decode_share decodes more
+    # theta = lam R', each request more holding decode_share decodes more; at
+    # least 0.02 (a little above Erlang C: on the high side), at most 0.9
     theta = jnp.clip(lam * d_st.residence_s * decode_share, 0.02, 0.9)
     n_full = slots * decode_share
     full, d_full = jax.jvp(lambda rate: state_at(n_full, rate).residence_s, (lam,),
