@@ -12,6 +12,9 @@ probed rate, lengths from their tables, a trace's timestamps not replayed)
 and synthetic lognormal prompts of mean ``LOGNORMAL_MEAN`` tokens with a
 coefficient of variation of 0.5, 1, 2 and 3, clipped at 131,072 tokens
 (outputs lognormal, mean 250, sigma 0.8, at most 2,000).
+Requests beyond a model's context (``max_context_tokens``) are rejected by
+the simulator, so the surrogate gets the served requests' lengths at the
+served rate, as ``sweep.latency.p99`` gives them to it (``served_tables``).
 
 Utilisation is measured by the simulator, not by either surrogate: each
 configuration first serves a burst (every request at time ~0) and its
@@ -21,8 +24,12 @@ capacity is ``requests / duration``; the probes are Poisson streams at
 The simulator runs in float64 (``--float32`` to run it as users do): the
 float32 ITL histogram lost mass before it was fixed (issue 9, item 1).
 
+``--from-csv a.csv,b.csv`` re-evaluates the current surrogate on the
+simulator results a previous run saved with ``--csv`` (no simulation), and
+reports the saved surrogate's figures beside the new ones.
+
 Usage: python benchmarks/surrogate_agreement.py [--requests 1000] [--quick]
-       [--workloads a,b] [--csv out.csv] [--float32]
+       [--workloads a,b] [--csv out.csv] [--float32] [--from-csv a.csv,b.csv]
 """
 
 from __future__ import annotations
@@ -46,7 +53,12 @@ from sweep.cube import contract
 from sweep.latency.arrivals import Requests, sample_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import latency_workload, surrogate
-from sweep.latency.workload import WorkloadTables, length_table, workload_tables
+from sweep.latency.workload import (
+    WorkloadTables,
+    length_table,
+    served_tables,
+    workload_tables,
+)
 from sweep.model.params import stack
 
 DEPLOYMENTS = [  # (hardware, model, tensor_parallel); no very fast TP 8 configs
@@ -93,6 +105,22 @@ def lognormal_tables(cv: float) -> WorkloadTables:
     return WorkloadTables(f"lognormal_cv{cv:g}", pv, pp, ov, op)
 
 
+def served(t: WorkloadTables, mo_cfg, models: list[str]):
+    """The surrogate's workload per point and the offered share each serves.
+
+    As ``sweep.p99`` does: a request beyond the model's context is rejected by
+    the simulator, so the surrogate sees the served requests' lengths at the
+    served rate.
+    """
+    per = {}
+    for m in dict.fromkeys(models):
+        tab, rejected = served_tables(t, float(mo_cfg[m].max_context_tokens),
+                                      False, False)
+        per[m] = (latency_workload(tab), 1.0 - rejected)
+    lws = stack([per[m][0] for m in models])
+    return lws, np.array([per[m][1] for m in models])
+
+
 def _as(tree, dtype):
     return jax.tree.map(lambda a: jnp.asarray(np.asarray(a), dtype), tree)
 
@@ -128,10 +156,11 @@ def run(num_requests: int, quick: bool, names: list[str] | None, x64: bool,
             args = [_as(rep(x, n), ft) for x in (hw, mo, tp, cc, bb)]
             return jax.block_until_ready(sim(*args, _as(reqs, ft)))
 
-    for wi, wname in enumerate(names):
+    for wname in names:
+        # the stream of a workload does not depend on which others run with it
+        wi = list(tables).index(wname)
         t = tables[wname]
-        lw = latency_workload(t)
-        lws = jax.tree.map(lambda x: jnp.broadcast_to(x, (n_pts,) + x.shape), lw)
+        lws, served_share = served(t, mo_cfg, [d[1] for (d, _, _) in pts])
         key_burst, key_load = jax.random.split(jax.random.key(seed + wi))
         t0 = time.perf_counter()
         burst = sample_requests(key_burst, t, num_requests, 1.0)
@@ -150,7 +179,7 @@ def run(num_requests: int, quick: bool, names: list[str] | None, x64: bool,
         out_sur = jax.block_until_ready(sur(
             rep(hw, len(LOADS)), rep(mo, len(LOADS)), rep(lws, len(LOADS)),
             rep(tp, len(LOADS)), rep(cc, len(LOADS)), rep(bb, len(LOADS)),
-            jnp.asarray(rate, jnp.float32)))
+            jnp.asarray(rate * np.repeat(served_share, len(LOADS)), jnp.float32)))
         sur_s += time.perf_counter() - t0
         for i in range(len(rate)):
             d, c, b = pts[i // len(LOADS)]
@@ -167,6 +196,45 @@ def run(num_requests: int, quick: bool, names: list[str] | None, x64: bool,
         print(f"{wname}: {len(rate)} configurations ({time.perf_counter() - t0:.0f} s "
               f"surrogate; simulator so far {sim_s:.0f} s)", flush=True)
     return rows, sim_s, sur_s
+
+
+def reevaluate(paths: list[str]):
+    """The current surrogate on the configurations of saved runs."""
+    import csv
+
+    hw_cfg, mo_cfg, shipped = _configs()
+    tables = dict(shipped)
+    for cv in LOGNORMAL_CV:
+        t = lognormal_tables(cv)
+        tables[t.name] = t
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                rows.append({k: (v if k in ("workload", "hardware", "model")
+                                 else float(v)) for k, v in r.items()})
+    sur = jax.jit(jax.vmap(surrogate))
+    t0 = time.perf_counter()
+    for wname in dict.fromkeys(r["workload"] for r in rows):
+        sel = [r for r in rows if r["workload"] == wname]
+        lws, served_share = served(tables[wname], mo_cfg, [r["model"] for r in sel])
+        hw = stack([hardware_params(hw_cfg[r["hardware"]], GPU_MEMORY_UTILIZATION)
+                    for r in sel])
+        mo = stack([model_params(mo_cfg[r["model"]]) for r in sel])
+        col = {k: jnp.asarray([r[k] for r in sel], jnp.float32)
+               for k in ("tp", "concurrency", "token_budget", "rate")}
+        out = jax.block_until_ready(sur(hw, mo, lws, col["tp"], col["concurrency"],
+                                        col["token_budget"],
+                                        col["rate"] * jnp.asarray(served_share,
+                                                                  jnp.float32)))
+        for i, r in enumerate(sel):
+            for k in (*METRICS, "output_tokens_per_s"):
+                r[f"old_{k}"] = r[f"sur_{k}"]
+                r[f"sur_{k}"] = float(out[k][i])
+            r["sur_utilization"] = float(out["utilization"][i])
+    for r in rows:
+        r["sim_status"] = int(r["sim_status"])
+    return rows, time.perf_counter() - t0
 
 
 def _errors(rows, k):
@@ -219,6 +287,15 @@ def report(rows, sim_s, sur_s, num_requests, x64):
               f"worst under-prediction {under:+.1%}")
 
 
+def _write_csv(path, rows):
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=1000)
@@ -228,18 +305,27 @@ def main():
     ap.add_argument("--float32", action="store_true",
                     help="simulate in float32 (default float64)")
     ap.add_argument("--csv", default="")
+    ap.add_argument("--from-csv", default="",
+                    help="comma-separated CSVs of earlier runs: re-evaluate only")
     args = ap.parse_args()
     x64 = not args.float32
     names = [w for w in args.workloads.split(",") if w] or None
-    rows, sim_s, sur_s = run(args.requests, args.quick, names, x64)
-    report(rows, sim_s, sur_s, args.requests, x64)
-    if args.csv:
-        import csv
-
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+    if args.from_csv:
+        rows, sur_s = reevaluate(args.from_csv.split(","))
+        if names:
+            rows = [r for r in rows if r["workload"] in names]
+        old = [{**r, **{f"sur_{k}": r[f"old_{k}"] for k in METRICS}} for r in rows]
+        print("saved surrogate:")
+        report(old, 0.0, 0.0, "saved", x64)
+        print("\ncurrent surrogate:")
+        report(rows, 0.0, sur_s, "saved", x64)
+        if args.csv:
+            _write_csv(args.csv, rows)
+    else:
+        rows, sim_s, sur_s = run(args.requests, args.quick, names, x64)
+        report(rows, sim_s, sur_s, args.requests, x64)
+        if args.csv:
+            _write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from sweep.latency.arrivals import sample_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import (
     BAND_EDGES,
-    _erlang_c,
+    _p_wait,
     latency_workload,
     surrogate,
 )
@@ -176,16 +176,12 @@ def test_zero_load_e2e_is_prefill_plus_decodes(setup):
     P + 1 .. P + O - 1 (mean P + O / 2: a step is linear in its context)."""
     out = _fixed_at_zero_load(setup)
     want = h.step(1500, 0, h.chunk_keys(1500, 0)) + 199 * h.decode(1, 1600.0)
-    # the surrogate's gaps are the mean decode step at the mean load, which at
-    # zero load leaves out the request's own KV read (0.07 of 4.96 ms: 1.5 %
-    # low; see the floor test below)
+    # the kernels are 0.3 % wide; the gaps carry the request's own KV read
+    # (0.07 of 4.96 ms), which a mean step at the mean load would leave out
     for k in ("e2e_p50_s", "e2e_p99_s"):
-        np.testing.assert_allclose(out[k][0], want, rtol=2e-2, err_msg=k)
+        np.testing.assert_allclose(out[k][0], want, rtol=5e-3, err_msg=k)
 
 
-@pytest.mark.xfail(strict=True, reason="the surrogate's E2E decode gaps are the "
-                   "mean step at the mean load, below one decode of one sequence "
-                   "near zero load")
 def test_zero_load_e2e_never_below_its_floor(setup):
     out = _fixed_at_zero_load(setup)
     # the prefill, then 199 gaps each at least one decode at context 1,501
@@ -267,7 +263,32 @@ def test_kv_limits_the_slots(setup):
     assert out["slot_utilization"][1] > 3 * out["slot_utilization"][2]
 
 
-def test_erlang_c_matches_the_integer_formula():
+def _birth_death_p_wait(m, theta, c, q):
+    """P(wait), float64 by the chain's product: pi(k) ~ prod_j lam R(j) / j with
+    lam R(j) = theta (j - 1 + r), r = m (1 - theta) / theta, for k <= c; the
+    states from c on decay by q."""
+    r = m * (1.0 - theta) / theta
+    pi = [1.0]
+    for j in range(1, c + 1):
+        pi.append(pi[-1] * theta * (j - 1 + r) / j)
+    queued = pi[c] / (1.0 - q)
+    return queued / (sum(pi[:c]) + queued)
+
+
+def test_wait_probability_is_the_birth_death_chain():
+    """Holding times growing with the occupancy (theta > 0): the chain's sum."""
+    cases = [(9.1, 0.3, 16, 0.7), (9.1, 0.05, 16, 0.6), (40.0, 0.5, 64, 0.8),
+             (200.0, 0.2, 256, 0.85), (0.5, 0.1, 1, 0.5), (3.0, 0.9, 16, 0.4)]
+    expected = [_birth_death_p_wait(*x) for x in cases]
+    m, theta, c, q = (jnp.asarray(x, jnp.float32) for x in zip(*cases))
+    got = np.asarray(jax.jit(_p_wait)(m, theta, c, q))
+    # slack(1 - q) is 1 - q + 1e-3 (its floor)
+    np.testing.assert_allclose(got, expected, rtol=1e-2)
+
+
+def test_wait_probability_is_erlang_c_for_constant_holding():
+    """theta -> 0 (holding time independent of the occupancy): Erlang C, with
+    the queue's ratio a / c."""
     cases = [(1, 0.5), (16, 8.5), (16, 12.0), (64, 40.0), (256, 200.0)]
     expected = []
     for c, a in cases:
@@ -275,10 +296,10 @@ def test_erlang_c_matches_the_integer_formula():
         for k in range(1, c + 1):
             b = a * b / (k + a * b)
         expected.append(c * b / (c - a * (1.0 - b)))
-    # continuous extension through the incomplete gamma function, float32
-    c, a = (jnp.asarray(x, jnp.float32) for x in zip(*cases))
-    np.testing.assert_allclose(np.asarray(jax.jit(_erlang_c)(c, a)), expected,
-                               rtol=2e-3)
+    with jax.enable_x64(True):  # r = a / theta is 1e6: lgamma needs float64
+        c, a = (jnp.asarray(x, jnp.float64) for x in zip(*cases))
+        got = np.asarray(jax.jit(_p_wait)(a, 1e-6, c, a / c))
+    np.testing.assert_allclose(got, expected, rtol=5e-3)
 
 
 def test_numerics_helpers_have_finite_gradients():
@@ -315,6 +336,24 @@ def test_numerics_helpers_have_finite_gradients():
     assert r["max_value"] == 4.0
     np.testing.assert_array_equal(r["max_grad"], [0.0, 1.0, 0.0])
     np.testing.assert_array_equal(r["max_tie_grad"], [1.0, 0.0, 0.0])
+
+
+def test_betainc_gradient_in_every_argument():
+    """Against float64 central differences of SciPy's incomplete beta."""
+    from scipy.special import betainc as ref
+
+    pts = [(9.0, 16.0, 0.7), (0.5, 3.0, 0.2), (300.0, 64.0, 0.9)]
+    grads = jax.jit(jax.vmap(jax.grad(nm.betainc, argnums=(0, 1, 2))))(
+        *(jnp.asarray(x, jnp.float32) for x in zip(*pts)))
+    for i, (a, b, x) in enumerate(pts):
+        for j, step in enumerate((1e-5 * a, 1e-5 * b, 1e-7)):
+            up = [a, b, x]
+            down = [a, b, x]
+            up[j] += step
+            down[j] -= step
+            want = (ref(*up) - ref(*down)) / (2 * step)
+            np.testing.assert_allclose(grads[j][i], want, rtol=2e-2, atol=1e-4,
+                                       err_msg=str((i, j)))
 
 
 def test_quantile_gradient_is_the_implicit_one():

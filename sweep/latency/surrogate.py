@@ -41,17 +41,25 @@ its spread over the running set)``, the spread being the preemption pressure
 (a running set near the capacity is preempted and recomputed, which the mean
 alone does not see), a smooth minimum.
 
-**Waiting** (``_wait_lattice``). Admission is an M/G/c queue with ``c`` =
-slots: Erlang C, continued to real ``c`` through the incomplete gamma
-function (Jagerman 1974, Bell Syst. Tech. J. 53, 525-551), and an exponential
-beyond with the Allen-Cunneen mean (Whitt 1993, Prod. Oper. Manag. 2,
-114-161). The prefill server is M/G/1 with the band mixture as its service
-law, and its wait is the exact Pollaczek-Khinchine law: a geometric sum of
-residual service times, ``P(W <= t) = (1 - rho) sum_k rho^k R^{*k}(t)``
-(Kleinrock 1975, *Queueing Systems I*, sec. 5.7), computed on a lattice of
-``WAIT_POINTS`` points by FFT, where the sum is ``(1 - rho) / (1 - rho R(z))``
-(exponentially damped against wrap-around: Abate & Whitt 1992, Queueing
-Systems 10, 5-88); the residual law is a mixture of uniforms, discretised
+**Waiting** (``_slot_queue``, ``_wait_lattice``). Admission waits for one of
+``c`` = slots. The requests holding slots form a birth-death chain whose
+holding time grows with their number (every step carries every running
+request): a negative binomial below ``c`` (Erlang C when the holding time
+does not grow), continued to real ``c`` through the incomplete beta
+function, and beyond ``c`` a queue served at the slots' saturated rate (the
+mean-field utilisation put the waiting probability 8x low in a probe at
+concurrency 16: ``benchmarks/README.md``). Given that it waits, a request
+waits as in M/G/1 with service ``S / c`` (whose mean is the Allen-Cunneen
+one: Whitt 1993, Prod. Oper. Manag. 2, 114-161). The prefill server is M/G/1
+with the band mixture as its service law, and its wait is the exact
+Pollaczek-Khinchine law: a geometric sum of residual service times,
+``P(W <= t) = (1 - rho) sum_k rho^k R^{*k}(t)`` (Kleinrock 1975, *Queueing
+Systems I*, sec. 5.7), computed on a lattice of ``WAIT_POINTS`` points by
+FFT, where the sum is ``(1 - rho) / (1 - rho R(z))`` (exponentially damped
+against wrap-around: Abate & Whitt 1992, Queueing Systems 10, 5-88); the
+residual law is a mixture of uniforms, one per band, whose span keeps the
+band's second moment (its within-band spread included: on heavy tails the
+top bands' spread carries much of ``E[X^2]``), discretised
 mean-preservingly. The admission wait is convolved in on the same lattice.
 This holds at any service variability (``benchmarks/mg1_wait_tail.py``
 measured the previous two-moment tail at 0.67-0.82x the exact p99 at cv 2),
@@ -81,7 +89,9 @@ that share crosses 1 %, and the simulator's own share there is uncertain (a
 1,000-request stream), so the surrogate errs towards the jump.
 
 **E2E** per (prompt band, output band), with their joint probabilities: the
-band's TTFT law shifted by ``(O - 1)`` mean gaps.
+band's TTFT law shifted by ``(O - 1)`` mean gaps of a decoding request
+(``_tagged_gap_s``: the steps it is in carry it besides the others, so at zero
+load a gap is one decode of one sequence).
 
 **Goodput** (``_good_fraction``): a request is good when its TTFT is within
 the TTFT SLO and none of its gaps exceeds the ITL SLO (the simulator's
@@ -113,6 +123,7 @@ from sweep.cube import status as flags
 from sweep.latency.workload import WorkloadTables
 from sweep.model import roofline
 from sweep.model._numerics import (
+    betainc,
     bisect,
     implicit_step,
     quantile,
@@ -443,6 +454,20 @@ def _solve_decodes(state, lam, mean_decodes, slots):
     return n0 + dn, jax.tree.map(lambda x, dx: x + dx * dn, st0, d_st), d_st
 
 
+def _tagged_gap_s(st: _State, d_st: _State, n, slots):
+    """The mean gap between two tokens of one decoding request.
+
+    ``st.step_s`` is the mean over time, whose steps carry ``n`` decodes on
+    average; the steps a decoding request sees carry it and the others, which
+    are again ``Poisson(n)`` (the M/G/infinity occupancy seen by one of its
+    customers), so ``1 + n`` decodes up to the slots: at zero load one decode
+    of one sequence, not a step of no sequence. First order in the decodes
+    (a step is linear in them).
+    """
+    extra = 1.0 + smooth_min(n, slots - 1.0, 0.05) - n
+    return st.step_s + d_st.step_s * extra
+
+
 def _throughput(st: _State, wl, lam, mean_decodes, slots):
     """Utilisations and the achieved rate: the offered one up to the capacity
     of the slots and of the prefill server.
@@ -460,21 +485,6 @@ def _throughput(st: _State, wl, lam, mean_decodes, slots):
     return slot_util, utilization, smooth_min(lam, capacity, 1e-3 * capacity)
 
 
-def _erlang_c(servers, offered):
-    """Probability of waiting in M/M/c, continuous in ``c`` (``offered < c``).
-
-    Erlang B is ``a^c e^-a / Gamma(c + 1, a)`` with the upper incomplete gamma
-    function, which extends it to real ``c`` (Jagerman 1974, "Some properties of
-    the Erlang loss function", Bell Syst. Tech. J. 53, 525-551); Erlang C is
-    ``c B / (c - a (1 - B))``.
-    """
-    a = jnp.maximum(offered, 1e-30)
-    log_b = (servers * jnp.log(a) - a - jax.scipy.special.gammaln(servers + 1.0)
-             - jnp.log(jax.scipy.special.gammaincc(servers + 1.0, a)))
-    b = jnp.exp(jnp.minimum(log_b, 0.0))
-    return servers * b / (servers - a * (1.0 - b))
-
-
 # --- waiting ------------------------------------------------------------------
 
 
@@ -485,59 +495,67 @@ class _Wait(NamedTuple):
     cdf: jax.Array  # shape=(WAIT_POINTS,), P(W <= k dt)
 
 
-def _residual_hat(service_s, probs, dt, damp, cdtype):
+def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
     """Damped DFT of the lattice law of the residual of a service time.
 
-    The residual of service ``x_j`` (probability ``w_j``) is uniform on
-    ``[0, x_j]`` with weight ``w_j x_j / E[X]``; each lattice bin's mass is
-    split between its two ends (mean-preserving).
+    The residual of a band of mean service ``x_j`` (probability ``w_j``) is
+    uniform on ``[0, y_j]`` with weight ``w_j x_j / E[X]``, where ``y_j =
+    E[X_j^2] / x_j`` keeps the band's second moment (so the residual's mean is
+    ``E[X^2] / 2 E[X]``, the band's spread included); each lattice bin's mass
+    is split between its two ends (mean-preserving).
     """
     dtype = service_s.dtype
     k = jnp.arange(WAIT_POINTS + 1, dtype=dtype)
     v = safe_div(probs * service_s, probs @ service_s)
     edge_cdf = (v[None, :] * jnp.clip(k[:, None] * dt / jnp.maximum(
-        service_s[None, :], 1e-30), 0.0, 1.0)).sum(-1)
+        span_s[None, :], 1e-30), 0.0, 1.0)).sum(-1)
     mass = jnp.diff(edge_cdf)
     r = 0.5 * (mass + jnp.concatenate([jnp.zeros((1,), dtype), mass[:-1]]))
     return jnp.fft.fft((r * damp).astype(cdtype))
 
 
-def _wait_lattice(rho, service_s, probs, p_slot, slot_util, slot_service_s,
+def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_service_s,
                   slot_probs) -> _Wait:
     """Admission wait + the exact M/G/1 prefill wait, on one lattice.
 
     Args:
       rho: prefill server utilisation (any value; kept below 1 by ``slack``).
-      service_s, probs: the prefill service law, shape ``(J,)``.
-      p_slot: probability of waiting for a slot (Erlang C).
-      slot_util: slot utilisation; slot_service_s, slot_probs: the law of a
-        slot's holding time. Given that it waits, a request waits as in an
-        M/G/1 queue of service ``S / c`` (the heavy-traffic form of M/G/c,
-        whose mean is the Allen-Cunneen one), which keeps the holding time's
-        variability in the tail.
+      service_s, probs: the prefill service law, shape ``(J,)``, by band
+        means; spread_s: the service's std within each band.
+      p_slot: probability of waiting for a slot (``_slot_queue``).
+      slot_util: the slots' utilisation when all are taken; slot_service_s,
+        slot_probs: the law of a slot's holding time then. Given that it
+        waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
+        heavy-traffic form of M/G/c, whose mean is the Allen-Cunneen one),
+        which keeps the holding time's variability in the tail.
     """
     dtype = service_s.dtype
     cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
     rho = 1.0 - slack(1.0 - rho)
     rho_s = 1.0 - slack(1.0 - slot_util)
-    residual_mean = safe_div(probs @ service_s**2, 2.0 * (probs @ service_s))
+    # heavy tails: the top bands' spread carries much of E[X^2]
+    service_span = service_s + safe_div(spread_s**2, service_s)
+    residual_mean = safe_div(probs @ (service_s * service_span),
+                             2.0 * (probs @ service_s))
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
-    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_s)
+    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_span)
             + p_slot * (16.0 * slot_residual / (1.0 - rho_s)
                         + 2.0 * safe_max(slot_service_s)) + 1e-9)
     dt = span / WAIT_POINTS
     k = jnp.arange(WAIT_POINTS, dtype=dtype)
     damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)
 
-    def pk(service, w, util):
+    def pk(service, service_span, w, util):
         """Pollaczek-Khinchine: (1 - rho) / (1 - rho R(z))."""
         u = util.astype(cdtype)
-        return (1.0 - u) / (1.0 - u * _residual_hat(service, w, dt, damp, cdtype))
+        return (1.0 - u) / (1.0 - u * _residual_hat(service, service_span, w, dt,
+                                                     damp, cdtype))
 
     # both laws through one batched transform (one copy of the code to compile)
     prefill_hat, slot_hat = jax.vmap(pk)(
-        jnp.stack([service_s, slot_service_s]), jnp.stack([probs, slot_probs]),
+        jnp.stack([service_s, slot_service_s]),
+        jnp.stack([service_span, slot_service_s]), jnp.stack([probs, slot_probs]),
         jnp.stack([rho, rho_s]))
     p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
     queued = (slot_hat - (1.0 - rs_c)) / rs_c
@@ -547,17 +565,87 @@ def _wait_lattice(rho, service_s, probs, p_slot, slot_util, slot_service_s,
     return _Wait(dt, cdf)
 
 
-def _wait(st: _State, wl, slots, slot_util) -> _Wait:
-    """The wait for a slot and then for the prefill server: admission is
-    M/G/c (Erlang C, then as M/G/1 with service ``S / c``) with a slot's
-    holding time as its service."""
+class _SlotQueue(NamedTuple):
+    """The admission queue: who waits for a slot, and how busy the slots are then."""
+
+    p_wait: jax.Array  # probability that an arrival finds every slot taken
+    full_util: jax.Array  # offered rate / the rate the slots serve when all taken
+    full_residence_s: jax.Array  # a slot's mean holding time when all are taken
+
+
+def _slot_queue(state_at, st: _State, d_st: _State, lam, mean_decodes,
+                slots) -> _SlotQueue:
+    """Requests holding a slot: a birth-death chain whose holding time grows
+    with the occupancy, and the queue beyond the slots.
+
+    With ``k`` requests holding slots, each holds one for ``R(k)`` (every
+    step carries every running request, so a step, and ``R``, grow with
+    ``k``: linear, ``R(k) = R + R' (k - k*)`` around the mean occupancy
+    ``k* = lam R``). Every running request advances one token per step, so
+    the chain is a symmetric (processor-sharing) queue, insensitive to the
+    holding-time law (Kelly 1979, *Reversibility and Stochastic Networks*,
+    ch. 3): ``pi(k) ~ prod_j lam R(j) / j``, a negative binomial of mean
+    ``k*`` and variance ``k* / (1 - lam R' )`` (Poisson, hence Erlang C, when
+    ``R' = 0``). Once every slot is taken, requests queue and the slots serve
+    at their saturated rate ``lam_sat`` (where ``lam R_full(lam) = slots``,
+    ``R_full`` the holding time with every slot taken, linear in ``lam``), so
+    the queue's states decay by ``q = lam / lam_sat`` each:
+    ``P(wait) = (pi(c) / (1 - q)) / (P(N < c) + pi(c) / (1 - q))``.
+    The mean-field utilisation ``lam R / c`` would put ``q`` lower (the prompts
+    that queue behind a burst slow every running request's steps), and
+    ``q`` multiplies the waiting probability by ``1 / (1 - q)``.
+    """
+    occupancy = lam * st.residence_s
+    # the share of a slot's holding time spent decoding (n / occupancy, by
+    # Little's law; defined at zero load too)
+    decode_share = safe_div(mean_decodes * st.step_s, st.residence_s)
+    # theta = lam R', each request more holding decode_share decodes more; at
+    # least 0.02 (a little above Erlang C: on the high side), at most 0.9
+    theta = jnp.clip(lam * d_st.residence_s * decode_share, 0.02, 0.9)
+    n_full = slots * decode_share
+    full, d_full = jax.jvp(lambda rate: state_at(n_full, rate).residence_s, (lam,),
+                           (jnp.ones_like(lam),))
+    d_full = jnp.maximum(jax.lax.stop_gradient(d_full), 0.0)
+    # lam_sat R_full(lam_sat) = slots, R_full linear in the rate around lam
+    b = full - d_full * lam
+    lam_sat = 2.0 * slots / (b + safe_sqrt(b * b + 4.0 * d_full * slots))
+    full_util = lam / lam_sat
+    return _SlotQueue(_p_wait(occupancy, theta, slots, full_util), full_util, full)
+
+
+def _p_wait(occupancy, theta, slots, full_util):
+    """P(every slot taken): occupancy negative binomial of mean ``occupancy``
+    and variance ``occupancy / (1 - theta)`` below the slots, geometric of
+    ratio ``full_util`` from them on (``_slot_queue``); continuous in the slots.
+    """
+    r = jnp.maximum(occupancy * (1.0 - theta) / theta, 1e-6)
+    below = betainc(r, slots, 1.0 - theta)  # P(N <= c - 1)
+    log_at = (jax.scipy.special.gammaln(slots + r) - jax.scipy.special.gammaln(r)
+              - jax.scipy.special.gammaln(slots + 1.0) + r * jnp.log1p(-theta)
+              + slots * jnp.log(theta))
+    queued = jnp.exp(log_at) / slack(1.0 - full_util)
+    # both underflow only when the mean occupancy is far beyond the slots
+    total = below + queued
+    some = total > 1e-30
+    return jnp.where(some, queued / jnp.where(some, total, 1.0), 1.0)
+
+
+def _wait(st: _State, wl, slots, sq: _SlotQueue, gap_s, per_token_s) -> _Wait:
+    """The wait for a slot and then for the prefill server. Given that it
+    waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
+    heavy-traffic form of M/G/c), ``S`` a slot's holding time when every slot
+    is taken.
+
+    Args:
+      per_token_s: ``d service / d P`` per band (the within-band spread).
+    """
     w = wl.band_probs
-    rho_s = smooth_min(slot_util, 1.0, 0.01)
-    p_slot = _erlang_c(slots, rho_s * slots)
     holding = (w @ st.service_s + st.mean_wait_s
-               + jnp.maximum(wl.output_tokens - 1.0, 0.0) * st.step_s)  # (J,)
-    return _wait_lattice(st.prefill_util, st.service_s, w, p_slot, slot_util,
-                         holding / slots, w)
+               + jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s)  # (J,)
+    holding_full = holding * safe_div(sq.full_residence_s, st.residence_s)
+    return _wait_lattice(st.prefill_util, st.service_s,
+                         per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
+                         sq.full_util, holding_full / slots, w)
 
 
 def _wait_cdf_beyond_zero(wait: _Wait, s):
@@ -692,21 +780,21 @@ def _itl(hw, model, tp, wl, st: _State, d_pre: _Prefill, n, slots):
     return cdf, 0.25 * jnp.min(dec), hi, slow
 
 
-def _good_fraction(ttft_band_cdf, slow, wl, st: _State, lam, ttft_slo_s, itl_slo_s):
+def _good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
     """Share of requests meeting both SLOs (the simulator's goodput rule)."""
     dtype = wl.band_probs.dtype
     ttft_ok = ttft_band_cdf(jnp.minimum(ttft_slo_s, _MAX_SLO_S)[None])  # (J,)
     q_dec, episode = slow(jnp.minimum(itl_slo_s, _MAX_SLO_S))
     gaps = jnp.maximum(wl.output_tokens - 1.0, 0.0)  # (J,) output bands
     # prompts prefilled while the request decodes: lam x its decode time
-    exposure = lam * gaps * st.step_s
+    exposure = lam * gaps * gap_s
     gaps_ok = jnp.exp(-gaps * q_dec - exposure * (wl.band_probs @ episode))
     return jnp.clip(jnp.asarray(ttft_ok @ wl.joint_probs @ gaps_ok, dtype), 0.0, 1.0)
 
 
-def _e2e(ttft_band_cdf, wl, st: _State, lo, hi):
+def _e2e(ttft_band_cdf, wl, gap_s, lo, hi):
     """p50 and p99 of TTFT + (O - 1) mean gaps over the joint bands."""
-    decode_time = jnp.maximum(wl.output_tokens - 1.0, 0.0) * st.step_s  # (I,)
+    decode_time = jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s  # (I,)
 
     def cdf(t):
         per = ttft_band_cdf(t[:, None, None] - decode_time[None, :, None])  # (L, I, J)
@@ -753,20 +841,22 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     n, st, d_st = _solve_decodes(state, lam, mean_decodes, slots)
     slot_util, utilization, rate = _throughput(st, wl, lam, mean_decodes, slots)
-    wait = _wait(st, wl, slots, slot_util)
-
+    gap_s = _tagged_gap_s(st, d_st, n, slots)
+    queue = _slot_queue(lambda d, rate: _state(hw, model, tp, wl, d, budget, rate),
+                        st, d_st, lam, mean_decodes, slots)
     _, per_token = jax.jvp(
         lambda p: _prefill(hw, model, tp, wl, n, budget, p).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
-    ttft_band, ttft_lo, ttft_hi = _ttft(st, wait, wl, n, lam,
-                                        jax.lax.stop_gradient(jnp.abs(per_token)))
+    per_token = jax.lax.stop_gradient(jnp.abs(per_token))
+    wait = _wait(st, wl, slots, queue, gap_s, per_token)
+    ttft_band, ttft_lo, ttft_hi = _ttft(st, wait, wl, n, lam, per_token)
     ttft_p50, ttft_p99 = quantile(lambda t: ttft_band(t[:, None]) @ w, _LEVELS,
                                   ttft_lo, ttft_hi)
 
     itl_cdf, itl_lo, itl_hi, slow = _itl(hw, model, tp, wl, st, d_st.pre, n, slots)
     itl_p50, itl_p99 = quantile(itl_cdf, _LEVELS, itl_lo, itl_hi)
-    e2e_p50, e2e_p99 = _e2e(ttft_band, wl, st, ttft_lo, ttft_hi)
-    good = _good_fraction(ttft_band, slow, wl, st, lam, ttft_slo_s, itl_slo_s)
+    e2e_p50, e2e_p99 = _e2e(ttft_band, wl, gap_s, ttft_lo, ttft_hi)
+    good = _good_fraction(ttft_band, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s)
 
     status = (jnp.where(kv_mean_slots < 1.0, flags.KV_INFEASIBLE, flags.OK)
               | jnp.where(utilization >= 1.0, flags.SATURATED, flags.OK))
@@ -783,7 +873,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         "utilization": utilization,
         "slot_utilization": slot_util,
         "prefill_utilization": st.prefill_util,
-        "mean_itl_s": st.step_s,
+        "mean_itl_s": gap_s,
         "mean_running": lam * st.residence_s,
         "status": status.astype(jnp.int32),
     }
