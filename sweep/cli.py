@@ -31,7 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 
-from sweep import outputs
+from sweep import calibration, outputs
 from sweep.config.resolve import config_yaml, grid_options, restore, stash_lists
 from sweep.config.schema import ConfigError
 from sweep.config.store import register_configs
@@ -177,6 +177,12 @@ def _grid_app(cfg: DictConfig) -> None:
                   "cube")
     yaml_text = config_yaml(cfg)
     attrs = results.provenance(yaml_text, job.app.seed, restore(_overrides()))
+    choices = calibration.choose(base.calibration, options["hardware"],
+                                 options["model"])
+    attrs.update(calibration.attrs(base.calibration, choices))
+    if calibration.calibrated(choices):
+        console.print(calibration.line(base.calibration, choices), markup=False,
+                      highlight=False, soft_wrap=True)
     plan = grid_plan(base, options)
     progress = BlockProgress(console, "sweep-grid",
                              [(p.name, len(p.plan)) for p in job.parts])

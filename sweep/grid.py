@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import outputs, p99, results
+from sweep import calibration, outputs, p99, results
 from sweep.config.schema import (
     ConfigError,
     GridApp,
@@ -196,6 +196,7 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
                                     model_axis, point_axes, coords)
         coords["arrival_rate_per_s"] = rate_coord
         parts.append(part)
+    calibration.attach(parts, calibration.choose(app.calibration, hardware, models))
     extra = {
         "usd_per_gpu_hour": xr.DataArray(
             [h.usd_per_gpu_hour for h in hardware], dims="hardware",

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import outputs, roofline, search, status
+from sweep import calibration, outputs, roofline, search, status
 from sweep.arrivals import Requests, route, split, workload_requests
 from sweep.config.schema import (
     ConfigError,
@@ -140,9 +140,10 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             "workload.overlong=truncate, or a model with a longer context")
     request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
     keep, excluded = [], []
-    for h in hardware:
+    chosen = calibration.choose(app.calibration, hardware, models)
+    for h, row in zip(hardware, chosen):
         hp = hardware_params(h, s.gpu_memory_utilization)
-        for m in models:
+        for m, choice in zip(models, row):
             mp = model_params(m)
             if m in too_long:
                 excluded.append(
@@ -152,7 +153,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                 continue
             for tp in s.tp_values:
                 cap = float(roofline.kv_capacity_tokens(hp, mp, float(tp)))
-                c = Candidate(h, m, int(tp))
+                c = Candidate(calibration.hardware_for(h, choice), m, int(tp))
                 if cap >= request_kv:
                     keep.append(c)
                 else:

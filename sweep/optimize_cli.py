@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from sweep import outputs
+from sweep import calibration, outputs
 from sweep.cli import (
     CONFIG_MODULE,
     _check_output,
@@ -133,6 +133,12 @@ def _optimize_app(cfg: DictConfig) -> None:
     _check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
                   "optimize")
     plan = optimize_plan(job.app, len(job.candidates), job.settings)
+    hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
+    models = list({c.model.name: c.model for c in job.candidates}.values())
+    choices = calibration.choose(job.app.calibration, hardware, models)
+    if calibration.calibrated(choices):
+        err.print(calibration.line(job.app.calibration, choices), markup=False,
+                  highlight=False, soft_wrap=True)
     err.print(f"{COMMAND}: {job.app.workload.name} at "
               f"{job.app.workload.arrival_rate_per_s:g} req/s; "
               f"{len(job.excluded)} candidate(s) excluded (do not fit); "
@@ -143,6 +149,7 @@ def _optimize_app(cfg: DictConfig) -> None:
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
                                        restore(_overrides()))
+            attrs.update(calibration.attrs(job.app.calibration, choices))
             optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)

@@ -408,6 +408,70 @@ class Latency:
         _in_range(self, "latency", "chunk_configs", 1, 2**20)
 
 
+ENGINES = ("vllm", "sglang", "trtllm")
+"""Serving engines a measured profile may name."""
+
+
+@dataclass
+class CalibrationProfile:
+    """Fitted constants of one hardware x model x engine (``conf/calibration/``)."""
+
+    hardware: str = field(default=MISSING, metadata={"help": "a hardware option name"})
+    model: str = field(
+        default="", metadata={"help": "a model option name; empty: any model"})
+    engine: str = field(default="vllm", metadata={"help": "vllm, sglang or trtllm"})
+    mbu: float = field(default=1.0, metadata={"help": "achieved / peak bandwidth"})
+    mfu: float = field(default=1.0, metadata={"help": "achieved / peak FLOP/s"})
+    step_overhead_s: float = field(
+        default=0.0, metadata={"help": "fixed time added to every scheduler step"})
+    source: str = field(default="", metadata={"help": "what was measured, where"})
+    version: str = field(default="", metadata={"help": "the source's version"})
+    license: str = field(default="", metadata={"help": "the source's license"})
+    active_params: float = field(
+        default=0.0,
+        metadata={"help": "the model's active parameters (the profile of the nearest "
+                  "size serves a model without its own); 0: unknown"})
+    fitted_points: int = field(
+        default=0, metadata={"help": "measured points the constants were fitted to"})
+    rms_relative_error: float = field(
+        default=0.0, metadata={"help": "root-mean-square relative error of the fit"})
+
+    def __post_init__(self) -> None:
+        p = f"calibration.profiles[{self.hardware}/{self.model or '*'}/{self.engine}]"
+        _check(self.engine in ENGINES, f"{p}.engine", self.engine,
+               f"allowed: {', '.join(ENGINES)}")
+        for name in ("mbu", "mfu"):
+            _in_range(self, p, name, 1e-3, 1)
+        _in_range(self, p, "step_overhead_s", 0, 3600)
+        _in_range(self, p, "active_params", 0, 1e14)
+        _in_range(self, p, "fitted_points", 0, 2**31 - 1)
+        _in_range(self, p, "rms_relative_error", 0, 1e6)
+
+
+@dataclass
+class Calibration:
+    """Which measured constants scale the roofline bound (``calibration=``).
+
+    ``roofline``: no profile, every hardware keeps its own ``mbu``, ``mfu``
+    and ``step_overhead_s`` (the theoretical bound as shipped). Otherwise each
+    hardware x model of a run takes the profile of its hardware and
+    ``engine`` (the model's own, else the one of the nearest model size), and
+    hardware without one keeps its own constants.
+    """
+
+    name: str = MISSING
+    engine: str = field(
+        default="vllm", metadata={"help": "the engine whose profiles apply"})
+    profiles: list[CalibrationProfile] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(self.engine in ENGINES, "calibration.engine", self.engine,
+               f"allowed: {', '.join(ENGINES)}")
+        keys = [(p.hardware, p.model, p.engine) for p in self.profiles]
+        _check(len(set(keys)) == len(keys), f"calibration[{self.name}].profiles",
+               len(keys), "one profile per hardware x model x engine")
+
+
 MAX_MEMORY_HELP = ("refuse a run whose estimated peak memory exceeds this many "
                    "GB; 0: 80 % of this machine's physical memory")
 
@@ -428,6 +492,7 @@ class GridApp:
     grid: Grid = field(default_factory=Grid)
     slo: Slo = MISSING
     latency: Latency = field(default_factory=Latency)
+    calibration: Calibration = MISSING
     out: str | None = field(
         default=None, metadata={"help": "cube path; default <run dir>/cube.zarr"}
     )
@@ -542,6 +607,7 @@ class OptimizeApp:
     workload: Workload = MISSING
     slo: Slo = MISSING
     search: Search = field(default_factory=Search)
+    calibration: Calibration = MISSING
     out: str | None = field(
         default=None, metadata={"help": "dataset path; default <run dir>/optimize.zarr"}
     )

@@ -5,8 +5,10 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from sweep.config.calibrate import CalibrateApp
 from sweep.config.resolve import stashed_values
 from sweep.config.schema import (
+    Calibration,
     Grid,
     GridApp,
     Hardware,
@@ -37,6 +39,8 @@ def register_configs() -> None:
     cs.store(name="base_grid_app", node=GridApp)
     cs.store(group="search", name="base_search", node=Search)
     cs.store(name="base_optimize_app", node=OptimizeApp)
+    cs.store(group="calibration", name="base_calibration", node=Calibration)
+    cs.store(name="base_calibrate_app", node=CalibrateApp)
     OmegaConf.register_new_resolver("range", axis_range, replace=True)
     OmegaConf.register_new_resolver("axis_values", stashed_values, replace=True)
     _done = True

@@ -1,0 +1,210 @@
+"""Applies a ``calibration`` config: measured constants per hardware x model.
+
+A calibration config (``conf/calibration/``, or a user's through
+``hydra.searchpath``) lists profiles, each the ``mbu``, ``mfu`` and
+``step_overhead_s`` fitted for one hardware x model x engine. A run's
+hardware x model takes, among the profiles of its hardware and the config's
+``engine``: the model's own; else one for any model (``model: ""``); else the
+one whose model size (active parameters) is nearest in ratio. Hardware with
+no profile keeps its own constants: the theoretical bound as shipped
+(``calibration=roofline`` has no profile at all).
+
+The grid gets the constants as a table over (hardware, model) that replaces
+the three leaves of ``HardwareParams`` inside each point function
+(``Calibrated``), so one compiled program serves every pair; with no profile
+the parts are left exactly as they were. ``sweep-optimize`` gets them in each
+candidate's hardware. The choice is printed in one line and recorded in the
+output's attributes (``attrs``).
+
+This module also writes the configs ``sweep-calibrate`` fits
+(``write_profile``): atomically, never over a file it did not write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from sweep.config.schema import (
+    Calibration,
+    CalibrationProfile,
+    ConfigError,
+    Hardware,
+    Model,
+)
+
+CONSTANTS = ("mbu", "mfu", "step_overhead_s")
+MARK = "# Written by sweep-calibrate."
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The constants one hardware x model runs with, and where they come from."""
+
+    hardware: str
+    model: str
+    profile: CalibrationProfile | None  # None: the hardware's own constants
+    mbu: float
+    mfu: float
+    step_overhead_s: float
+
+    @property
+    def origin(self) -> str:
+        p = self.profile
+        if p is None:
+            return "hardware's own constants"
+        via = "" if p.model in ("", self.model) else f" (profile of {p.model})"
+        return f"{p.source}{', ' + p.version if p.version else ''}{via}"
+
+
+def _nearest(profiles: list[CalibrationProfile], model: Model):
+    sized = [p for p in profiles if p.active_params > 0]
+    if not sized:
+        return profiles[0]
+    return min(sized,
+               key=lambda p: abs(math.log(p.active_params / model.active_params)))
+
+
+def choose(cal: Calibration, hardware: list[Hardware],
+           models: list[Model]) -> list[list[Choice]]:
+    """The constants of every hardware x model (rows: hardware)."""
+    out = []
+    for h in hardware:
+        mine = [p for p in cal.profiles
+                if p.hardware == h.name and p.engine == cal.engine]
+        row = []
+        for m in models:
+            exact = ([p for p in mine if p.model == m.name]
+                     or [p for p in mine if p.model == ""])
+            p = exact[0] if exact else (_nearest(mine, m) if mine else None)
+            src = p if p is not None else h
+            row.append(Choice(h.name, m.name, p, *(float(getattr(src, c))
+                                                   for c in CONSTANTS)))
+        out.append(row)
+    return out
+
+
+def calibrated(choices: list[list[Choice]]) -> bool:
+    """Whether any hardware x model takes a profile."""
+    return any(c.profile is not None for row in choices for c in row)
+
+
+def table(choices: list[list[Choice]]) -> np.ndarray:
+    """``(hardware, model, 3)`` float32: mbu, mfu, step_overhead_s."""
+    return np.array([[[getattr(c, k) for k in CONSTANTS] for c in row]
+                     for row in choices], np.float32)
+
+
+def line(cal: Calibration, choices: list[list[Choice]]) -> str:
+    """One line: which hardware x model runs with which constants."""
+    parts = []
+    for row in choices:
+        for c in row:
+            if c.profile is None:
+                continue
+            parts.append(f"{c.hardware} x {c.model}: mbu {c.mbu:.3g}, mfu {c.mfu:.3g}, "
+                         f"overhead {c.step_overhead_s * 1e3:.3g} ms ({c.origin})")
+    bound = sorted({row[0].hardware for row in choices
+                    if all(c.profile is None for c in row)})
+    if bound:
+        parts.append(f"{', '.join(bound)}: no {cal.engine} profile, hardware's own "
+                     "constants")
+    return f"calibration={cal.name} (engine {cal.engine}): " + "; ".join(parts)
+
+
+def attrs(cal: Calibration, choices: list[list[Choice]]) -> dict[str, str]:
+    """Output attributes recording the calibration and every pair's constants."""
+    rows = [{"hardware": c.hardware, "model": c.model,
+             **{k: getattr(c, k) for k in CONSTANTS},
+             "profile": None if c.profile is None else dataclasses.asdict(c.profile)}
+            for row in choices for c in row]
+    return {"calibration": cal.name, "calibration_engine": cal.engine,
+            "calibration_constants": json.dumps(rows)}
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """A point function whose ``hardware`` argument takes the (hardware, model)
+    constants passed as its last argument (hashable: a static jit argument)."""
+
+    fn: object
+    hw_arg: int  # position of the hardware argument
+
+    def __call__(self, *args):
+        *args, c = args
+        hw = args[self.hw_arg]
+        args[self.hw_arg] = hw._replace(mbu=c[0], mfu=c[1], step_overhead_s=c[2])
+        return self.fn(*args)
+
+
+def attach(parts, choices: list[list[Choice]]) -> None:
+    """Makes each grid part take its constants from ``choices`` (in place);
+    nothing changes when no pair takes a profile."""
+    if not calibrated(choices):
+        return
+    values = table(choices)
+    for part in parts:
+        hi, mi = part.dims.index("hardware"), part.dims.index("model")
+        part.fn = Calibrated(part.fn, hi)
+        part.tables = (*part.tables, values)
+        part.table_dims = (*part.table_dims, (hi, mi))
+
+
+def hardware_for(h: Hardware, choice: Choice) -> Hardware:
+    """``h`` with the constants of ``choice`` (for per-candidate hardware)."""
+    if choice.profile is None:
+        return h
+    return dataclasses.replace(h, **{k: getattr(choice, k) for k in CONSTANTS})
+
+
+# --- the configs sweep-calibrate writes ---------------------------------------
+
+
+def profile_path(root: Path, name: str) -> Path:
+    """Where the config ``calibration=<name>`` lives under a search-path root."""
+    return root / "calibration" / f"{name}.yaml"
+
+
+def check_writable(path: Path) -> None:
+    """A file there must be one this tool wrote (else ``ConfigError``)."""
+    if path.exists() and not (path.is_file()
+                              and path.read_text().startswith(MARK)):
+        raise ConfigError(f"out: {path} exists and was not written by "
+                          "sweep-calibrate; allowed: another out= or name=")
+
+
+def write_profile(path: Path, name: str, profile: CalibrationProfile) -> None:
+    """Writes (or updates) ``path`` with ``profile``, keeping the file's
+    profiles of other hardware x model x engine; atomic (a kill leaves the
+    old file or the new)."""
+    check_writable(path)
+    profiles = []
+    if path.exists():
+        old = OmegaConf.to_container(OmegaConf.load(path))
+        key = (profile.hardware, profile.model, profile.engine)
+        profiles = [p for p in old.get("profiles", [])
+                    if (p["hardware"], p.get("model", ""), p.get("engine", "vllm"))
+                    != key]
+    profiles.append(dataclasses.asdict(profile))
+    body = OmegaConf.to_yaml({"defaults": ["base_calibration", "_self_"],
+                              "name": name, "engine": profile.engine,
+                              "profiles": profiles})
+    text = (f"{MARK} Select it with hydra.searchpath=[file://<this folder's "
+            f"parent>] calibration={name}\n{body}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
