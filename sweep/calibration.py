@@ -56,14 +56,6 @@ class Choice:
     mfu: float
     step_overhead_s: float
 
-    @property
-    def origin(self) -> str:
-        p = self.profile
-        if p is None:
-            return "hardware's own constants"
-        via = "" if p.model in ("", self.model) else f" (profile of {p.model})"
-        return f"{p.source}{', ' + p.version if p.version else ''}{via}"
-
 
 def _nearest(profiles: list[CalibrationProfile], model: Model):
     sized = [p for p in profiles if p.active_params > 0]
@@ -104,19 +96,33 @@ def table(choices: list[list[Choice]]) -> np.ndarray:
 
 
 def line(cal: Calibration, choices: list[list[Choice]]) -> str:
-    """One line: which hardware x model runs with which constants."""
+    """One line: the constants each hardware runs with, and their source."""
     parts = []
     for row in choices:
-        for c in row:
-            if c.profile is None:
-                continue
-            parts.append(f"{c.hardware} x {c.model}: mbu {c.mbu:.3g}, mfu {c.mfu:.3g}, "
-                         f"overhead {c.step_overhead_s * 1e3:.3g} ms ({c.origin})")
-    bound = sorted({row[0].hardware for row in choices
-                    if all(c.profile is None for c in row)})
-    if bound:
-        parts.append(f"{', '.join(bound)}: no {cal.engine} profile, hardware's own "
-                     "constants")
+        taken = [c for c in row if c.profile is not None]
+        if not taken:
+            parts.append(f"{row[0].hardware}: no {cal.engine} profile, hardware's own "
+                         f"constants (mbu {row[0].mbu:.3g}, mfu {row[0].mfu:.3g}, "
+                         f"overhead {row[0].step_overhead_s * 1e3:.3g} ms)")
+            continue
+        if len(taken) > 2:  # the attributes keep each model's constants
+
+            def span(k, scale=1.0):
+                lo, hi = (f(getattr(c, k) * scale for c in taken) for f in (min, max))
+                return f"{lo:.3g}" if lo == hi else f"{lo:.3g}-{hi:.3g}"
+
+            values = (f"{len(taken)} models mbu {span('mbu')} mfu {span('mfu')} "
+                      f"overhead {span('step_overhead_s', 1e3)} ms")
+        else:
+            values = ", ".join(
+                f"{c.model} mbu {c.mbu:.3g} mfu {c.mfu:.3g} overhead "
+                f"{c.step_overhead_s * 1e3:.3g} ms"
+                + ("" if c.profile.model in ("", c.model)
+                   else f" (as {c.profile.model})")
+                for c in taken)
+        p = taken[0].profile
+        origin = "; ".join(x for x in (p.source, p.version, p.license) if x)
+        parts.append(f"{row[0].hardware}: {values} [{origin}]")
     return f"calibration={cal.name} (engine {cal.engine}): " + "; ".join(parts)
 
 

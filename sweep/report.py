@@ -36,7 +36,7 @@ CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_p
                   "user_tokens_per_s")
 CORE_DIMS = ("concurrency",)
 PROVENANCE = ("sweep_version", "created_utc", "git_sha", "jax_version", "jax_backend",
-              "x64", "seed", "hydra_overrides")
+              "x64", "seed", "hydra_overrides", "calibration", "calibration_engine")
 
 # the optimize report's tables (``sweep.optimize.to_dataset``): (name, header,
 # format); seconds are shown in ms

@@ -84,7 +84,7 @@ def test_recovers_known_constants_and_grid_uses_them(tmp_path, jax_cache_env):
                           capture_output=True, text=True, timeout=600,
                           env=jax_cache_env)
     assert proc.returncode == 0, proc.stderr
-    assert "calibration=mine (engine vllm): h100_sxm x qwen3_8b: mbu" in proc.stderr
+    assert "calibration=mine (engine vllm): h100_sxm: qwen3_8b mbu" in proc.stderr
     ds = xr.open_zarr(tmp_path / "c.zarr")
     step = ds.step_s.sel(concurrency=64, context_tokens=1500).values.ravel()
     want = h.decode(64, 1500, bw=h.BW * p["mbu"], flops=h.FLOPS * p["mfu"]) + p[
@@ -254,8 +254,10 @@ def test_choice_rules():
                                 models)
     assert [c.mbu for c in sglang[0]] == [0.5] * 3
     line = calibration.line(cal, rows)
-    assert line.startswith("calibration=t (engine vllm): h100_sxm x small: mbu 0.8")
-    assert line.endswith("l40s: no vllm profile, hardware's own constants")
+    assert line.startswith("calibration=t (engine vllm): h100_sxm: small mbu 0.8 mfu 1 "
+                           "overhead 0 ms, mid mbu 0.9 mfu 1 overhead 0 ms (as large)")
+    assert line.endswith("l40s: no vllm profile, hardware's own constants (mbu 1, "
+                         "mfu 1, overhead 0 ms)")
 
 
 def test_roofline_is_the_bound(hydra_ctx):
@@ -271,3 +273,58 @@ def test_roofline_is_the_bound(hydra_ctx):
         assert base.calibration.name == "roofline"
         job = grid.prepare(base, options)
         assert job.parts[0].fn is grid_point and len(job.parts[0].tables) == 1
+
+
+def test_shipped_profiles_name_their_source(hydra_ctx):
+    for name in ("auto", "vidur"):
+        cal = OmegaConf.to_object(compose("grid", [f"calibration={name}"])).calibration
+        assert cal.name == name and len(cal.profiles) >= 4
+        for p in cal.profiles:
+            assert p.source and p.version and p.license in ("Apache-2.0", "MIT")
+            assert 0.5 < p.mbu <= 1 and 0.4 < p.mfu <= 1 and p.fitted_points >= 7
+    auto = OmegaConf.to_object(compose("grid", ["calibration=auto"])).calibration
+    have = {(p.hardware, p.engine) for p in auto.profiles}
+    for hw in ("h100_sxm", "h200_sxm", "a100_80gb_sxm", "b200"):
+        assert (hw, "vllm") in have
+
+
+def test_auto_in_sweep_grid(tmp_path, jax_cache_env):
+    """``calibration=auto``: H100 takes its measured vLLM profile, MI300X (none
+    shipped) the bound; one line says so; the cube records it."""
+    proc = subprocess.run([script("sweep-grid"), "calibration=auto", "grid=small",
+                           "grid.hardware=[h100_sxm,mi300x]", "model=qwen3_8b",
+                           "grid.batching=[continuous]", "out=c.zarr"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env=jax_cache_env)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("calibration="))
+    assert line.startswith("calibration=auto (engine vllm): h100_sxm: qwen3_8b mbu ")
+    assert line.endswith("mi300x: no vllm profile, hardware's own constants (mbu 1, "
+                         "mfu 1, overhead 0 ms)")
+    auto = OmegaConf.load(Path(calibration.__file__).parents[1] / "conf"
+                          / "calibration" / "auto.yaml")
+    (p,) = [p for p in auto.profiles if (p.hardware, p.model, p.engine)
+            == ("h100_sxm", "qwen3_8b", "vllm")]
+    ds = xr.open_zarr(tmp_path / "c.zarr")
+    assert (ds.attrs["calibration"], ds.attrs["calibration_engine"]) == ("auto", "vllm")
+    step = ds.step_s.sel(concurrency=64, context_tokens=1500)
+    want = h.decode(64, 1500, bw=h.BW * p.mbu, flops=h.FLOPS * p.mfu)
+    want += p.step_overhead_s
+    assert float(step.sel(hardware="h100_sxm").max()) == pytest.approx(want, rel=2e-6)
+    mi = ds.step_s.sel(hardware="mi300x", concurrency=64, context_tokens=1500)
+    bound = 2 * 8.19e9 + 64 * 1500 * h.KVB  # MI300X: 5.3 TB/s, memory-bound here
+    assert float(mi.max()) == pytest.approx(bound / 5.3e12, rel=2e-6)
+
+
+def test_optimize_candidates_take_profiles(hydra_ctx):
+    from sweep import optimize
+
+    base, hardware, models = optimize.options("optimize", [
+        "calibration=auto", "calibration.engine=trtllm", "search.hardware=[h100_sxm]",
+        "model=qwen3_8b", "search.tensor_parallel=[1]"])
+    job = optimize.prepare(base, hardware, models)
+    (p,) = [p for p in base.calibration.profiles if (p.hardware, p.model, p.engine)
+            == ("h100_sxm", "qwen3_8b", "trtllm")]
+    (c,) = job.candidates
+    assert (c.hardware.mbu, c.hardware.mfu, c.hardware.step_overhead_s) == (
+        p.mbu, p.mfu, p.step_overhead_s)
