@@ -263,8 +263,45 @@ class Evaluated:
     ds: Dataset
     constants: dict[str, float]
     errors: dict[str, tuple[float, float, float, float]]
-    # group -> (mean before, worst before, mean after, worst after), held out
+    # group -> mean and worst held-out error: bound, three constants (shipped),
+    # and the richer forms +kv, +kv+seq (_richer_forms)
     rms: float  # root-mean-square relative error on the points fitted
+
+
+def _richer_forms(ds: Dataset, hw_cfg, model_cfg, rows, held):
+    """Held-out error of two richer step forms, fitted in float64 (SciPy):
+    ``+kv``: the KV cache streams at its own ``kv_mbu``; ``+kv+seq``: and
+    every sequence in the step adds a fixed time (equivalently ``kv_mbu``
+    grows with the context as ``c / (c + c_half)``). Not the shipped model:
+    the question is what the data need beyond three constants."""
+    from scipy.optimize import least_squares
+
+    from sweep import roofline
+    from sweep.params import model_params
+
+    m = model_params(model_cfg)
+    b, c, p, t = rows.T
+    new = np.where(p == 0, b, b * p)
+    keys = np.where(p == 0, b * c, b * (p * c + p * (p + 1) / 2))
+    bw, peak = hw_cfg.memory_bandwidth_bytes_per_s, hw_cfg.peak_flops_per_s
+    weights = np.array([float(roofline.weight_bytes_read(m, x)) for x in new]) / bw
+    kv = b * c * float(roofline.kv_bytes_per_token(m)) / bw
+    flops = (2 * float(m.active_params) * new
+             + float(roofline.attention_flops_per_key(m)) * keys) / peak
+
+    def step(x):
+        mbu, mfu, overhead_ms, kv_mbu, seq_us = x
+        return (np.maximum(weights / mbu + kv / kv_mbu, flops / mfu)
+                + overhead_ms * 1e-3 + seq_us * 1e-6 * b)
+
+    out = {}
+    for form, seq_hi in (("+kv", 1e-12), ("+kv+seq", 1e3)):
+        res = least_squares(lambda x: np.log(step(x)[~held] / t[~held]),
+                            [0.8, 0.8, 0.1, 0.8, 0.0],
+                            bounds=([1e-3, 1e-3, 0, 1e-3, 0], [1, 1, 1e3, 1, seq_hi]))
+        e = np.abs(step(res.x)[held] / t[held] - 1)
+        out[form] = (res.x, e)
+    return out
 
 
 def evaluate(ds: Dataset) -> Evaluated:
@@ -280,39 +317,39 @@ def evaluate(ds: Dataset) -> Evaluated:
     rows = np.array([r[:4] for r in ds.rows], np.float64)
     held = np.array([r[4] for r in ds.rows])
 
-    def table(mask):
+    def steps(mask):
         x = rows[mask]
-        return StepTable(ds.source, x[:, 0], x[:, 1], x[:, 2], np.ones(len(x)),
-                         x[:, 3])
+        return calibrate.steps_input([StepTable(
+            ds.source, x[:, 0], x[:, 1], x[:, 2], np.ones(len(x)), x[:, 3])])
 
-    res = calibrate.fit(hw, model, calibrate.steps_input([table(~held)]), None)
+    def predicted(c, mask):
+        logc = jnp.log(jnp.maximum(jnp.asarray([c[k] for k in calibrate.CONSTANTS],
+                                               jnp.float32), 1e-7))
+        out = calibrate.predict(hw, model, logc, steps(mask), None)["steps_s"]
+        return np.asarray(out)[:int(mask.sum())]
+
+    res = calibrate.fit(hw, model, steps(~held), None)
     c = dict(zip(calibrate.CONSTANTS, np.exp(np.asarray(res.log_constants,
                                                         np.float64))))
     c = {k: float(f"{v:.4g}") for k, v in c.items()}
     if c["step_overhead_s"] <= 2e-7:
         c["step_overhead_s"] = 0.0
-    train = calibrate.steps_input([table(~held)])
-    fitted = np.asarray(calibrate.predict(hw, model, jnp.log(jnp.maximum(jnp.asarray(
-        [c[k] for k in calibrate.CONSTANTS], jnp.float32), 1e-7)), train, None)[
-        "steps_s"])[:int((~held).sum())]
-    rms = float(np.sqrt(np.mean((fitted / rows[~held, 3] - 1) ** 2)))
-    test = calibrate.steps_input([table(held)])
-    n = int(held.sum())
-    own = jnp.log(jnp.asarray([1.0, 1.0, 1e-7], jnp.float32))
-    final = jnp.log(jnp.maximum(jnp.asarray([c[k] for k in calibrate.CONSTANTS],
-                                            jnp.float32), 1e-7))
-    before = np.asarray(calibrate.predict(hw, model, own, test, None)["steps_s"])[:n]
-    after = np.asarray(calibrate.predict(hw, model, final, test, None)["steps_s"])[:n]
+    rms = float(np.sqrt(np.mean((predicted(c, ~held) / rows[~held, 3] - 1) ** 2)))
     measured = rows[held, 3]
+    bound = predicted({"mbu": 1.0, "mfu": 1.0, "step_overhead_s": 0.0}, held)
+    after = predicted(c, held)
+    forms = _richer_forms(ds, hw_cfg, model_cfg, rows, held)
     prefill = (rows[held, 2] > 0) | (rows[held, 0] >= 512)
     errors = {}
     for group, mask in (("decode", ~prefill), ("prefill", prefill)):
-        eb = np.abs(before[mask] / measured[mask] - 1)
-        ea = np.abs(after[mask] / measured[mask] - 1)
-        errors[group] = (eb.mean(), eb.max(), ea.mean(), ea.max())
-    ratio = measured / before
+        es = [np.abs(x[mask] / measured[mask] - 1) for x in (bound, after)]
+        es += [e[mask] for _, e in forms.values()]
+        errors[group] = tuple(f(e) for e in es for f in (np.mean, np.max))
+    ratio = measured / bound
     errors["ratio"] = (ratio[~prefill].min(), ratio[~prefill].max(),
                        ratio[prefill].min(), ratio[prefill].max())
+    x = forms["+kv+seq"][0]
+    errors["richer"] = (x[3], x[4])  # kv_mbu, microseconds per sequence
     return Evaluated(ds, c, errors, rms)
 
 
@@ -321,19 +358,23 @@ def _pct(x: float) -> str:
 
 
 def markdown(results: list[Evaluated]) -> str:
-    lines = ["| hardware | model | engine | mbu | mfu | overhead ms | "
-             "measured / bound, decode | prefill | held-out decode error % "
-             "(mean / worst), bound -> calibrated | held-out prefill error % |",
-             "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- | --- |"]
+    lines = ["| hardware | model | engine | mbu | mfu | overhead ms | measured / "
+             "bound: decode | prefill | held-out decode error %, mean / worst: "
+             "bound -> 3 constants (shipped) -> +kv -> +kv+seq | held-out prefill "
+             "error %, same | +kv+seq: kv_mbu, us/seq |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
+
+    def cell(e):
+        return " -> ".join(f"{_pct(e[i])} / {_pct(e[i + 1])}" for i in (0, 2, 4, 6))
+
     for r in results:
-        d, p, q = r.errors["decode"], r.errors["prefill"], r.errors["ratio"]
+        q, c, x = r.errors["ratio"], r.constants, r.errors["richer"]
         lines.append(
-            f"| {r.ds.hardware} | {r.ds.model} | {r.ds.engine} | "
-            f"{r.constants['mbu']:.3f} | {r.constants['mfu']:.3f} | "
-            f"{r.constants['step_overhead_s'] * 1e3:.3f} | {q[0]:.2f}-{q[1]:.2f} | "
-            f"{q[2]:.2f}-{q[3]:.2f} | {_pct(d[0])} / {_pct(d[1])} -> {_pct(d[2])} / "
-            f"{_pct(d[3])} | {_pct(p[0])} / {_pct(p[1])} -> {_pct(p[2])} / "
-            f"{_pct(p[3])} |")
+            f"| {r.ds.hardware} | {r.ds.model} | {r.ds.engine} | {c['mbu']:.3f} | "
+            f"{c['mfu']:.3f} | {c['step_overhead_s'] * 1e3:.3f} | "
+            f"{q[0]:.2f}-{q[1]:.2f} | {q[2]:.2f}-{q[3]:.2f} | "
+            f"{cell(r.errors['decode'])} | {cell(r.errors['prefill'])} | "
+            f"{x[0]:.2f}, {x[1]:.1f} |")
     return "\n".join(lines)
 
 
