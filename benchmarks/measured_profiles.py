@@ -27,6 +27,7 @@ constants are fitted on the rest (``sweep.calibrate.fit``, the optax fit of
 
 Usage::
 
+    # needs aiconfigurator-core and pyarrow (above) and SciPy (_richer_forms)
     python benchmarks/measured_profiles.py            # print the tables
     python benchmarks/measured_profiles.py --write    # also conf/calibration/
 
