@@ -23,11 +23,15 @@ Points: decode steps at batch 1..256 (powers of two) and KV length 1,023 and
 attention tables stop at 16,384 tokens; Vidur's at 4,096). Held out: batch
 2, 8, 32, 128 and prompts of 2k and 8k (Vidur: 512 and 2,048); the
 constants are fitted on the rest (``sweep.calibrate.fit``, the optax fit of
-``sweep-calibrate``), and those constants are the ones shipped.
+``sweep-calibrate``): the bound's three (``mbu``, ``mfu``,
+``step_overhead_s``), then the step's measured shape, ``kv_mbu`` and
+``sequence_overhead_s`` with ``mbu`` and ``mfu`` (one tensor-parallel size
+cannot tell a dense model's step overhead from its weights' time:
+``sweep.calibrate.identified``), and the latter ship. Vidur's rows have
+neither KV cache nor sequences: three constants.
 
 Usage::
 
-    # needs aiconfigurator-core and pyarrow (above) and SciPy (_richer_forms)
     python benchmarks/measured_profiles.py            # print the tables
     python benchmarks/measured_profiles.py --write    # also conf/calibration/
 
@@ -83,6 +87,9 @@ class Dataset:
     rows: list[tuple[float, float, float, float, bool]] = field(default_factory=list)
     # (batch_size, context_tokens, prefill_tokens, seconds, held_out)
     model_spec: object = None  # a schema Model when not a shipped option
+    # whether batch_size counts sequences (Vidur's rows are token counts of
+    # the linear layers: no KV cache, no sequences, three constants only)
+    sequences: bool = True
 
 
 def _version_dirs(root: Path, needs: str) -> Path | None:
@@ -234,7 +241,7 @@ def vidur_datasets() -> list[Dataset]:
                                                  for o in VIDUR_OPS]].mean().sum(axis=1)
             ds = Dataset("Vidur per-layer operator profiles (non-attention, TP 1)",
                          "microsoft/vidur 7d47513", "MIT", hw, name, "vllm",
-                         model_spec=spec)
+                         model_spec=spec, sequences=False)
             for t in VIDUR_DECODE + VIDUR_PREFILL:
                 ds.rows.append((t, 0, 0, layers * per_layer.loc[t] / 1e3,
                                 t in VIDUR_HELD))
@@ -264,50 +271,15 @@ class Evaluated:
     ds: Dataset
     constants: dict[str, float]
     errors: dict[str, tuple[float, float, float, float]]
-    # group -> mean and worst held-out error: bound, three constants (shipped),
-    # and the richer forms +kv, +kv+seq (_richer_forms)
+    # group -> mean and worst held-out error: bound, three constants, five
     rms: float  # root-mean-square relative error on the points fitted
 
 
-def _richer_forms(ds: Dataset, hw_cfg, model_cfg, rows, held):
-    """Held-out error of two richer step forms, fitted in float64 (SciPy):
-    ``+kv``: the KV cache streams at its own ``kv_mbu``; ``+kv+seq``: and
-    every sequence in the step adds a fixed time (equivalently ``kv_mbu``
-    grows with the context as ``c / (c + c_half)``). Not the shipped model:
-    the question is what the data need beyond three constants."""
-    from scipy.optimize import least_squares
-
-    from sweep import roofline
-    from sweep.params import model_params
-
-    m = model_params(model_cfg)
-    b, c, p, t = rows.T
-    new = np.where(p == 0, b, b * p)
-    keys = np.where(p == 0, b * c, b * (p * c + p * (p + 1) / 2))
-    bw, peak = hw_cfg.memory_bandwidth_bytes_per_s, hw_cfg.peak_flops_per_s
-    weights = np.array([float(roofline.weight_bytes_read(m, x)) for x in new]) / bw
-    kv = b * c * float(roofline.kv_bytes_per_token(m)) / bw
-    flops = (2 * float(m.active_params) * new
-             + float(roofline.attention_flops_per_key(m)) * keys) / peak
-
-    def step(x):
-        mbu, mfu, overhead_ms, kv_mbu, seq_us = x
-        return (np.maximum(weights / mbu + kv / kv_mbu, flops / mfu)
-                + overhead_ms * 1e-3 + seq_us * 1e-6 * b)
-
-    out = {}
-    for form, seq_hi in (("+kv", 1e-12), ("+kv+seq", 1e3)):
-        res = least_squares(lambda x: np.log(step(x)[~held] / t[~held]),
-                            [0.8, 0.8, 0.1, 0.8, 0.0],
-                            bounds=([1e-3, 1e-3, 0, 1e-3, 0], [1, 1, 1e3, 1, seq_hi]))
-        e = np.abs(step(res.x)[held] / t[held] - 1)
-        out[form] = (res.x, e)
-    return out
-
-
 def evaluate(ds: Dataset) -> Evaluated:
-    import jax.numpy as jnp
-
+    """Fits on the rows not held out, the three constants of the bound
+    (``mbu``, ``mfu``, ``step_overhead_s``) and then all five (with
+    ``kv_mbu`` and ``sequence_overhead_s``: what ships), and measures both
+    on the held-out rows."""
     from sweep import calibrate
     from sweep.calibrate_io import StepTable
     from sweep.params import hardware_params, model_params
@@ -324,34 +296,38 @@ def evaluate(ds: Dataset) -> Evaluated:
             ds.source, x[:, 0], x[:, 1], x[:, 2], np.ones(len(x)), x[:, 3])])
 
     def predicted(c, mask):
-        logc = jnp.log(jnp.maximum(jnp.asarray([c[k] for k in calibrate.CONSTANTS],
-                                               jnp.float32), 1e-7))
-        out = calibrate.predict(hw, model, logc, steps(mask), None)["steps_s"]
+        out = calibrate.predict(hw, model, calibrate.log_constants(c), steps(mask),
+                                None)["steps_s"]
         return np.asarray(out)[:int(mask.sum())]
 
-    res = calibrate.fit(hw, model, steps(~held), None)
-    c = dict(zip(calibrate.CONSTANTS, np.exp(np.asarray(res.log_constants,
-                                                        np.float64))))
-    c = {k: float(f"{v:.4g}") for k, v in c.items()}
-    if c["step_overhead_s"] <= 2e-7:
-        c["step_overhead_s"] = 0.0
-    rms = float(np.sqrt(np.mean((predicted(c, ~held) / rows[~held, 3] - 1) ** 2)))
+    def fitted(names):
+        res = calibrate.fit(hw, model, steps(~held), None, fit=names)
+        c = dict(zip(calibrate.CONSTANTS, np.exp(np.asarray(res.log_constants,
+                                                            np.float64))))
+        if "kv_mbu" not in names:
+            c["kv_mbu"] = c["mbu"]
+        return calibrate.rounded(c)
+
+    three = fitted(calibrate.CONSTANTS[:3])
+    # dense models at TP 1: the overhead is not told from the weights' time
+    # (sweep.calibrate.identified), so it stays 0 and mbu takes it
+    five = (fitted(("mbu", "mfu", "kv_mbu", "sequence_overhead_s")) if ds.sequences
+            else three)
+    rms = float(np.sqrt(np.mean((predicted(five, ~held) / rows[~held, 3] - 1) ** 2)))
     measured = rows[held, 3]
-    bound = predicted({"mbu": 1.0, "mfu": 1.0, "step_overhead_s": 0.0}, held)
-    after = predicted(c, held)
-    forms = _richer_forms(ds, hw_cfg, model_cfg, rows, held)
+    bound = predicted({"mbu": 1.0, "mfu": 1.0, "step_overhead_s": 0.0,
+                       "kv_mbu": 1.0, "sequence_overhead_s": 0.0}, held)
     prefill = (rows[held, 2] > 0) | (rows[held, 0] >= 512)
     errors = {}
     for group, mask in (("decode", ~prefill), ("prefill", prefill)):
-        es = [np.abs(x[mask] / measured[mask] - 1) for x in (bound, after)]
-        es += [e[mask] for _, e in forms.values()]
-        errors[group] = tuple(f(e) for e in es for f in (np.mean, np.max))
+        errors[group] = tuple(
+            f(np.abs(p[mask] / measured[mask] - 1))
+            for p in (bound, predicted(three, held), predicted(five, held))
+            for f in (np.mean, np.max))
     ratio = measured / bound
     errors["ratio"] = (ratio[~prefill].min(), ratio[~prefill].max(),
                        ratio[prefill].min(), ratio[prefill].max())
-    x = forms["+kv+seq"][0]
-    errors["richer"] = (x[3], x[4])  # kv_mbu, microseconds per sequence
-    return Evaluated(ds, c, errors, rms)
+    return Evaluated(ds, five, errors, rms)
 
 
 def _pct(x: float) -> str:
@@ -359,23 +335,24 @@ def _pct(x: float) -> str:
 
 
 def markdown(results: list[Evaluated]) -> str:
-    lines = ["| hardware | model | engine | mbu | mfu | overhead ms | measured / "
-             "bound: decode | prefill | held-out decode error %, mean / worst: "
-             "bound -> 3 constants (shipped) -> +kv -> +kv+seq | held-out prefill "
-             "error %, same | +kv+seq: kv_mbu, us/seq |",
-             "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
+    lines = ["| hardware | model | engine | mbu | kv_mbu | mfu | overhead ms | us / "
+             "sequence | measured / bound: decode | prefill | held-out decode error "
+             "%, mean / worst: bound -> 3 constants -> shipped | held-out "
+             "prefill error %, same |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- "
+             "| --- |"]
 
     def cell(e):
-        return " -> ".join(f"{_pct(e[i])} / {_pct(e[i + 1])}" for i in (0, 2, 4, 6))
+        return " -> ".join(f"{_pct(e[i])} / {_pct(e[i + 1])}" for i in (0, 2, 4))
 
     for r in results:
-        q, c, x = r.errors["ratio"], r.constants, r.errors["richer"]
+        q, c = r.errors["ratio"], r.constants
         lines.append(
             f"| {r.ds.hardware} | {r.ds.model} | {r.ds.engine} | {c['mbu']:.3f} | "
-            f"{c['mfu']:.3f} | {c['step_overhead_s'] * 1e3:.3f} | "
-            f"{q[0]:.2f}-{q[1]:.2f} | {q[2]:.2f}-{q[3]:.2f} | "
-            f"{cell(r.errors['decode'])} | {cell(r.errors['prefill'])} | "
-            f"{x[0]:.2f}, {x[1]:.1f} |")
+            f"{c['kv_mbu']:.3f} | {c['mfu']:.3f} | {c['step_overhead_s'] * 1e3:.3f} | "
+            f"{c['sequence_overhead_s'] * 1e6:.2f} | {q[0]:.2f}-{q[1]:.2f} | "
+            f"{q[2]:.2f}-{q[3]:.2f} | {cell(r.errors['decode'])} | "
+            f"{cell(r.errors['prefill'])} |")
     return "\n".join(lines)
 
 
@@ -398,7 +375,9 @@ def write_config(name: str, what: str, usage: str, results: list[Evaluated],
         _, model = _specs(r.ds)
         profiles.append({
             "hardware": r.ds.hardware, "model": r.ds.model, "engine": r.ds.engine,
-            **r.constants, "source": r.ds.source,
+            **{k: v for k, v in r.constants.items() if k != "kv_mbu"},
+            "kv_mbu": 0.0 if r.constants["kv_mbu"] == r.constants["mbu"]
+            else r.constants["kv_mbu"], "source": r.ds.source,
             "version": r.ds.version, "license": r.ds.license,
             "active_params": float(model.active_params),
             "fitted_points": int(sum(not x[4] for x in r.ds.rows)),

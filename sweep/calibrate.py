@@ -1,4 +1,5 @@
-"""Fits ``mbu``, ``mfu`` and ``step_overhead_s`` to measured data, by optax.
+"""Fits ``mbu``, ``mfu``, ``step_overhead_s``, ``kv_mbu`` and
+``sequence_overhead_s`` to measured data, by optax.
 
 Two kinds of measurement, one loss (the mean squared log ratio of predicted
 to measured, i.e. relative error weighted alike at 1 ms and at 1 s):
@@ -16,11 +17,14 @@ to measured, i.e. relative error weighted alike at 1 ms and at 1 s):
   shows as the arrival rate, which a capped run's throughput measures, and
   Little's law then puts about that many requests in the server.
 
-The constants are fitted in log space, ``log mbu`` and ``log mfu`` projected
-onto ``[log 1e-3, 0]`` after every Adam step (``optax.projections``), a few
-starts at once (``vmap``), the best kept. A constant that no point depends on
-(``mfu`` with only decode steps, ``mbu`` with only long prefills) is not
-identified by the data: it keeps the hardware's value and the fit says so.
+The constants are fitted in log space, each projected onto its box
+(``LOG_LOW``, ``LOG_HIGH``: utilisations in ``[1e-3, 1]``) after every Adam
+step (``optax.projections``), a few starts at once (``vmap``), the best kept.
+A constant that no point depends on (``mfu`` with only decode steps, ``mbu``
+with only long prefills, ``kv_mbu`` with no memory-bound step reading a KV
+cache, ``sequence_overhead_s`` with one batch size) is not identified by the
+data: it keeps the hardware's value (``kv_mbu``: follows ``mbu``) and the fit
+says so. ``kv_mbu`` not fitted follows ``mbu``.
 """
 
 from __future__ import annotations
@@ -39,11 +43,14 @@ from sweep import roofline
 from sweep.latency import LatencyWorkload, surrogate
 from sweep.params import HardwareParams, ModelParams
 
-CONSTANTS = ("mbu", "mfu", "step_overhead_s")
-LOG_LOW = (math.log(1e-3), math.log(1e-3), math.log(1e-7))
-LOG_HIGH = (0.0, 0.0, math.log(10.0))
-STARTS = ((0.6, 0.5, 1e-4), (0.9, 0.8, 1e-4), (0.8, 0.6, 3e-3), (0.5, 0.9, 1e-5))
-"""Initial (mbu, mfu, step_overhead_s) of the starts fitted together."""
+CONSTANTS = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
+FLOORS = (1e-3, 1e-3, 1e-7, 1e-3, 1e-9)
+"""Smallest value of each constant; an overhead at its floor is written as 0."""
+LOG_LOW = tuple(math.log(f) for f in FLOORS)
+LOG_HIGH = (0.0, 0.0, math.log(10.0), 0.0, math.log(1e-2))
+STARTS = ((0.6, 0.5, 1e-4, 0.6, 1e-6), (0.9, 0.8, 1e-4, 0.9, 1e-6),
+          (0.8, 0.6, 3e-3, 0.8, 1e-5), (0.5, 0.9, 1e-5, 0.9, 1e-8))
+"""Initial ``CONSTANTS`` of the starts fitted together."""
 BENCH_METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
 
 
@@ -83,7 +90,7 @@ def step_seconds(hw: HardwareParams, model: ModelParams, batch_size, context_tok
     cached = batch_size * context_tokens
     keys = jnp.where(decode, cached, batch_size * roofline.chunk_attention_keys(
         prefill_tokens, context_tokens))
-    return roofline.step_s(hw, model, tensor_parallel, new, cached, keys)
+    return roofline.step_s(hw, model, tensor_parallel, new, cached, keys, batch_size)
 
 
 def step_bounds(hw: HardwareParams, model: ModelParams, s: Steps):
@@ -94,7 +101,7 @@ def step_bounds(hw: HardwareParams, model: ModelParams, s: Steps):
     keys = jnp.where(decode, cached, s.batch_size * roofline.chunk_attention_keys(
         s.prefill_tokens, s.context_tokens))
     memory = (roofline.weight_bytes_read(model, new) + cached
-              * roofline.kv_bytes_per_token(model)) / s.tensor_parallel / (
+              * roofline.kv_read_bytes_per_token(hw, model)) / s.tensor_parallel / (
         hw.memory_bandwidth_bytes_per_s * hw.mbu)
     compute = (2.0 * model.active_params * new + roofline.attention_flops_per_key(
         model) * keys) / s.tensor_parallel / (hw.peak_flops_per_s * hw.mfu)
@@ -113,9 +120,9 @@ def run_metrics(hw: HardwareParams, model: ModelParams, runs: Runs):
 
 
 def with_constants(hw: HardwareParams, log_c) -> HardwareParams:
-    """``hw`` with ``(mbu, mfu, step_overhead_s) = exp(log_c)``."""
+    """``hw`` with ``CONSTANTS = exp(log_c)``."""
     c = jnp.exp(log_c)
-    return hw._replace(mbu=c[0], mfu=c[1], step_overhead_s=c[2])
+    return hw._replace(**{k: c[i] for i, k in enumerate(CONSTANTS)})
 
 
 def _sq_log_ratio(pred, measured, weight):
@@ -124,8 +131,12 @@ def _sq_log_ratio(pred, measured, weight):
     return jnp.where(weight > 0, weight * r * r, 0.0)
 
 
-def loss(log_c, hw, model, steps: Steps | None, runs: Runs | None):
-    """Mean squared log ratio over every weighted step and run metric."""
+def loss(log_c, hw, model, steps: Steps | None, runs: Runs | None,
+         tie_kv: bool = False):
+    """Mean squared log ratio over every weighted step and run metric;
+    ``tie_kv``: the KV cache streams at ``mbu``."""
+    if tie_kv:
+        log_c = log_c.at[3].set(log_c[0])
     h = with_constants(hw, log_c)
     total = jnp.zeros((), log_c.dtype)
     count = jnp.zeros((), log_c.dtype)
@@ -149,6 +160,7 @@ class FitResult(NamedTuple):
 @partial(jax.jit, static_argnames=("n_steps", "fit_mask"))
 def _fit(hw, model, steps, runs, init, *, n_steps: int, fit_mask: tuple[bool, ...],
          learning_rate):
+    tie_kv = not fit_mask[3]
     low = jnp.asarray(LOG_LOW, init.dtype)
     high = jnp.asarray(LOG_HIGH, init.dtype)
     mask = jnp.asarray(fit_mask)
@@ -159,7 +171,7 @@ def _fit(hw, model, steps, runs, init, *, n_steps: int, fit_mask: tuple[bool, ..
     def one(x0):
         def step(carry, _):
             x, state = carry
-            value, g = grad_fn(x, hw, model, steps, runs)
+            value, g = grad_fn(x, hw, model, steps, runs, tie_kv)
             g = jnp.where(mask & jnp.isfinite(g), g, 0.0)
             # optax mixes Python floats with its int32 step count (bias
             # correction, schedules): allowed here where a caller made it strict
@@ -172,6 +184,8 @@ def _fit(hw, model, steps, runs, init, *, n_steps: int, fit_mask: tuple[bool, ..
         with jax.numpy_dtype_promotion("standard"):
             state0 = opt.init(x0)
         (x, _), _ = jax.lax.scan(step, (x0, state0), None, length=n_steps)
+        if tie_kv:
+            x = x.at[3].set(x[0])
         return x, loss(x, hw, model, steps, runs)
 
     xs, losses = jax.vmap(one)(init)
@@ -181,9 +195,10 @@ def _fit(hw, model, steps, runs, init, *, n_steps: int, fit_mask: tuple[bool, ..
 
 
 def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
-        runs: Runs | None, *, fit: tuple[str, ...] = CONSTANTS, n_steps: int = 600,
+        runs: Runs | None, *, fit: tuple[str, ...] = CONSTANTS, n_steps: int = 1000,
         learning_rate: float = 0.05) -> FitResult:
-    """The constants minimising ``loss``; those not in ``fit`` keep ``hw``'s.
+    """The constants minimising ``loss``; those not in ``fit`` keep ``hw``'s
+    (``kv_mbu`` follows ``mbu``).
 
     Args:
       hw, model: float32 parameter pytrees (scalar leaves) of the hardware and
@@ -191,8 +206,7 @@ def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
       steps, runs: the measurements (at least one given).
       fit: names of the constants fitted.
     """
-    own = np.log(np.maximum([float(hw.mbu), float(hw.mfu),
-                             float(hw.step_overhead_s)], 1e-7))
+    own = np.log(np.maximum([float(getattr(hw, c)) for c in CONSTANTS], FLOORS))
     mask = tuple(c in fit for c in CONSTANTS)
     # the surrogate's gradient costs ~0.1 s a step on a small CPU: one start
     starts = STARTS if runs is None else STARTS[1:2]
@@ -270,6 +284,44 @@ def runs_input(runs, max_num_seqs: int, token_budget: int, tp: int) -> Runs:
         weight=f32([1.0] * n + [0.0] * (len(rows) - n)))
 
 
+def identified(job, names) -> tuple[tuple[str, ...], list[str]]:
+    """The constants a job's data can tell apart, and notes on the others.
+
+    A dense model reads the same weights in every step: with the KV cache's
+    own ``kv_mbu`` fitted, the weights' time ``W / (bandwidth mbu)`` and
+    ``step_overhead_s`` only show as their sum unless the steps come at two
+    tensor-parallel sizes (or serving runs add their own evidence). The
+    overhead then keeps the hardware's value, the weights' time goes to mbu.
+    """
+    names = tuple(names)
+    tps = {float(x) for t in job.steps for x in np.unique(t.tensor_parallel)}
+    dense = job.app.model.num_experts <= job.app.model.experts_per_token
+    if (job.steps and not job.runs and dense and len(tps) == 1
+            and {"mbu", "kv_mbu", "step_overhead_s"} <= set(names)):
+        hw = job.app.hardware
+        return tuple(n for n in names if n != "step_overhead_s"), [
+            "step_overhead_s is not identified apart from mbu (a dense model's "
+            "steps all read the same weights, at one tensor_parallel): kept at "
+            f"hardware[{hw.name}].step_overhead_s = {hw.step_overhead_s:g}; "
+            "steps at a second tensor_parallel tell them apart"]
+    return names, []
+
+
+def rounded(values: dict[str, float]) -> dict[str, float]:
+    """Four significant digits; an overhead at its floor is none."""
+    out = {}
+    for (k, v), floor in zip(values.items(), FLOORS):
+        out[k] = 0.0 if k.endswith("overhead_s") and v <= 2 * floor else float(
+            f"{v:.4g}")
+    return out
+
+
+def log_constants(values: dict[str, float]) -> jax.Array:
+    """``CONSTANTS`` as the fit's float32 log-space vector (floors applied)."""
+    return jnp.log(jnp.asarray(np.maximum([values[c] for c in CONSTANTS], FLOORS),
+                               jnp.float32))
+
+
 def _rms(pred, measured) -> float:
     r = np.asarray(pred, np.float64) / np.asarray(measured, np.float64) - 1.0
     return float(np.sqrt(np.mean(r * r)))
@@ -285,29 +337,35 @@ def fit_job(job) -> JobFit:
     steps = steps_input(job.steps) if job.steps else None
     runs = (runs_input(job.runs, app.max_num_seqs, app.max_num_batched_tokens,
                        app.tensor_parallel) if job.runs else None)
-    res = fit(hw, model, steps, runs, fit=tuple(app.fit.fit),
-              n_steps=app.fit.steps, learning_rate=app.fit.learning_rate)
-    own = jnp.log(jnp.maximum(jnp.stack([hw.mbu, hw.mfu, hw.step_overhead_s]), 1e-7))
+    names, notes = identified(job, app.fit.fit)
+    res = fit(hw, model, steps, runs, fit=names, n_steps=app.fit.steps,
+              learning_rate=app.fit.learning_rate)
+    own = log_constants({c: float(getattr(hw, c)) for c in CONSTANTS})
     before = predict(hw, model, own, steps, runs)
     after = predict(hw, model, res.log_constants, steps, runs)
     values = dict(zip(CONSTANTS, np.exp(np.asarray(res.log_constants, np.float64))))
-    notes = []
     if steps is not None:
         n = int(steps.weight.sum())
         bound = np.asarray(after["memory_bound"])[:n]
-        for name, used, what in (("mbu", bound.any(), "memory-bound"),
-                                 ("mfu", (~bound).any(), "compute-bound")):
+        kv = bound & (np.asarray(steps.context_tokens)[:n] > 0)
+        batches = len(np.unique(np.asarray(steps.batch_size)[:n]))
+        for name, used, what in (
+                ("mbu", bound.any(), "memory-bound step"),
+                ("mfu", (~bound).any(), "compute-bound step"),
+                ("kv_mbu", kv.any(), "memory-bound step reading a KV cache"),
+                ("sequence_overhead_s", batches > 1, "second batch size")):
             if name in app.fit.fit and not used and runs is None:
-                values[name] = float(getattr(app.hardware, name))
-                notes.append(f"{name} is not identified (no {what} step in the "
-                             f"data): kept at hardware[{app.hardware.name}].{name} = "
-                             f"{values[name]:g}")
-    if values["step_overhead_s"] <= 2e-7:  # the box's floor: no overhead
-        values["step_overhead_s"] = 0.0
-    values = {k: float(f"{v:.4g}") for k, v in values.items()}
+                if name == "kv_mbu":
+                    values[name], kept = values["mbu"], "it follows mbu"
+                else:
+                    values[name] = float(getattr(app.hardware, name))
+                    kept = (f"kept at hardware[{app.hardware.name}].{name} = "
+                            f"{values[name]:g}")
+                notes.append(f"{name} is not identified (no {what} in the data): "
+                             f"{kept}")
+    values = rounded(values)
     # the rows at the constants written (rounded, kept where not identified)
-    final = jnp.log(jnp.maximum(jnp.asarray([values[c] for c in CONSTANTS],
-                                            jnp.float32), 1e-7))
+    final = log_constants(values)
     after = predict(hw, model, final, steps, runs)
     measured, pb, pa = [], [], []
     step_rows = run_rows = None

@@ -92,8 +92,11 @@ def _report(console: Console, job: CalibrateJob, fitted) -> None:
     c = fitted.constants
     console.print(
         f"{COMMAND}: {app.hardware.name} x {app.model.name} x {app.engine}: "
-        f"mbu {c['mbu']:.4f}, mfu {c['mfu']:.4f}, step_overhead_s "
-        f"{c['step_overhead_s']:.4g} ({c['step_overhead_s'] * 1e3:.3f} ms); rms "
+        f"mbu {c['mbu']:.4f}, kv_mbu {c['kv_mbu']:.4f}, mfu {c['mfu']:.4f}, "
+        f"step_overhead_s {c['step_overhead_s']:.4g} "
+        f"({c['step_overhead_s'] * 1e3:.3f} ms), sequence_overhead_s "
+        f"{c['sequence_overhead_s']:.4g} ({c['sequence_overhead_s'] * 1e6:.2f} us); "
+        "rms "
         f"relative error {fitted.rms_before * 100:.1f} % (bound) -> "
         f"{fitted.rms_after * 100:.1f} % (fitted) over {fitted.points} points",
         markup=False, highlight=False, soft_wrap=True)
@@ -156,6 +159,8 @@ def _calibrate_app(cfg: DictConfig) -> None:
     profile = CalibrationProfile(
         hardware=app.hardware.name, model=app.model.name, engine=app.engine,
         mbu=c["mbu"], mfu=c["mfu"], step_overhead_s=c["step_overhead_s"],
+        kv_mbu=0.0 if c["kv_mbu"] == c["mbu"] else c["kv_mbu"],
+        sequence_overhead_s=c["sequence_overhead_s"],
         source=app.source or f"{COMMAND}: {job.description}",
         version=app.version, license=app.license,
         active_params=app.model.active_params, fitted_points=fitted.points,

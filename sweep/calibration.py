@@ -1,8 +1,9 @@
 """Applies a ``calibration`` config: measured constants per hardware x model.
 
 A calibration config (``conf/calibration/``, or a user's through
-``hydra.searchpath``) lists profiles, each the ``mbu``, ``mfu`` and
-``step_overhead_s`` fitted for one hardware x model x engine. A run's
+``hydra.searchpath``) lists profiles, each the constants of one hardware x
+model x engine: ``mbu``, ``mfu``, ``step_overhead_s``, and the step's
+measured shape, ``kv_mbu`` (0: ``mbu``) and ``sequence_overhead_s``. A run's
 hardware x model takes, among the profiles of its hardware and the config's
 ``engine``: the model's own; else one for any model (``model: ""``); else the
 one whose model size (active parameters) is nearest in ratio. Hardware with
@@ -41,7 +42,7 @@ from sweep.config.schema import (
     Model,
 )
 
-CONSTANTS = ("mbu", "mfu", "step_overhead_s")
+CONSTANTS = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
 MARK = "# Written by sweep-calibrate."
 
 
@@ -55,6 +56,8 @@ class Choice:
     mbu: float
     mfu: float
     step_overhead_s: float
+    kv_mbu: float  # resolved: never 0
+    sequence_overhead_s: float
 
 
 def _nearest(profiles: list[CalibrationProfile], model: Model):
@@ -78,8 +81,10 @@ def choose(cal: Calibration, hardware: list[Hardware],
                      or [p for p in mine if p.model == ""])
             p = exact[0] if exact else (_nearest(mine, m) if mine else None)
             src = p if p is not None else h
-            row.append(Choice(h.name, m.name, p, *(float(getattr(src, c))
-                                                   for c in CONSTANTS)))
+            row.append(Choice(h.name, m.name, p, float(src.mbu), float(src.mfu),
+                              float(src.step_overhead_s),
+                              float(src.kv_mbu or src.mbu),
+                              float(src.sequence_overhead_s)))
         out.append(row)
     return out
 
@@ -90,7 +95,7 @@ def calibrated(choices: list[list[Choice]]) -> bool:
 
 
 def table(choices: list[list[Choice]]) -> np.ndarray:
-    """``(hardware, model, 3)`` float32: mbu, mfu, step_overhead_s."""
+    """``(hardware, model, 5)`` float32: the ``CONSTANTS``."""
     return np.array([[[getattr(c, k) for k in CONSTANTS] for c in row]
                      for row in choices], np.float32)
 
@@ -101,9 +106,10 @@ def line(cal: Calibration, choices: list[list[Choice]]) -> str:
     for row in choices:
         taken = [c for c in row if c.profile is not None]
         if not taken:
-            parts.append(f"{row[0].hardware}: no {cal.engine} profile, hardware's own "
-                         f"constants (mbu {row[0].mbu:.3g}, mfu {row[0].mfu:.3g}, "
-                         f"overhead {row[0].step_overhead_s * 1e3:.3g} ms)")
+            c = row[0]
+            parts.append(f"{c.hardware}: no {cal.engine} profile, hardware's own "
+                         f"constants (mbu {c.mbu:.3g}, mfu {c.mfu:.3g}, overhead "
+                         f"{c.step_overhead_s * 1e3:.3g} ms)")
             continue
         if len(taken) > 2:  # the attributes keep each model's constants
 
@@ -111,18 +117,22 @@ def line(cal: Calibration, choices: list[list[Choice]]) -> str:
                 lo, hi = (f(getattr(c, k) * scale for c in taken) for f in (min, max))
                 return f"{lo:.3g}" if lo == hi else f"{lo:.3g}-{hi:.3g}"
 
-            values = (f"{len(taken)} models mbu {span('mbu')} mfu {span('mfu')} "
-                      f"overhead {span('step_overhead_s', 1e3)} ms")
+            values = (f"{len(taken)} models mbu {span('mbu')} kv_mbu "
+                      f"{span('kv_mbu')} mfu {span('mfu')} overhead "
+                      f"{span('step_overhead_s', 1e3)} ms + "
+                      f"{span('sequence_overhead_s', 1e6)} us/sequence")
         else:
             values = ", ".join(
-                f"{c.model} mbu {c.mbu:.3g} mfu {c.mfu:.3g} overhead "
-                f"{c.step_overhead_s * 1e3:.3g} ms"
+                f"{c.model} mbu {c.mbu:.3g} kv_mbu {c.kv_mbu:.3g} mfu {c.mfu:.3g} "
+                f"overhead {c.step_overhead_s * 1e3:.3g} ms + "
+                f"{c.sequence_overhead_s * 1e6:.3g} us/sequence"
                 + ("" if c.profile.model in ("", c.model)
                    else f" (as {c.profile.model})")
                 for c in taken)
         p = taken[0].profile
         origin = "; ".join(x for x in (p.source, p.version, p.license) if x)
-        parts.append(f"{row[0].hardware}: {values} [{origin}]")
+        parts.append(f"{row[0].hardware}: {values}"
+                     + (f" [{origin}]" if origin else ""))
     return f"calibration={cal.name} (engine {cal.engine}): " + "; ".join(parts)
 
 
@@ -147,7 +157,7 @@ class Calibrated:
     def __call__(self, *args):
         *args, c = args
         hw = args[self.hw_arg]
-        args[self.hw_arg] = hw._replace(mbu=c[0], mfu=c[1], step_overhead_s=c[2])
+        args[self.hw_arg] = hw._replace(**{k: c[i] for i, k in enumerate(CONSTANTS)})
         return self.fn(*args)
 
 

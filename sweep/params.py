@@ -40,6 +40,10 @@ class HardwareParams(NamedTuple):
     mfu: jax.Array
     step_overhead_s: jax.Array
     gpu_memory_utilization: jax.Array
+    # measured step shape (sweep.calibration): KV-cache reads stream at their
+    # own utilisation, and each sequence in a step adds a fixed time
+    kv_mbu: jax.Array = 1.0
+    sequence_overhead_s: jax.Array = 0.0
 
 
 class ModelParams(NamedTuple):
@@ -72,6 +76,8 @@ def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwarePara
         mfu=hw.mfu,
         step_overhead_s=hw.step_overhead_s,
         gpu_memory_utilization=gpu_memory_utilization,
+        kv_mbu=hw.kv_mbu or hw.mbu,
+        sequence_overhead_s=hw.sequence_overhead_s,
     )
 
 

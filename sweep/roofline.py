@@ -8,7 +8,10 @@ Every function here is written for one grid point (scalar leaves) and is
   token attending to ``k`` keys costs ``4 * layers * q_heads * head_dim * k``
   (QK^T and PV, 2 FLOP per multiply-add);
 * its time is ``max(bytes / (bandwidth * mbu), flops / (peak * mfu))`` plus a
-  fixed overhead.
+  fixed overhead. Calibrated to measured engines (``sweep.calibration``),
+  the KV cache streams at its own ``kv_mbu`` and every sequence in the step
+  adds ``sequence_overhead_s``: the step's effective ``mbu`` is then a smooth
+  function of its batch and context (1 and 0 by default: the bound).
 
 Tensor parallelism over ``tp`` GPUs splits weights, KV cache and FLOPs evenly
 and adds two ring all-reduces of the step's activations per layer (after
@@ -43,6 +46,12 @@ def kv_bytes_per_token(model: ModelParams):
     return 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_dtype_bytes
 
 
+def kv_read_bytes_per_token(hw: HardwareParams, model: ModelParams):
+    """KV bytes a step's memory time counts per cached token read: the cache
+    streams at ``kv_mbu``, the weights at ``mbu``."""
+    return kv_bytes_per_token(model) * hw.mbu / hw.kv_mbu
+
+
 def attention_flops_per_key(model: ModelParams):
     """FLOPs for one new token attending to one key (QK^T and PV)."""
     return 4.0 * model.layers * model.q_heads * model.head_dim
@@ -69,7 +78,7 @@ def allreduce_s(hw: HardwareParams, model: ModelParams, tp, new_tokens):
 
 
 def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
-           attention_keys):
+           attention_keys, sequences=0.0):
     """One step's wall time, seconds.
 
     Args:
@@ -77,9 +86,10 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
       new_tokens: tokens the step computes (decodes plus prefill chunk tokens).
       kv_read_tokens: cached tokens whose KV the step reads (summed over sequences).
       attention_keys: keys attended to, summed over all new tokens.
+      sequences: sequences in the step (decodes plus prompts chunked).
     """
     bytes_moved = weight_bytes_read(model, new_tokens) + kv_read_tokens * (
-        kv_bytes_per_token(model)
+        kv_read_bytes_per_token(hw, model)
     )
     flops = (
         2.0 * model.active_params * new_tokens
@@ -91,13 +101,14 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
         jnp.maximum(memory_s, compute_s)
         + allreduce_s(hw, model, tp, new_tokens)
         + hw.step_overhead_s
+        + hw.sequence_overhead_s * sequences
     )
 
 
 def decode_step_s(hw, model, tp, sequences, context_tokens):
     """Decode-only step of ``sequences`` running sequences at mean context."""
     cached = sequences * context_tokens
-    return step_s(hw, model, tp, sequences, cached, cached)
+    return step_s(hw, model, tp, sequences, cached, cached, sequences)
 
 
 def chunk_attention_keys(chunk_tokens, cached_tokens):
@@ -121,6 +132,7 @@ def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
         decodes + chunk_tokens,
         decode_context_tokens + chunk_cached_tokens,
         decode_context_tokens + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+        decodes + jnp.where(chunk_tokens > 0, 1.0, 0.0),
     )
 
 
@@ -154,7 +166,7 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     full = jnp.floor(prompt_tokens / b)
     rest = prompt_tokens - full * b
     ctx = decodes * context_tokens
-    kvb = kv_bytes_per_token(model)
+    kvb = kv_read_bytes_per_token(hw, model)
     new = decodes + b
     mem_bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
     flop_rate = tp * hw.peak_flops_per_s * hw.mfu
@@ -166,7 +178,8 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
         flop_rate
     )
     s_c = fpk * b * b / flop_rate
-    fixed = allreduce_s(hw, model, tp, new) + hw.step_overhead_s
+    fixed = (allreduce_s(hw, model, tp, new) + hw.step_overhead_s
+             + hw.sequence_overhead_s * (decodes + 1.0))
     # indices with memory >= compute form a suffix (s_m > s_c) or prefix
     d0, ds = a_m - a_c, s_m - s_c
     safe_ds = jnp.where(ds == 0.0, 1.0, ds)

@@ -311,14 +311,14 @@ class _Ctx(NamedTuple):
     num_served: jax.Array  # int32: requests [0, num_served) are served
 
 
-def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope):
+def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope, sequences):
     """Step ``j`` of a run: memory ``m0 + m j``, compute ``c0 + c j``, plus ``fixed``.
 
     The same terms as ``roofline.step_s``, split into intercept and slope.
     """
     hw, model = cx.hw, cx.model
     new = new_tokens.astype(dt)
-    kvb = roofline.kv_bytes_per_token(model)
+    kvb = roofline.kv_read_bytes_per_token(hw, model)
     fpk = roofline.attention_flops_per_key(model)
     bw = hw.memory_bandwidth_bytes_per_s * hw.mbu
     peak = hw.peak_flops_per_s * hw.mfu
@@ -326,7 +326,8 @@ def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope):
     m = kv_slope.astype(dt) * kvb / cx.tp / bw
     c0 = (2.0 * model.active_params * new + fpk * keys0) / cx.tp / peak
     c = fpk * keys_slope / cx.tp / peak
-    fixed = roofline.allreduce_s(hw, model, cx.tp, new) + hw.step_overhead_s
+    fixed = (roofline.allreduce_s(hw, model, cx.tp, new) + hw.step_overhead_s
+             + hw.sequence_overhead_s * sequences.astype(dt))
     return (m0, m, c0, c, fixed)
 
 
@@ -792,6 +793,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
         cx, dt, n_dec + chunk, ctx0.astype(dt) + p0, (n_dec + chunk).astype(dt),
         ctx0.astype(dt) + p0 * chunk_f + chunk_f * (chunk_f + 1.0) / 2.0,
         n_dec.astype(dt) + chunk_f * chunk_f,
+        n_dec + has_pref.astype(n_dec.dtype),
     )
     split = _pieces(lines, horizon)
     # the next new request, if it could join at a later step's start
@@ -826,6 +828,7 @@ def _iterate(cx: _Ctx, turn, s: _State) -> _State:
         jnp.zeros((), dt),
         ctx_e + (taken_f * done_f + taken_f * (taken_f + 1.0) / 2.0).sum(),
         jnp.zeros((), dt),
+        n_dec + (taken > 0).sum(dtype=n_dec.dtype),
     )
     event_s = _step_time(e_lines, jnp.zeros((), jnp.int32))
     t_run = _clock_add(t, t_lo, run_s)

@@ -25,18 +25,20 @@ from sweep.config.schema import (
 
 @dataclass
 class Fit:
-    """The optax fit of ``mbu``, ``mfu`` and ``step_overhead_s``."""
+    """The optax fit of the constants (``sweep.calibrate.CONSTANTS``)."""
 
-    steps: int = field(default=300, metadata={"help": "Adam steps (lax.scan)"})
+    steps: int = field(default=1000, metadata={"help": "Adam steps (lax.scan)"})
     learning_rate: float = 0.1
     fit: list[str] = field(
-        default_factory=lambda: ["mbu", "mfu", "step_overhead_s"],
-        metadata={"help": "constants fitted; the others keep the hardware's"})
+        default_factory=lambda: ["mbu", "mfu", "step_overhead_s", "kv_mbu",
+                                 "sequence_overhead_s"],
+        metadata={"help": "constants fitted; the others keep the hardware's "
+                  "(kv_mbu: follows mbu)"})
 
     def __post_init__(self) -> None:
         _in_range(self, "calibrate.fit", "steps", 1, 100_000)
         _in_range(self, "calibrate.fit", "learning_rate", 1e-6, 10)
-        allowed = ("mbu", "mfu", "step_overhead_s")
+        allowed = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
         _check(len(self.fit) > 0 and all(f in allowed for f in self.fit)
                and len(set(self.fit)) == len(self.fit), "calibrate.fit.fit",
                list(self.fit), f"a non-empty list of distinct {', '.join(allowed)}")

@@ -87,6 +87,13 @@ class Routing(Enum):
     random = "random"
 
 
+def _check_step_shape(obj, prefix: str) -> None:
+    """``kv_mbu`` (0: the weights' ``mbu``) and ``sequence_overhead_s``."""
+    if obj.kv_mbu != 0:
+        _in_range(obj, prefix, "kv_mbu", 1e-3, 1)
+    _in_range(obj, prefix, "sequence_overhead_s", 0, 1)
+
+
 @dataclass
 class Hardware:
     name: str = MISSING
@@ -104,6 +111,13 @@ class Hardware:
     step_overhead_s: float = field(
         default=0.0, metadata={"help": "fixed time added to every scheduler step"}
     )
+    kv_mbu: float = field(
+        default=0.0,
+        metadata={"help": "achieved / peak bandwidth of KV-cache reads; 0: mbu"})
+    sequence_overhead_s: float = field(
+        default=0.0,
+        metadata={"help": "fixed time each sequence adds to a step (attention "
+                  "launch, sampling)"})
     max_gpus_per_node: int = field(
         default=8,
         metadata={"help": "GPUs one node holds: the largest tensor-parallel size "
@@ -120,6 +134,7 @@ class Hardware:
                                 ("mbu", 1e-3, 1), ("mfu", 1e-3, 1)):
             _in_range(self, p, name, low, high)
         _in_range(self, p, "step_overhead_s", 0, 3600)
+        _check_step_shape(self, p)
         _in_range(self, p, "max_gpus_per_node", 1, 1024)
 
 
@@ -424,6 +439,11 @@ class CalibrationProfile:
     mfu: float = field(default=1.0, metadata={"help": "achieved / peak FLOP/s"})
     step_overhead_s: float = field(
         default=0.0, metadata={"help": "fixed time added to every scheduler step"})
+    kv_mbu: float = field(
+        default=0.0,
+        metadata={"help": "achieved / peak bandwidth of KV-cache reads; 0: mbu"})
+    sequence_overhead_s: float = field(
+        default=0.0, metadata={"help": "fixed time each sequence adds to a step"})
     source: str = field(default="", metadata={"help": "what was measured, where"})
     version: str = field(default="", metadata={"help": "the source's version"})
     license: str = field(default="", metadata={"help": "the source's license"})
@@ -443,6 +463,7 @@ class CalibrationProfile:
         for name in ("mbu", "mfu"):
             _in_range(self, p, name, 1e-3, 1)
         _in_range(self, p, "step_overhead_s", 0, 3600)
+        _check_step_shape(self, p)
         _in_range(self, p, "active_params", 0, 1e14)
         _in_range(self, p, "fitted_points", 0, 2**31 - 1)
         _in_range(self, p, "rms_relative_error", 0, 1e6)
