@@ -4,7 +4,7 @@ Each grid is composed from the shipped Hydra configs (every hardware x every
 model, four tensor-parallel sizes, three batching modes, two traffic levels,
 and concurrency / token budget / context ranges sized to about 1M and 10M
 points), prepared with ``sweep.grid.prepare`` and its roofline part (every
-variable of ``sweep.results.VARIABLES``) evaluated four ways in one process:
+roofline variable of ``sweep.contract.METRICS``) evaluated four ways in one process:
 
 * JAX: ``sweep.evaluate.iterate_blocks``, the sweep's own path (one compiled
   ``evaluate_region`` per block of ``grid.chunk_points`` points, results pulled
@@ -52,7 +52,7 @@ import numpy_model  # noqa: E402
 from sweep import grid  # noqa: E402
 from sweep.config.resolve import grid_options  # noqa: E402
 from sweep.config.store import register_configs  # noqa: E402
-from sweep.evaluate import evaluate_region, iterate_blocks  # noqa: E402
+from sweep.evaluate import Part, evaluate_region, iterate_blocks  # noqa: E402
 
 SIZES = {
     # 6 hardware x 7 models x 4 TP x 3 batching x 2 traffic = 1,008 per (c, b, ctx)
@@ -109,7 +109,7 @@ def build_job(overrides: list[str]) -> grid.GridJob:
     return grid.prepare(base, options)
 
 
-def run_jax(part: grid.Part) -> int:
+def run_jax(part: Part) -> int:
     """Evaluates every block to host arrays; returns the bytes produced."""
     produced = 0
     for _, _, values in iterate_blocks(part.fn, part.axes, part.plan, part.tables,
@@ -118,7 +118,7 @@ def run_jax(part: grid.Part) -> int:
     return produced
 
 
-def run_numpy(part: grid.Part, evaluate, axes, utilization) -> None:
+def run_numpy(part: Part, evaluate, axes, utilization) -> None:
     """A NumPy baseline over the same blocks, cut to each region as JAX's are."""
     plan = part.plan
     for b in range(len(plan)):
@@ -130,7 +130,7 @@ def run_numpy(part: grid.Part, evaluate, axes, utilization) -> None:
             v[cut]
 
 
-def compile_s(part: grid.Part) -> float:
+def compile_s(part: Part) -> float:
     """Time to trace and compile the part's block evaluation."""
     plan = part.plan
     starts = jnp.zeros(len(plan.shape), jnp.int32)

@@ -282,7 +282,7 @@ def evaluate(ds: Dataset) -> Evaluated:
     on the held-out rows."""
     from sweep import calibrate
     from sweep.calibrate_io import StepTable
-    from sweep.params import hardware_params, model_params
+    from sweep.config.convert import hardware_params, model_params
 
     hw_cfg, model_cfg = _specs(ds)
     hw = calibrate._scalars(hardware_params(hw_cfg, 1.0))

@@ -27,8 +27,9 @@ import math
 import jax
 import numpy as np
 
+from sweep.batching import CONTINUOUS, REQUEST, STATIC
 from sweep.cost import HOURS_PER_MONTH, SECONDS_PER_DAY
-from sweep.params import CONTINUOUS, REQUEST, STATIC, GridPoint
+from sweep.params import GridPoint
 from sweep.roofline import ACTIVATION_BYTES, ALLREDUCES_PER_LAYER
 
 F32 = np.float32

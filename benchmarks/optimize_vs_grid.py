@@ -50,7 +50,8 @@ from omegaconf import OmegaConf
 
 from sweep import optimize, search
 from sweep.config.store import register_configs
-from sweep.latency import OK, surrogate
+from sweep.latency import surrogate
+from sweep.status import OK
 
 register_configs()
 

@@ -25,9 +25,10 @@ from hydra import initialize_config_module
 
 from sweep import optimize
 from sweep.arrivals import workload_requests
+from sweep.batching import CONTINUOUS
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing
 from sweep.config.store import register_configs
-from sweep.params import CONTINUOUS, hardware_params, model_params
 from sweep.simulate import simulate
 
 register_configs()

@@ -14,7 +14,8 @@ Run ``python benchmarks/simulate_throughput.py --configs 64 --requests 200``
 for a quick check. ``--compare OLD.py`` times another version of
 ``sweep/simulate.py`` (e.g. ``git show main:sweep/simulate.py > OLD.py``) on
 the same first pass, the two calls taking turns ``--repeats`` times in this
-process, so a loaded machine slows both alike.
+process, so a loaded machine slows both alike, and prints the size of both
+compiled programs (instructions of the optimized HLO).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from sweep.arrivals import sample_requests
+from sweep.batching import CONTINUOUS
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.resolve import grid_options
 from sweep.config.store import register_configs
-from sweep.params import CONTINUOUS, hardware_params, model_params
 from sweep.simulate import STATUS_SLOTS, simulate
 from sweep.workload import workload_tables
 
@@ -75,7 +77,9 @@ def _compiled(hw, model, requests, conc, budget, slots, fn=simulate):
             jnp.asarray(conc), jnp.asarray(budget), requests, CONTINUOUS)
     t0 = time.perf_counter()
     compiled = f.lower(*args).compile()
-    return (lambda: jax.block_until_ready(compiled(*args))), time.perf_counter() - t0
+    compile_s = time.perf_counter() - t0
+    hlo = sum(" = " in line for line in compiled.as_text().splitlines())
+    return (lambda: jax.block_until_ready(compiled(*args))), compile_s, hlo
 
 
 def run_jax(hw, model, requests, conc, budget, slots):
@@ -85,13 +89,14 @@ def run_jax(hw, model, requests, conc, budget, slots):
     Returns ``(results, compile_s, run_s, rerun_count)``.
     """
     full = int(conc.max())
-    call, compile_s = _compiled(hw, model, requests, conc, budget, min(slots, full))
+    call, compile_s, _ = _compiled(hw, model, requests, conc, budget,
+                                   min(slots, full))
     t0 = time.perf_counter()
     out = call()
     redo = np.flatnonzero(np.asarray(out.status) & STATUS_SLOTS)
     run_s = time.perf_counter() - t0
     if len(redo):
-        call, c_s = _compiled(hw, model, requests, conc[redo], budget[redo], full)
+        call, c_s, _ = _compiled(hw, model, requests, conc[redo], budget[redo], full)
         compile_s += c_s
         t0 = time.perf_counter()
         again = call()
@@ -103,13 +108,14 @@ def run_jax(hw, model, requests, conc, budget, slots):
 
 
 def compare(path, hw, model, requests, conc, budget, slots, repeats):
-    """Run times ``(repeats, 2)`` of ``path``'s ``simulate`` and this one, in turns."""
+    """Run times ``(repeats, 2)`` of ``path``'s ``simulate`` and this one, in
+    turns, and the instructions of their optimized HLO programs ``(2,)``."""
     spec = importlib.util.spec_from_file_location("simulate_baseline", path)
     baseline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(baseline)
     slots = min(slots, int(conc.max()))
-    calls = [_compiled(hw, model, requests, conc, budget, slots, fn)[0]
-             for fn in (baseline.simulate, simulate)]
+    calls, _, hlo = zip(*(_compiled(hw, model, requests, conc, budget, slots, fn)
+                          for fn in (baseline.simulate, simulate)))
     for call in calls:
         call()
     times = np.zeros((repeats, 2))
@@ -118,7 +124,7 @@ def compare(path, hw, model, requests, conc, budget, slots, repeats):
             t0 = time.perf_counter()
             call()
             times[i, j] = time.perf_counter() - t0
-    return times
+    return times, hlo
 
 
 def run_reference(hw, model, requests, conc, budget, count):
@@ -173,13 +179,15 @@ def main() -> None:
               f"p99 ITL {np.percentile(r.itl_s, 99):.5f} vs "
               f"{float(out.itl_p99_s[i]):.5f} s")
     if a.compare:
-        t = compare(a.compare, hw, model, requests, conc, budget, a.slots, a.repeats)
+        t, hlo = compare(a.compare, hw, model, requests, conc, budget, a.slots,
+                         a.repeats)
         kreq = a.configs * a.requests / 1000
         print(f"compare: {a.compare}: best {t[:, 0].min():.2f} s = "
               f"{kreq / t[:, 0].min():.1f} config-kreq/s; this: best "
               f"{t[:, 1].min():.2f} s = {kreq / t[:, 1].min():.1f} config-kreq/s; "
               f"time ratio this/that: median {np.median(t[:, 1] / t[:, 0]):.3f} "
               f"over {a.repeats} pairs")
+        print(f"         optimized HLO: that {hlo[0]} instructions, this {hlo[1]}")
     print(f"vidur : {vidur_status()}")
 
 

@@ -39,11 +39,13 @@ import numpy as np
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from sweep import contract
 from sweep.arrivals import Requests, sample_requests
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import LengthDist, LengthKind
 from sweep.config.store import register_configs
 from sweep.latency import latency_workload, surrogate
-from sweep.params import hardware_params, model_params, stack
+from sweep.params import stack
 from sweep.simulate import simulate
 from sweep.workload import WorkloadTables, length_table, workload_tables
 
@@ -64,7 +66,8 @@ LOADS = [0.15, 0.25, 0.4, 0.55, 0.7, 0.8]
 """Arrival rate / the simulator's burst capacity, two probes per band."""
 BANDS = [(0.1, 0.3), (0.3, 0.6), (0.6, 0.85)]
 GPU_MEMORY_UTILIZATION = 0.9
-METRICS = ("ttft_p99_s", "itl_p99_s", "ttft_p50_s", "itl_p50_s", "e2e_p99_s")
+METRICS = contract.LATENCY
+"""Every latency percentile both models give (``sweep.contract``)."""
 
 
 def _configs():

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.store import register_configs
 from sweep.latency import latency_workload, surrogate
-from sweep.params import hardware_params, model_params, stack
+from sweep.params import stack
 from sweep.workload import workload_tables
 
 BATCH = 16

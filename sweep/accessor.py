@@ -16,7 +16,8 @@ reads the cube's own variables.
   optimistic; the criterion actually applied, proxies named, is returned in
   the mask's and the dataset's ``feasible`` attribute.
 * ``cheapest`` is an argmin that skips NaN (points that do not fit or are
-  masked); ``pareto`` is the usual non-dominated filter (both axes maximised);
+  masked); ``pareto`` is the usual non-dominated filter (``sweep.pareto``;
+  both axes maximised unless told otherwise);
   ``to_serving_flags`` maps one point to vLLM's engine arguments
   (https://docs.vllm.ai/en/latest/configuration/engine_args.html).
 * On a p99 cube (``latency=simulate|surrogate``) the latency variables live
@@ -41,14 +42,20 @@ import pandas as pd
 import xarray as xr
 import yaml
 
-SLO_FIELDS = ("ttft_p99_s", "itl_p99_s")
+from sweep import batching, contract, pareto
 
-# Axes that describe the situation (what the traffic looks like) rather than
-# a choice of the deployment: analyses fix them instead of optimising over them.
-SCENARIO_DIMS = ("workload", "context_tokens", "long_prompt_tokens",
-                 "traffic_tokens_per_day", "arrival_rate_per_s")
-# Axes an operator chooses for one hardware x model.
-CONFIG_DIMS = ("tensor_parallel", "concurrency", "token_budget", "batching")
+SLO_FIELDS = contract.SLO
+"""The limits an SLO option sets (``conf/slo``), each bounding the metric of its
+name."""
+
+SCENARIO_DIMS = contract.role(contract.SCENARIO)
+"""Axes that describe the situation (what the traffic looks like) rather than
+a choice of the deployment: analyses fix them instead of optimising over them."""
+CONFIG_DIMS = contract.role(contract.CONFIG)
+"""Axes an operator chooses for one hardware x model."""
+MASK_VARIABLES = ("kv_fits", *SLO_FIELDS, "step_s", "prefill_tokens_per_s",
+                  "mean_prompt_tokens")
+"""What ``feasible_mask`` reads: the KV check, the SLO metrics or their proxies."""
 
 
 def is_optimize(ds: xr.Dataset) -> bool:
@@ -198,7 +205,7 @@ class SweepAccessor:
             # sequence needs one token of each step's budget
             ok = ds["token_budget"] >= ds["concurrency"]
             if "batching" in ds.dims:
-                ok = ok | (ds["batching"] != "continuous")
+                ok = ok | ~ds["batching"].isin(batching.CONTINUOUS_NAMES)
             mask = mask & ok
             criteria.append("token_budget >= concurrency")
         for name, limit in limits.items():
@@ -289,17 +296,20 @@ class SweepAccessor:
         out.attrs["cheapest"] = f"least {metric} over {', '.join(over)}"
         return out
 
-    def pareto(self, x: str, y: str, *, by: str | Sequence[str] | None = None
-               ) -> pd.DataFrame:
-        """Non-dominated points when both ``x`` and ``y`` are maximised.
+    def pareto(self, x: str, y: str, *, by: str | Sequence[str] | None = None,
+               maximize: tuple[bool, bool] = (True, True)) -> pd.DataFrame:
+        """Non-dominated points of ``x`` and ``y`` (``sweep.pareto.front``).
 
-        A point is dropped when another has ``x`` and ``y`` both at least as
-        large and one larger. Points with identical ``(x, y)`` are kept once
-        (the first in cube order); NaN points are skipped.
+        A point is dropped when another is at least as good on both and better
+        on one; by default larger is better on both (throughputs). Points with
+        identical ``(x, y)`` are kept once (the first in cube order); NaN
+        points are skipped.
 
         Args:
           x, y: variable names, e.g. ``"output_tokens_per_s"``, ``"user_tokens_per_s"``.
           by: dims to compute a separate front for (e.g. ``"hardware"``).
+          maximize: per variable, whether larger is better; ``(False, False)``
+            for cost against latency.
 
         Returns:
           One row per front point: the point's coordinates and ``x``, ``y``,
@@ -310,7 +320,8 @@ class SweepAccessor:
         df = self._ds[[x, y]].reset_coords(drop=True).to_dataframe().reset_index()
         df = df.dropna(subset=[x, y])
         groups = df.groupby(by, sort=False) if by else [(None, df)]
-        fronts = [g.iloc[_front(g[x].to_numpy(), g[y].to_numpy())] for _, g in groups]
+        fronts = [g[pareto.front(g[x].to_numpy(), g[y].to_numpy(), maximize=maximize)]
+                  for _, g in groups]
         front = pd.concat(fronts) if fronts else df.iloc[:0]
         return front.sort_values([*by, x], kind="stable").reset_index(drop=True)
 
@@ -337,7 +348,8 @@ class SweepAccessor:
                              + ", ".join(f"{d} (one of {list(pt[d].values)})"
                                          for d in open_dims))
         pt = pt.squeeze(drop=False).compute()
-        if "batching" in pt.coords and str(pt["batching"].values) != "continuous":
+        if "batching" in pt.coords and not batching.policy(
+                str(pt["batching"].values)).continuous:
             raise ValueError(f"batching={pt['batching'].values}: vLLM serves with "
                              "continuous batching; select batching='continuous'")
         if "meets_targets" in pt and not bool(pt["meets_targets"]):
@@ -351,11 +363,10 @@ class SweepAccessor:
                              f"{int(pt['concurrency'])}: vLLM needs "
                              "max_num_batched_tokens >= max_num_seqs")
         flags: dict[str, int | float] = {}
-        for dim, flag in (("tensor_parallel", "--tensor-parallel-size"),
-                          ("concurrency", "--max-num-seqs"),
-                          ("token_budget", "--max-num-batched-tokens")):
-            if dim in pt.variables and np.isfinite(float(pt[dim])):
-                flags[flag] = int(pt[dim])
+        for axis in contract.AXES:
+            if axis.flag and axis.name in pt.variables and np.isfinite(
+                    float(pt[axis.name])):
+                flags[axis.flag] = int(pt[axis.name])
         util = config_value(self._ds, "gpu_memory_utilization")
         if util is not None:
             flags["--gpu-memory-utilization"] = float(util)
@@ -366,10 +377,3 @@ class SweepAccessor:
                        for k, v in flags.items())
         return ServingFlags(flags, cli, replicas)
 
-
-def _front(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Positions of the non-dominated points (maximising both), duplicates once."""
-    order = np.lexsort((-y, -x))  # x descending, then y descending
-    ys = y[order]
-    best_before = np.concatenate([[-np.inf], np.maximum.accumulate(ys)[:-1]])
-    return np.sort(order[ys > best_before])

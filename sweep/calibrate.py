@@ -329,7 +329,7 @@ def _rms(pred, measured) -> float:
 
 def fit_job(job) -> JobFit:
     """Fits a checked ``sweep.calibrate_cli.CalibrateJob`` and tabulates it."""
-    from sweep.params import hardware_params, model_params
+    from sweep.config.convert import hardware_params, model_params
 
     app = job.app
     hw = _scalars(hardware_params(app.hardware, app.gpu_memory_utilization))

@@ -1,11 +1,12 @@
 """``sweep-calibrate``: fit ``mbu``, ``mfu``, ``step_overhead_s`` to measurements.
 
-As ``sweep-grid`` (``sweep.cli``): the config is composed and every input
-file read and checked before Hydra creates a run directory (bad input: one
-line naming the file and field, exit code 2, nothing written). The job then
-fits the constants of one hardware x model x engine (``sweep.calibrate``),
-prints them and each point's residual before and after, and writes
-``<out>/calibration/<name>.yaml`` (``sweep.calibration.write_profile``): a
+As every console script (``sweep.commands``): the config is composed and
+every input file read and checked before Hydra creates a run directory (bad
+input: one line naming the file and field, exit code 2, nothing written).
+The job then fits the constants of one hardware x model x engine
+(``sweep.calibrate``), prints them and each point's residual before and
+after, and writes ``<out>/calibration/<name>.yaml``
+(``sweep.calibrate_io.write_profile``): a
 config of the ``calibration`` group that ``sweep-grid`` and
 ``sweep-optimize`` select with ``hydra.searchpath=[file://<out>]
 calibration=<name>``.
@@ -13,7 +14,6 @@ calibration=<name>``.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,19 +24,19 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from sweep import calibration
-from sweep.calibrate_io import BenchRun, StepTable, read_bench, read_steps
-from sweep.cli import (
-    _NO_RUN_DIR,
-    CONFIG_MODULE,
-    _fail,
-    _overrides,
-    _preflight,
-    quiet_backend_probe,
+from sweep.calibrate_io import (
+    BenchRun,
+    StepTable,
+    check_writable,
+    profile_path,
+    read_bench,
+    read_steps,
+    write_profile,
 )
-from sweep.config.calibrate import CalibrateApp
+from sweep.commands import CONFIG_MODULE, fail, overrides, quiet_backend_probe, start
 from sweep.config.resolve import compose_object
-from sweep.config.schema import CalibrationProfile, ConfigError, check_tensor_parallel
+from sweep.config.schema import CalibrateApp, CalibrationProfile, check_tensor_parallel
+from sweep.errors import ConfigError
 
 COMMAND = "sweep-calibrate"
 
@@ -69,13 +69,18 @@ def prepare(app: CalibrateApp) -> CalibrateJob:
     runs = [read_bench(p, hw.name) for p in app.bench_json]
     target = None
     if app.out:
-        target = calibration.profile_path(Path(app.out).expanduser(), app.name)
-        calibration.check_writable(target)
+        target = profile_path(Path(app.out).expanduser(), app.name)
+        check_writable(target)
     return CalibrateJob(app, steps, runs, target)
 
 
-def _check(app_name: str, overrides: list[str]) -> CalibrateJob:
-    return prepare(compose_object(app_name, overrides))
+def check(app: str, argv: list[str]) -> CalibrateJob:
+    """The preflight: compose, then read and check every input (no JAX work).
+
+    Raises:
+      ConfigError: one line naming the file or field and what is allowed.
+    """
+    return prepare(compose_object(app, argv))
 
 
 def _pct(x: float) -> str:
@@ -139,15 +144,15 @@ def _calibrate_app(cfg: DictConfig) -> None:
     quiet_backend_probe()
     err = Console(stderr=True)
     try:
-        job = _preflight_job or _check("calibrate", _overrides())
+        job = _preflight_job or check("calibrate", overrides())
     except ConfigError as e:
-        _fail(COMMAND, e)
-    target = job.target or calibration.profile_path(
+        fail(COMMAND, e)
+    target = job.target or profile_path(
         Path(HydraConfig.get().runtime.output_dir), job.app.name)
     try:
-        calibration.check_writable(target)
+        check_writable(target)
     except ConfigError as e:
-        _fail(COMMAND, e)
+        fail(COMMAND, e)
     err.print(f"{COMMAND}: fitting {', '.join(job.app.fit.fit)} of "
               f"{job.app.hardware.name} x {job.app.model.name} x {job.app.engine} to "
               f"{job.description}", markup=False, highlight=False, soft_wrap=True)
@@ -165,7 +170,7 @@ def _calibrate_app(cfg: DictConfig) -> None:
         version=app.version, license=app.license,
         active_params=app.model.active_params, fitted_points=fitted.points,
         rms_relative_error=round(fitted.rms_after, 4))
-    calibration.write_profile(target, app.name, profile)
+    write_profile(target, app.name, profile)
     root = target.parent.parent.resolve()
     console.print(f"calibration written to {target}; use it with: sweep-grid "
                   f"hydra.searchpath=[file://{root}] calibration={app.name}",
@@ -175,11 +180,9 @@ def _calibrate_app(cfg: DictConfig) -> None:
 def main() -> None:
     """``sweep-calibrate [hydra overrides]``: fit, print, write the config."""
     global _preflight_job
-    argv = sys.argv[1:]
-    _preflight_job = _preflight(COMMAND, "calibrate", argv, _check)
-    if _preflight_job is not None and _preflight_job.target is not None:
-        given = {o.split("=")[0].lstrip("+~") for o in argv}
-        argv = argv + [o for o in _NO_RUN_DIR if o.split("=")[0] not in given]
-    sys.argv[1:] = argv
+    # out= names a config folder (a search-path root), which may hold a
+    # user's own configs: ``check`` refuses only a file there it did not write
+    _preflight_job = start(COMMAND, "calibrate", check, kind=None,
+                           default_name="calibration", resume=False)
     _calibrate_app()
 

@@ -18,22 +18,32 @@ Two formats:
 
 Every refusal is one ``ConfigError`` line naming the file, the field and
 what is allowed (exit code 2 in the app).
+
+It also writes the configs ``sweep-calibrate`` fits (``write_profile``):
+atomically, never over a file it did not write.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
-from sweep.config.schema import MAX_TOKENS, ConfigError
+from sweep.config.schema import MAX_TOKENS, CalibrationProfile
+from sweep.errors import ConfigError
 
 STEP_COLUMNS = ("batch_size", "context_tokens", "prefill_tokens", "seconds")
 BENCH_FIELDS = ("input_lens", "output_lens", "ttfts", "itls")
+MARK = "# Written by sweep-calibrate."
+"""The first line of every config ``sweep-calibrate`` writes."""
 
 
 @dataclass(frozen=True)
@@ -186,3 +196,45 @@ def read_bench(path: str, hardware: str) -> BenchRun:
     return BenchRun(str(path), np.stack([prompt[ok], output[ok]], axis=1), rate, conc,
                     {"ttft_p50_s": ttft50, "ttft_p99_s": ttft99,
                      "itl_p50_s": itl50, "itl_p99_s": itl99})
+
+
+def profile_path(root: Path, name: str) -> Path:
+    """Where the config ``calibration=<name>`` lives under a search-path root."""
+    return root / "calibration" / f"{name}.yaml"
+
+
+def check_writable(path: Path) -> None:
+    """A file there must be one this tool wrote (else ``ConfigError``)."""
+    if path.exists() and not (path.is_file()
+                              and path.read_text().startswith(MARK)):
+        raise ConfigError(f"out: {path} exists and was not written by "
+                          "sweep-calibrate; allowed: another out= or name=")
+
+
+def write_profile(path: Path, name: str, profile: CalibrationProfile) -> None:
+    """Writes (or updates) ``path`` with ``profile``, keeping the file's
+    profiles of other hardware x model x engine; atomic (a kill leaves the
+    old file or the new)."""
+    check_writable(path)
+    profiles = []
+    if path.exists():
+        old = OmegaConf.to_container(OmegaConf.load(path))
+        key = (profile.hardware, profile.model, profile.engine)
+        profiles = [p for p in old.get("profiles", [])
+                    if (p["hardware"], p.get("model", ""), p.get("engine", "vllm"))
+                    != key]
+    profiles.append(dataclasses.asdict(profile))
+    body = OmegaConf.to_yaml({"defaults": ["base_calibration", "_self_"],
+                              "name": name, "engine": profile.engine,
+                              "profiles": profiles})
+    text = (f"{MARK} Select it with hydra.searchpath=[file://<this folder's "
+            f"parent>] calibration={name}\n{body}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

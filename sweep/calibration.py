@@ -15,10 +15,8 @@ the three leaves of ``HardwareParams`` inside each point function
 (``Calibrated``), so one compiled program serves every pair; with no profile
 the parts are left exactly as they were. ``sweep-optimize`` gets them in each
 candidate's hardware. The choice is printed in one line and recorded in the
-output's attributes (``attrs``).
-
-This module also writes the configs ``sweep-calibrate`` fits
-(``write_profile``): atomically, never over a file it did not write.
+output's attributes (``attrs``). ``sweep-calibrate`` writes such configs
+(``sweep.calibrate_io.write_profile``).
 """
 
 from __future__ import annotations
@@ -26,24 +24,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 
-from sweep.config.schema import (
-    Calibration,
-    CalibrationProfile,
-    ConfigError,
-    Hardware,
-    Model,
-)
+from sweep.config.schema import Calibration, CalibrationProfile, Hardware, Model
 
 CONSTANTS = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
-MARK = "# Written by sweep-calibrate."
 
 
 @dataclass(frozen=True)
@@ -148,17 +135,15 @@ def attrs(cal: Calibration, choices: list[list[Choice]]) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Calibrated:
-    """A point function whose ``hardware`` argument takes the (hardware, model)
-    constants passed as its last argument (hashable: a static jit argument)."""
+    """A point function whose ``hardware`` takes the (hardware, model)
+    constants of its ``calibration`` table (hashable: a static jit argument)."""
 
-    fn: object
-    hw_arg: int  # position of the hardware argument
+    point: object
 
-    def __call__(self, *args):
-        *args, c = args
-        hw = args[self.hw_arg]
-        args[self.hw_arg] = hw._replace(**{k: c[i] for i, k in enumerate(CONSTANTS)})
-        return self.fn(*args)
+    def __call__(self, *, hardware, calibration, **values):
+        hardware = hardware._replace(
+            **{k: calibration[i] for i, k in enumerate(CONSTANTS)})
+        return self.point(hardware=hardware, **values)
 
 
 def attach(parts, choices: list[list[Choice]]) -> None:
@@ -168,10 +153,8 @@ def attach(parts, choices: list[list[Choice]]) -> None:
         return
     values = table(choices)
     for part in parts:
-        hi, mi = part.dims.index("hardware"), part.dims.index("model")
-        part.fn = Calibrated(part.fn, hi)
-        part.tables = (*part.tables, values)
-        part.table_dims = (*part.table_dims, (hi, mi))
+        part.point = Calibrated(part.point)
+        part.lookups["calibration"] = (values, ("hardware", "model"))
 
 
 def hardware_for(h: Hardware, choice: Choice) -> Hardware:
@@ -179,48 +162,3 @@ def hardware_for(h: Hardware, choice: Choice) -> Hardware:
     if choice.profile is None:
         return h
     return dataclasses.replace(h, **{k: getattr(choice, k) for k in CONSTANTS})
-
-
-# --- the configs sweep-calibrate writes ---------------------------------------
-
-
-def profile_path(root: Path, name: str) -> Path:
-    """Where the config ``calibration=<name>`` lives under a search-path root."""
-    return root / "calibration" / f"{name}.yaml"
-
-
-def check_writable(path: Path) -> None:
-    """A file there must be one this tool wrote (else ``ConfigError``)."""
-    if path.exists() and not (path.is_file()
-                              and path.read_text().startswith(MARK)):
-        raise ConfigError(f"out: {path} exists and was not written by "
-                          "sweep-calibrate; allowed: another out= or name=")
-
-
-def write_profile(path: Path, name: str, profile: CalibrationProfile) -> None:
-    """Writes (or updates) ``path`` with ``profile``, keeping the file's
-    profiles of other hardware x model x engine; atomic (a kill leaves the
-    old file or the new)."""
-    check_writable(path)
-    profiles = []
-    if path.exists():
-        old = OmegaConf.to_container(OmegaConf.load(path))
-        key = (profile.hardware, profile.model, profile.engine)
-        profiles = [p for p in old.get("profiles", [])
-                    if (p["hardware"], p.get("model", ""), p.get("engine", "vllm"))
-                    != key]
-    profiles.append(dataclasses.asdict(profile))
-    body = OmegaConf.to_yaml({"defaults": ["base_calibration", "_self_"],
-                              "name": name, "engine": profile.engine,
-                              "profiles": profiles})
-    text = (f"{MARK} Select it with hydra.searchpath=[file://<this folder's "
-            f"parent>] calibration={name}\n{body}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sweep import contract
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,51 @@ class Blocking:
         )
 
 
+@dataclass
+class Part:
+    """One point function over the product of some of the cube's axes.
+
+    The function takes one keyword argument per axis of the part and per
+    table, named as they are: nothing depends on positions but the cube's
+    layout (``sweep.contract.dims``). ``fn``, ``axes``, ``tables`` and
+    ``table_dims`` are the positional views ``sweep.evaluate`` takes.
+    """
+
+    name: str  # sweep.contract.ROOFLINE or P99: the part's dims and variables
+    point: Callable  # keyword arguments: each dim's value, each table's
+    inputs: dict[str, Any]  # per dim: its values, stacked along the leading axis
+    plan: Blocking
+    # per table name: its values and the dims its leading axes run along (in
+    # the part's order)
+    lookups: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
+    attrs: dict = field(default_factory=dict)  # added to each of its variables
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return contract.dims(self.name)
+
+    @property
+    def variables(self) -> tuple[contract.Metric, ...]:
+        return contract.metrics(self.name)
+
+    @property
+    def fn(self) -> Named:
+        return Named(self.point, (*self.dims, *self.lookups))
+
+    @property
+    def axes(self) -> tuple:
+        return tuple(self.inputs[d] for d in self.dims)
+
+    @property
+    def tables(self) -> tuple:
+        return tuple(values for values, _ in self.lookups.values())
+
+    @property
+    def table_dims(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.dims.index(d) for d in dims)
+                     for _, dims in self.lookups.values())
+
+
 def blocking(shape: tuple[int, ...], max_points: int) -> Blocking:
     """Largest blocks of at most ``max_points`` points that keep whole trailing axes.
 
@@ -74,6 +121,22 @@ def blocking(shape: tuple[int, ...], max_points: int) -> Blocking:
             k = min(shape[d], max(1, max_points // inner))
             return Blocking(tuple(shape), (1,) * d + (k,) + tuple(shape[d + 1:]))
     raise ValueError(f"max_points must be >= 1, got {max_points}")
+
+
+@dataclass(frozen=True)
+class Named:
+    """A point function of keyword arguments, called with positional ones.
+
+    ``evaluate_region`` passes each axis's and each table's value in order;
+    ``Named`` gives them their names, so the function never depends on
+    that order (hashable: a static jit argument, equal when built alike).
+    """
+
+    fn: Callable
+    names: tuple[str, ...]  # of the axes, then of the tables
+
+    def __call__(self, *args):
+        return self.fn(**dict(zip(self.names, args, strict=True)))
 
 
 @partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims"))

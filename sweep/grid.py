@@ -2,18 +2,18 @@
 
 A cube is made of *parts*, each a point function evaluated over the product of
 some of the cube's axes: the roofline metrics over ``point.DIMS``, and (with
-``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS``. ``prepare``
-does everything that can fail on bad input (trace loading, the cross-group
-checks) without compiling anything; ``run`` evaluates the missing blocks of
-every part, writes them, and returns the finished cube.
+``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS`` (both
+``sweep.contract.dims``); point functions take their inputs by axis name.
+``prepare`` does everything that can fail on bad input (trace loading, the
+cross-group checks) without compiling anything; ``run`` evaluates the missing
+blocks of every part, writes them, and returns the finished cube.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import calibration, outputs, p99, results
+from sweep import batching, calibration, contract, outputs, p99, results
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
     GridApp,
@@ -31,34 +32,12 @@ from sweep.config.schema import (
     check_tensor_parallel,
 )
 from sweep.cost import static_slot_utilization
-from sweep.evaluate import Blocking, blocking, iterate_blocks
-from sweep.params import (
-    BATCHING,
-    GridPoint,
-    WorkloadParams,
-    hardware_params,
-    model_params,
-    stack,
-)
+from sweep.evaluate import Part, blocking, iterate_blocks
+from sweep.params import WorkloadParams, stack
 from sweep.plan import grid_plan
-from sweep.point import DIMS, grid_point
+from sweep.point import grid_point
 from sweep.roofline import weight_bytes
 from sweep.workload import WorkloadTables, workload_tables
-
-
-@dataclass
-class Part:
-    """One point function over the product of some of the cube's axes."""
-
-    name: str
-    dims: tuple[str, ...]
-    fn: Callable
-    axes: tuple
-    plan: Blocking
-    tables: tuple = ()
-    table_dims: tuple = ()
-    variables: tuple[str, ...] = tuple(results.ROOFLINE_VARIABLES)
-    attrs: dict = field(default_factory=dict)  # added to each of its variables
 
 
 @dataclass
@@ -69,6 +48,8 @@ class GridJob:
     coords: dict[str, np.ndarray]
     parts: list[Part]
     extra: dict[str, xr.DataArray]
+    # the constants each hardware x model runs with (``sweep.calibration``)
+    calibration: list[list[calibration.Choice]]
 
     @property
     def points(self) -> int:
@@ -165,57 +146,52 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     workloads = options["workload"]
     tables = check(app, options)
     axes = app.grid.axes
-    batching = [b.value for b in app.grid.batching]
-    hw_axis = stack([hardware_params(h, app.grid.gpu_memory_utilization)
-                     for h in hardware])
-    model_axis = stack([model_params(m) for m in models])
-    batching_axis = np.array([BATCHING.index(b) for b in batching], np.int32)
-    point_axes = {n: np.asarray(axes[n], np.float32) for n in GridPoint._fields
-                  if n != "batching"}
-    point_axes["batching"] = batching_axis
-    coords = {
-        "hardware": np.array([h.name for h in hardware]),
-        "model": np.array([m.name for m in models]),
-        "workload": np.array([w.name for w in workloads]),
-        **{n: np.asarray(axes[n]) for n in GridPoint._fields if n != "batching"},
-        "batching": np.array(batching),
+    policies = [b.value for b in app.grid.batching]
+    labels = {"hardware": [h.name for h in hardware], "model": [m.name for m in models],
+              "workload": [w.name for w in workloads], "batching": policies}
+    roofline_dims = contract.dims(contract.ROOFLINE)
+    coords = {}
+    for d in roofline_dims:
+        kind = contract.AXIS[d].kind
+        coords[d] = np.array(labels[d]) if kind == contract.LABEL else (
+            np.asarray(axes[d]).astype(np.int64) if kind == contract.INTEGER
+            else np.asarray(axes[d]))
+    # what the point functions receive along each axis, by name
+    inputs = {
+        "hardware": stack([hardware_params(h, app.grid.gpu_memory_utilization)
+                           for h in hardware]),
+        "model": stack([model_params(m) for m in models]),
+        "workload": stack(_padded(tables)),
+        "batching": np.array([batching.index(b) for b in policies], np.int32),
+        **{d: np.asarray(axes[d], np.float32) for d in roofline_dims
+           if d not in labels},
     }
-    for d in ("tensor_parallel", "concurrency", "token_budget", "context_tokens",
-              "long_prompt_tokens"):
-        coords[d] = coords[d].astype(np.int64)
-    coords = {d: coords[d] for d in DIMS}
-    roofline_axes = (hw_axis, model_axis, stack(_padded(tables)),
-                     *(point_axes[n] for n in DIMS[3:]))
     util = _static_utilization(tables, axes["concurrency"])
-    shape = tuple(len(v) for v in coords.values())
-    parts = [Part("roofline", DIMS, grid_point, roofline_axes,
-                  blocking(shape, app.grid.chunk_points), tables=(util,),
-                  table_dims=((DIMS.index("workload"), DIMS.index("concurrency")),))]
+    shape = tuple(len(coords[d]) for d in roofline_dims)
+    parts = [Part(contract.ROOFLINE, grid_point,
+                  {d: inputs[d] for d in roofline_dims},
+                  blocking(shape, app.grid.chunk_points),
+                  lookups={"static_utilization": (util, ("workload", "concurrency"))})]
     if app.latency.method != LatencyMethod.none:
-        part, rate_coord = p99.part(app, workloads, tables, models, hw_axis,
-                                    model_axis, point_axes, coords)
+        part, rate_coord = p99.part(app, workloads, tables, models, inputs, coords)
         coords["arrival_rate_per_s"] = rate_coord
         parts.append(part)
-    calibration.attach(parts, calibration.choose(app.calibration, hardware, models))
-    extra = {
-        "usd_per_gpu_hour": xr.DataArray(
-            [h.usd_per_gpu_hour for h in hardware], dims="hardware",
-            attrs={"units": "USD/h", "long_name": "price per GPU-hour"}),
-        "weight_bytes": xr.DataArray(
-            [float(weight_bytes(model_params(m))) for m in models], dims="model",
-            attrs={"units": "bytes", "long_name": "weights"}),
-        "kv_bytes_per_token": xr.DataArray(
-            [2.0 * m.layers * m.kv_heads * m.head_dim * m.kv_dtype_bytes
-             for m in models], dims="model",
-            attrs={"units": "bytes/token", "long_name": "KV cache per token"}),
-        "mean_prompt_tokens": xr.DataArray(
-            [t.mean_prompt_tokens for t in tables], dims="workload",
-            attrs={"units": "tokens", "long_name": "mean prompt length"}),
-        "mean_output_tokens": xr.DataArray(
-            [t.mean_output_tokens for t in tables], dims="workload",
-            attrs={"units": "tokens", "long_name": "mean output length"}),
+    choices = calibration.choose(app.calibration, hardware, models)
+    calibration.attach(parts, choices)
+    per_value = {
+        "usd_per_gpu_hour": [h.usd_per_gpu_hour for h in hardware],
+        "weight_bytes": [float(weight_bytes(model_params(m))) for m in models],
+        "kv_bytes_per_token": [2.0 * m.layers * m.kv_heads * m.head_dim
+                               * m.kv_dtype_bytes for m in models],
+        "mean_prompt_tokens": [t.mean_prompt_tokens for t in tables],
+        "mean_output_tokens": [t.mean_output_tokens for t in tables],
     }
-    return GridJob(app, coords, parts, extra)
+    extra = {}
+    for name, values in per_value.items():
+        m = contract.METRIC[name]
+        extra[name] = xr.DataArray(np.asarray(values, m.dtype), dims=m.over,
+                                   attrs=m.attrs())
+    return GridJob(app, coords, parts, extra, choices)
 
 
 def config_digest(config_yaml: str) -> str:
@@ -224,9 +200,15 @@ def config_digest(config_yaml: str) -> str:
 
 
 def fingerprint(config_yaml: str, job: GridJob) -> str:
-    """Identifies a sweep for resuming: same config and blocking, same blocks."""
-    text = config_yaml + repr([(p.name, p.plan) for p in job.parts])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """Identifies a sweep for resuming: same config, coordinates and blocking,
+    same blocks. (The config's text alone does not fix the coordinates: the
+    numeric axes are sorted, a search path's options may change.)"""
+    h = hashlib.sha256((config_yaml + repr([(p.name, p.plan) for p in job.parts]))
+                       .encode())
+    for name, values in job.coords.items():
+        h.update(f"{name}:{values.dtype}:".encode())
+        h.update(np.ascontiguousarray(values).tobytes())
+    return h.hexdigest()[:16]
 
 
 def run(job: GridJob, out, attrs: dict, config_yaml: str,

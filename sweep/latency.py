@@ -288,39 +288,37 @@ class _Ramp(NamedTuple):
 
 
 def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens):
-    """``(mem0, mem1, comp0, comp1, fixed)`` of a chunk as a function of its
-    cached prefix ``c`` (``roofline.step_s`` with ``kv = n ctx + c`` and
-    ``keys = n ctx + m c + m (m + 1) / 2``)."""
+    """A chunk's step time as lines in its cached prefix ``c``
+    (``roofline.step_s`` with ``kv = n ctx + c`` and
+    ``keys = n ctx + m c + m (m + 1) / 2``).
+
+    Written out rather than ``roofline.step_lines``, for the reason given in
+    ``roofline.chunked_prefill``: the terms keep the order the surrogate's
+    figures and gradients are bitwise tied to.
+    """
     new = decodes + chunk_tokens
     ctx = decodes * context_tokens
-    bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
-    peak = tp * hw.peak_flops_per_s * hw.mfu
+    bw = tp * roofline.effective_bandwidth_bytes_per_s(hw)
+    peak = tp * roofline.effective_flops_per_s(hw)
     kvb = roofline.kv_read_bytes_per_token(hw, model)
     fpk = roofline.attention_flops_per_key(model)
     mem0 = (roofline.weight_bytes_read(model, new) + ctx * kvb) / bw
     comp0 = (2.0 * model.active_params * new
              + fpk * (ctx + chunk_tokens * (chunk_tokens + 1.0) / 2.0)) / peak
-    fixed = (roofline.allreduce_s(hw, model, tp, new) + hw.step_overhead_s
-             + hw.sequence_overhead_s * (decodes + 1.0))
-    return mem0, kvb / bw, comp0, fpk * chunk_tokens / peak, fixed
+    fixed = roofline.fixed_s(hw, model, tp, new, decodes + 1.0)
+    return roofline.StepLines(mem0, kvb / bw, comp0, fpk * chunk_tokens / peak, fixed)
 
 
 def _ramp(hw, model, tp, decodes, context_tokens, chunk_tokens, span_tokens):
     """The ramp of chunk steps with prefixes uniform on ``[0, span]``."""
-    mem0, mem1, comp0, comp1, fixed = _chunk_lines(hw, model, tp, decodes,
-                                                   context_tokens, chunk_tokens)
-
-    def f(c):
-        return jnp.maximum(mem0 + mem1 * c, comp0 + comp1 * c) + fixed
-
-    # the lines cross at c = -(mem0 - comp0) / (mem1 - comp1)
-    ds = mem1 - comp1
-    cross = -(mem0 - comp0) / jnp.where(ds == 0.0, 1.0, ds)
-    cross = jnp.where(ds == 0.0, 0.0, cross)
+    lines = _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens)
+    ds = lines.memory_slope_s - lines.compute_slope_s
+    cross = jnp.where(ds == 0.0, 0.0, roofline.crossing(lines))
     split = jnp.clip(cross, 0.0, span_tokens)
     some = span_tokens > 1e-6
     w_low = jnp.where(some, split / jnp.where(some, span_tokens, 1.0), 0.0)
-    return _Ramp(f(jnp.zeros_like(span_tokens)), f(split), f(span_tokens), w_low)
+    return _Ramp(lines.at(jnp.zeros_like(span_tokens)), lines.at(split),
+                 lines.at(span_tokens), w_low)
 
 
 def _uniform_cdf(t, lo, hi, scale):
@@ -445,6 +443,23 @@ def _solve_decodes(state, lam, mean_decodes, slots):
     return n0 + dn, jax.tree.map(lambda x, dx: x + dx * dn, st0, d_st), d_st
 
 
+def _throughput(st: _State, wl, lam, mean_decodes, slots):
+    """Utilisations and the achieved rate: the offered one up to the capacity
+    of the slots and of the prefill server.
+
+    Returns:
+      ``(slot_utilization, utilization, achieved_req_per_s)``; the
+      utilization is the larger of the two (>= 1: saturated).
+    """
+    w = wl.band_probs
+    slot_util = lam * st.residence_s / slots
+    utilization = jnp.maximum(slot_util, st.prefill_util)
+    slot_capacity = slots / (w @ st.service_s + mean_decodes * st.step_s)
+    prefill_capacity = 1.0 / (w @ st.pre.fluid_s)
+    capacity = smooth_min(slot_capacity, prefill_capacity, 1e-3 * slot_capacity)
+    return slot_util, utilization, smooth_min(lam, capacity, 1e-3 * capacity)
+
+
 def _erlang_c(servers, offered):
     """Probability of waiting in M/M/c, continuous in ``c`` (``offered < c``).
 
@@ -530,6 +545,19 @@ def _wait_lattice(rho, service_s, probs, p_slot, slot_util, slot_service_s,
     density = jnp.fft.ifft(prefill_hat * slot).real.astype(dtype) / damp
     cdf = jnp.clip(jnp.cumsum(jnp.maximum(density, 0.0)), 0.0, 1.0)
     return _Wait(dt, cdf)
+
+
+def _wait(st: _State, wl, slots, slot_util) -> _Wait:
+    """The wait for a slot and then for the prefill server: admission is
+    M/G/c (Erlang C, then as M/G/1 with service ``S / c``) with a slot's
+    holding time as its service."""
+    w = wl.band_probs
+    rho_s = smooth_min(slot_util, 1.0, 0.01)
+    p_slot = _erlang_c(slots, rho_s * slots)
+    holding = (w @ st.service_s + st.mean_wait_s
+               + jnp.maximum(wl.output_tokens - 1.0, 0.0) * st.step_s)  # (J,)
+    return _wait_lattice(st.prefill_util, st.service_s, w, p_slot, slot_util,
+                         holding / slots, w)
 
 
 def _wait_cdf_beyond_zero(wait: _Wait, s):
@@ -676,21 +704,20 @@ def _good_fraction(ttft_band_cdf, slow, wl, st: _State, lam, ttft_slo_s, itl_slo
     return jnp.clip(jnp.asarray(ttft_ok @ wl.joint_probs @ gaps_ok, dtype), 0.0, 1.0)
 
 
-def _e2e_p99(ttft_band_cdf, wl, st: _State, lo, hi):
-    """p99 of TTFT + (O - 1) mean gaps over the joint bands."""
+def _e2e(ttft_band_cdf, wl, st: _State, lo, hi):
+    """p50 and p99 of TTFT + (O - 1) mean gaps over the joint bands."""
     decode_time = jnp.maximum(wl.output_tokens - 1.0, 0.0) * st.step_s  # (I,)
 
     def cdf(t):
         per = ttft_band_cdf(t[:, None, None] - decode_time[None, :, None])  # (L, I, J)
         return jnp.einsum("lij,ji->l", per, wl.joint_probs)
 
-    (p99,) = quantile(cdf, (0.99,), lo, hi + jnp.max(decode_time))
-    return p99
+    return quantile(cdf, _LEVELS, lo, hi + jnp.max(decode_time))
 
 
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf):
-    """p50/p99 TTFT and ITL, p99 E2E, throughput and goodput of one point.
+    """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
       hw, model: ``HardwareParams`` / ``ModelParams`` of the point.
@@ -704,7 +731,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
-      ``itl_p99_s``, ``e2e_p99_s``, ``output_tokens_per_s`` (achieved),
+      ``itl_p99_s``, ``e2e_p50_s``, ``e2e_p99_s``, ``output_tokens_per_s``
+      (achieved),
       ``achieved_req_per_s`` (the offered rate up to the capacity of the
       slots and of the prefill server), ``goodput_req_per_s`` (achieved
       requests meeting both SLOs), ``utilization`` (the larger of the slot
@@ -724,21 +752,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         return _state(hw, model, tp, wl, n, budget, lam)
 
     n, st, d_st = _solve_decodes(state, lam, mean_decodes, slots)
-
-    slot_util = lam * st.residence_s / slots
-    utilization = jnp.maximum(slot_util, st.prefill_util)
-    slot_capacity = slots / (w @ st.service_s + mean_decodes * st.step_s)
-    prefill_capacity = 1.0 / (w @ st.pre.fluid_s)
-    capacity = smooth_min(slot_capacity, prefill_capacity, 1e-3 * slot_capacity)
-    rate = smooth_min(lam, capacity, 1e-3 * capacity)
-
-    # admission: M/G/c, Erlang C, then as M/G/1 with service S / c
-    rho_s = smooth_min(slot_util, 1.0, 0.01)
-    p_slot = _erlang_c(slots, rho_s * slots)
-    holding = (w @ st.service_s + st.mean_wait_s
-               + jnp.maximum(wl.output_tokens - 1.0, 0.0) * st.step_s)  # (J,)
-    wait = _wait_lattice(st.prefill_util, st.service_s, w, p_slot, slot_util,
-                         holding / slots, w)
+    slot_util, utilization, rate = _throughput(st, wl, lam, mean_decodes, slots)
+    wait = _wait(st, wl, slots, slot_util)
 
     _, per_token = jax.jvp(
         lambda p: _prefill(hw, model, tp, wl, n, budget, p).fluid_s,
@@ -750,7 +765,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     itl_cdf, itl_lo, itl_hi, slow = _itl(hw, model, tp, wl, st, d_st.pre, n, slots)
     itl_p50, itl_p99 = quantile(itl_cdf, _LEVELS, itl_lo, itl_hi)
-    e2e_p99 = _e2e_p99(ttft_band, wl, st, ttft_lo, ttft_hi)
+    e2e_p50, e2e_p99 = _e2e(ttft_band, wl, st, ttft_lo, ttft_hi)
     good = _good_fraction(ttft_band, slow, wl, st, lam, ttft_slo_s, itl_slo_s)
 
     status = (jnp.where(kv_mean_slots < 1.0, flags.KV_INFEASIBLE, flags.OK)
@@ -760,6 +775,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         "ttft_p99_s": ttft_p99,
         "itl_p50_s": itl_p50,
         "itl_p99_s": itl_p99,
+        "e2e_p50_s": e2e_p50,
         "e2e_p99_s": e2e_p99,
         "output_tokens_per_s": rate * wl.mean_output_tokens,
         "achieved_req_per_s": rate,

@@ -3,7 +3,7 @@
 1. **Candidates.** Every hardware x model x tensor parallelism of the search
    space whose weights and one average request's KV fit in
    ``gpu_memory_utilization`` of the replica's memory (others are listed as
-   excluded). They are stacked, padded to a multiple of ``PAD`` (fewer
+   excluded). They are stacked, padded to a multiple of ``search.PAD`` (fewer
    distinct shapes to compile), with per-candidate surrogate targets that
    start at the SLO.
 2. **Search** (``sweep.search``): one compiled call optimises every candidate
@@ -45,8 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import calibration, outputs, roofline, search, status
+from sweep import calibration, contract, outputs, pareto, roofline, search, status
 from sweep.arrivals import Requests, route, split, workload_requests
+from sweep.batching import CONTINUOUS
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
     Hardware,
@@ -57,13 +59,10 @@ from sweep.config.schema import (
 from sweep.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.latency import LatencyWorkload
 from sweep.p99 import served_workload
-from sweep.params import CONTINUOUS, OVERLONG, hardware_params, model_params, stack
+from sweep.params import OVERLONG, stack
 from sweep.plan import optimize_plan
 from sweep.simulate import pool, simulate_requests, summarize
 from sweep.workload import WorkloadTables, workload_tables
-
-PAD = 8
-"""Candidates are padded to a multiple of this (fewer shapes to compile)."""
 
 
 class Infeasible(Exception):
@@ -93,32 +92,17 @@ class OptimizeJob:
     # the share it rejects (context limit)
     served: dict[str, tuple[LatencyWorkload, float]]
     settings: search.Settings
-
-
-def settings_of(app: OptimizeApp) -> search.Settings:
-    """The static search settings of a validated config."""
-    s = app.search
-    return search.Settings(
-        optimizer=s.optimizer,
-        optimizer_options=tuple(sorted((k, float(v))
-                                       for k, v in s.optimizer_options.items())),
-        learning_rate=s.learning_rate,
-        final_learning_rate_fraction=s.final_learning_rate_fraction,
-        steps=s.steps,
-        concurrency_min=s.concurrency_min, concurrency_max=s.concurrency_max,
-        token_budget_min=s.token_budget_min, token_budget_max=s.token_budget_max,
-        levels_per_octave=s.levels_per_octave, replicas_max=s.replicas_max,
-        penalty_weight=s.penalty_weight, penalty_scale_start=s.penalty_scale_start,
-        penalty_scale_end=s.penalty_scale_end,
-    )
+    # the validated configs searched, per axis (provenance of the dataset)
+    specs: dict[str, list] = field(default_factory=dict)
 
 
 def prepare(app: OptimizeApp, hardware: list[Hardware],
             models: list[Model]) -> OptimizeJob:
     """Checks the search space and loads the workload; raises ``ConfigError``."""
     s = app.search
+    settings = search.Settings.of(s)
     try:
-        search.make_optimizer(settings_of(app))
+        search.make_optimizer(settings)
     except (AttributeError, TypeError) as e:
         raise ConfigError(
             f"search.optimizer = {s.optimizer!r} with options "
@@ -165,7 +149,9 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"one average request ({request_kv:,.0f} KV tokens) beside the weights; "
             f"allowed: larger search.tensor_parallel "
             f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
-    job = OptimizeJob(app, keep, excluded, tables, served, settings_of(app))
+    job = OptimizeJob(app, keep, excluded, tables, served, settings,
+                      {"hardware": hardware, "model": models,
+                       "workload": [app.workload]})
     optimize_plan(app, len(keep), job.settings).check_memory()
     return job
 
@@ -185,7 +171,7 @@ def options(app_name: str, overrides: list[str]):
 
 
 def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> search.Candidates:
-    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % PAD)
+    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % search.PAD)
     util = job.app.search.gpu_memory_utilization
     n = len(cands)
     f32 = jnp.float32
@@ -448,7 +434,7 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     itl_t = np.full(n, app.slo.itl_p99_s)
     key_init, key_sim = jax.random.split(jax.random.key(app.seed))
     init = search.initial_theta(key_init, job.settings,
-                                n + (-n % PAD), s.restarts)
+                                n + (-n % search.PAD), s.restarts)
     cache: dict[tuple, Config] = {}
     verifications: list[Verification] = []
     lines: list[str] = []
@@ -558,65 +544,24 @@ def vllm_flags(job: OptimizeJob, c: Config) -> str:
             f"(x {replicas_text(c.replicas)})")
 
 
-def pareto(cost: np.ndarray, latency: np.ndarray) -> np.ndarray:
-    """Mask of points no other point beats on both cost and latency (NaN: off)."""
-    ok = np.isfinite(cost) & np.isfinite(latency)
-    out = np.zeros(cost.shape, bool)
-    idx = np.flatnonzero(ok)
-    order = idx[np.lexsort((latency[idx], cost[idx]))]
-    best = np.inf
-    for i in order:
-        if latency[i] < best:
-            out[i] = True
-            best = latency[i]
-    return out
-
-
-_UNITS = {
-    "concurrency": ("sequences", "concurrency (--max-num-seqs)"),
-    "token_budget": ("tokens", "token budget (--max-num-batched-tokens)"),
-    "replicas": ("replicas", "replicas"),
-    "tensor_parallel": ("GPUs", "tensor-parallel GPUs (--tensor-parallel-size)"),
-    "cost_per_mtok_out_usd": ("USD/Mtoken", "cost per 1M output tokens"),
-    "cost_per_month_usd": ("USD/month", "cost per month (730 h)"),
-    "ttft_p50_s": ("s", "p50 time to first token"),
-    "ttft_p99_s": ("s", "p99 time to first token"),
-    "itl_p50_s": ("s", "p50 inter-token latency"),
-    "itl_p99_s": ("s", "p99 inter-token latency"),
-    "e2e_p99_s": ("s", "p99 end-to-end latency"),
-    "rejected_fraction": ("1", "share of requests rejected (prompt + output above "
-                          "max_context_tokens)"),
-    "utilization": ("1", "offered load / sustainable load (surrogate)"),
-    "ttft_target_s": ("s", "surrogate target for p99 TTFT (tightened)"),
-    "itl_target_s": ("s", "surrogate target for p99 ITL (tightened)"),
-    "ttft_slack_s": ("s", "slo.ttft_p99_s - p99 TTFT (simulated if verified)"),
-    "itl_slack_s": ("s", "slo.itl_p99_s - p99 ITL (simulated if verified)"),
-    "usd_per_gpu_hour": ("USD/h", "price per GPU-hour"),
-}
 
 
 def _var(dims, data, name: str, prefix: str = "", source: str = ""):
-    units, long_name = _UNITS[name]
-    attrs = {"units": units, "long_name": f"{prefix}{long_name}"}
+    """A variable with the attributes of ``name``'s declaration
+    (``sweep.contract``), its long name prefixed; ``source``: the latency
+    model it comes from (the ``method`` attribute, as in a cube)."""
+    attrs = contract.attrs(name)
+    attrs["long_name"] = prefix + attrs["long_name"]
     if source:
         attrs["method"] = source
     return (dims, np.asarray(data), attrs)
 
 
-def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
-    """The result as a dataset: ``candidate``, ``config`` and ``verification`` dims.
-
-    ``candidate``: each candidate's answer of the last search (NaN where it
-    meets the targets nowhere), with the simulator's numbers where verified.
-    ``config``: every integer configuration of the last search (candidate x
-    restart x neighbour) meeting the targets, with ``pareto_itl`` and
-    ``pareto_ttft`` marking the fronts of cost against p99 ITL / TTFT.
-    ``verification``: each simulation, in order. The chosen configuration is
-    in the ``chosen_*`` attributes and ``vllm_flags``.
-    """
-    n = len(job.candidates)
+def _candidate_vars(job: OptimizeJob, out: Outcome) -> dict:
+    """Over ``candidate``: each candidate's answer of the last search (NaN
+    where it meets the targets nowhere), with the simulator's numbers where
+    verified."""
     cd = ("candidate",)
-    slo = job.app.slo
     ans = out.answers
 
     def col(get, default=np.nan):
@@ -628,25 +573,19 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
     data = {
         "usd_per_gpu_hour": _var(cd, [c.hardware.usd_per_gpu_hour
                                       for c in job.candidates], "usd_per_gpu_hour"),
-        "meets_targets": (cd, col(lambda a: True, False),
-                          {"long_name": "meets the surrogate targets", "units": "1"}),
-        "concurrency": _var(cd, col(lambda a: a.concurrency), "concurrency"),
-        "token_budget": _var(cd, col(lambda a: a.token_budget), "token_budget"),
-        "replicas": _var(cd, col(lambda a: a.replicas), "replicas"),
-        "cost_per_mtok_out_usd": _var(cd, col(lambda a: a.cost_per_mtok_out_usd),
-                                      "cost_per_mtok_out_usd"),
-        "cost_per_month_usd": _var(cd, col(lambda a: a.cost_per_month_usd),
-                                   "cost_per_month_usd"),
+        "meets_targets": _var(cd, col(lambda a: True, False), "meets_targets"),
+        **{name: _var(cd, col(lambda a, name=name: getattr(a, name)), name)
+           for name in ("concurrency", "token_budget", "replicas",
+                        "cost_per_mtok_out_usd", "cost_per_month_usd")},
         "ttft_target_s": _var(cd, out.ttft_target_s, "ttft_target_s"),
         "itl_target_s": _var(cd, out.itl_target_s, "itl_target_s"),
-        "verified": (cd, col(lambda a: a.simulated is not None, False),
-                     {"long_name": "simulated", "units": "1"}),
-        "slo_met_simulated": (cd, col(lambda a: a.simulated is not None
-                                      and met(job, a.simulated), False),
-                              {"long_name": "simulated p99s within the SLO",
-                               "units": "1"}),
+        "verified": _var(cd, col(lambda a: a.simulated is not None, False),
+                         "verified"),
+        "slo_met_simulated": _var(cd, col(lambda a: a.simulated is not None
+                                          and met(job, a.simulated), False),
+                                  "slo_met_simulated"),
     }
-    for m in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s"):
+    for m in contract.LATENCY:
         data[f"surrogate_{m}"] = _var(cd, col(lambda a, m=m: a.surrogate[m]), m,
                                       "surrogate ", "surrogate")
         data[f"simulated_{m}"] = _var(cd, col(lambda a, m=m: sim(a, m)), m,
@@ -656,77 +595,87 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
         "simulated ", "simulate")
     data["utilization"] = _var(cd, col(lambda a: a.surrogate["utilization"]),
                                "utilization")
+    slo = job.app.slo
     for name, limit in (("ttft", slo.ttft_p99_s), ("itl", slo.itl_p99_s)):
         p99 = np.where(data["verified"][1], data[f"simulated_{name}_p99_s"][1],
                        data[f"surrogate_{name}_p99_s"][1])
         data[f"{name}_slack_s"] = _var(cd, limit - p99, f"{name}_slack_s")
-    data["chosen"] = (cd, np.arange(n) == out.chosen.candidate,
-                      {"long_name": "the chosen candidate", "units": "1"})
+    data["chosen"] = _var(cd, np.arange(len(job.candidates)) == out.chosen.candidate,
+                          "chosen")
+    return data
 
-    # every integer configuration of the last search that meets the targets
+
+def _config_vars(job: OptimizeJob, out: Outcome) -> dict:
+    """Over ``config``: every integer configuration of the last search
+    (candidate x restart x neighbour) meeting the targets, and the Pareto
+    fronts of cost against each SLO metric."""
     res = out.last
-    ok = res.feasible[:n]
-    idx = np.argwhere(ok)
+    n = len(job.candidates)
+    idx = np.argwhere(res.feasible[:n])
     per_mtok, per_month = _costs(job, res.replicas[:n])
     pick = tuple(idx.T)
     cfg = ("config",)
     cost = per_mtok[pick]
-    configs = {
-        "config_candidate": (cfg, idx[:, 0], {"long_name": "candidate index"}),
+    data = {
+        "config_candidate": _var(cfg, idx[:, 0], "candidate"),
         "config_concurrency": _var(cfg, res.concurrency[:n][pick], "concurrency"),
         "config_token_budget": _var(cfg, res.token_budget[:n][pick], "token_budget"),
         "config_replicas": _var(cfg, res.replicas[:n][pick], "replicas"),
         "config_cost_per_mtok_out_usd": _var(cfg, cost, "cost_per_mtok_out_usd"),
         "config_cost_per_month_usd": _var(cfg, per_month[pick], "cost_per_month_usd"),
     }
-    for m in ("ttft_p99_s", "itl_p99_s"):
-        configs[f"config_{m}"] = _var(cfg, res.metrics[m][:n][pick], m, "surrogate ",
-                                      "surrogate")
-    configs["pareto_itl"] = (cfg, pareto(cost, configs["config_itl_p99_s"][1]),
-                             {"long_name": "on the cost vs p99 ITL Pareto front",
-                              "units": "1"})
-    configs["pareto_ttft"] = (cfg, pareto(cost, configs["config_ttft_p99_s"][1]),
-                              {"long_name": "on the cost vs p99 TTFT Pareto front",
-                               "units": "1"})
-    data.update(configs)
+    for m in contract.SLO:
+        data[f"config_{m}"] = _var(cfg, res.metrics[m][:n][pick], m, "surrogate ",
+                                   "surrogate")
+    for front, m in (("pareto_itl", "itl_p99_s"), ("pareto_ttft", "ttft_p99_s")):
+        data[front] = _var(cfg, pareto.front(cost, data[f"config_{m}"][1]), front)
+    return data
 
+
+def _verification_vars(out: Outcome) -> dict:
+    """Over ``verification``: each simulation, in order."""
     v = out.verifications
     vd = ("verification",)
-    data.update({
-        "verification_round": (vd, np.array([x.round for x in v], int),
-                               {"long_name": "search round"}),
-        "verification_candidate": (vd, np.array([x.config.candidate for x in v], int),
-                                   {"long_name": "candidate index"}),
-        "verification_concurrency": _var(vd, [x.config.concurrency for x in v],
-                                         "concurrency"),
-        "verification_token_budget": _var(vd, [x.config.token_budget for x in v],
-                                          "token_budget"),
-        "verification_replicas": _var(vd, [x.config.replicas for x in v], "replicas"),
+    data = {
+        "verification_round": _var(vd, np.array([x.round for x in v], int), "round"),
+        "verification_candidate": _var(
+            vd, np.array([x.config.candidate for x in v], int), "candidate"),
+        **{f"verification_{name}": _var(
+            vd, [getattr(x.config, name) for x in v], name)
+           for name in ("concurrency", "token_budget", "replicas")},
         "verification_ttft_target_s": _var(vd, [x.ttft_target_s for x in v],
                                            "ttft_target_s"),
         "verification_itl_target_s": _var(vd, [x.itl_target_s for x in v],
                                           "itl_target_s"),
-        "verification_slo_met": (vd, np.array([x.met for x in v], bool),
-                                 {"long_name": "simulated p99s within the SLO",
-                                  "units": "1"}),
-    })
-    for m in ("ttft_p99_s", "itl_p99_s"):
+        "verification_slo_met": _var(vd, np.array([x.met for x in v], bool),
+                                     "slo_met_simulated"),
+    }
+    for m in contract.SLO:
         data[f"verification_surrogate_{m}"] = _var(
             vd, [x.config.surrogate[m] for x in v], m, "surrogate ", "surrogate")
         data[f"verification_simulated_{m}"] = _var(
             vd, [x.config.simulated[m] for x in v], m, "simulated ", "simulate")
+    return data
 
-    coords = {
-        "candidate": ("candidate", np.arange(n), {"long_name": "candidate"}),
-        "hardware": ("candidate", np.array([c.hardware.name for c in job.candidates]),
-                     {"long_name": "hardware"}),
-        "model": ("candidate", np.array([c.model.name for c in job.candidates]),
-                  {"long_name": "model"}),
-        "tensor_parallel": _var(cd, [c.tp for c in job.candidates], "tensor_parallel"),
+
+def _candidate_coords(job: OptimizeJob) -> dict:
+    cd = ("candidate",)
+    cands = job.candidates
+    return {
+        "candidate": _var(cd, np.arange(len(cands)), "candidate"),
+        "hardware": _var(cd, np.array([c.hardware.name for c in cands]), "hardware"),
+        "model": _var(cd, np.array([c.model.name for c in cands]), "model"),
+        "tensor_parallel": _var(cd, [c.tp for c in cands], "tensor_parallel"),
     }
+
+
+def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
+    """The run's attributes: the SLO, the chosen configuration, the search's
+    counts and log."""
+    slo, s = job.app.slo, job.app.search
     c = out.chosen
     cand = job.candidates[c.candidate]
-    attrs = {
+    return {
         **attrs,
         "workload": job.app.workload.name,
         "arrival_rate_per_s": job.app.workload.arrival_rate_per_s,
@@ -744,15 +693,31 @@ def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
         "rounds": out.rounds,
         "surrogate_evaluations": out.evaluations,
         "simulations": out.simulations,
-        "simulated_requests_per_replica": job.app.search.verify_requests,
-        "simulated_requests_max": job.app.search.verify_requests_max,
-        "routing": job.app.search.routing.value,
+        "simulated_requests_per_replica": s.verify_requests,
+        "simulated_requests_max": s.verify_requests_max,
+        "routing": s.routing.value,
         "search_wall_s": round(out.search_s, 3),
         "simulate_wall_s": round(out.simulate_s, 3),
         "excluded_candidates": "; ".join(job.excluded),
         "log": "\n".join(out.log),
     }
-    return xr.Dataset(data, coords=coords, attrs=attrs)
+
+
+def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
+    """The result as a dataset: ``candidate``, ``config`` and ``verification`` dims.
+
+    One builder per dim (``_candidate_vars``, ``_config_vars``,
+    ``_verification_vars``); every variable's units and long name come from
+    ``sweep.contract``, and each latency percentile it declares appears as
+    ``surrogate_<name>`` and ``simulated_<name>`` per candidate. ``config``
+    marks the Pareto fronts of cost against p99 ITL / TTFT (``pareto_itl``,
+    ``pareto_ttft``). The chosen configuration is in the ``chosen_*``
+    attributes and ``vllm_flags``.
+    """
+    data = {**_candidate_vars(job, out), **_config_vars(job, out),
+            **_verification_vars(out)}
+    return xr.Dataset(data, coords=_candidate_coords(job),
+                      attrs=_global_attrs(job, out, attrs))
 
 
 def write(ds: xr.Dataset, out: Path) -> None:

@@ -1,6 +1,6 @@
 """``sweep-optimize``: the cheapest deployment within a p99 SLO, and its flags.
 
-As ``sweep-grid`` (``sweep.cli``): the config is composed and checked before
+As every console script (``sweep.commands``): the config is composed and checked before
 Hydra creates a run directory (bad input: one line, exit code 2), then
 ``@hydra.main`` runs the job (``sweep.optimize``). An SLO that nothing meets
 prints one line naming the binding constraint and exits with code 3; the
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import partial
 from pathlib import Path
 
 import hydra
@@ -27,27 +26,31 @@ from rich.console import Console
 from rich.table import Table
 
 from sweep import calibration, outputs
-from sweep.cli import (
+from sweep.commands import (
     CONFIG_MODULE,
-    _check_output,
-    _fail,
-    _overrides,
-    _place_run,
-    _preflight,
+    check_output,
+    fail,
+    overrides,
     quiet_backend_probe,
+    start,
 )
-from sweep.config.resolve import config_yaml, restore, stash_lists
-from sweep.config.schema import ConfigError
+from sweep.config.resolve import config_yaml, restore
+from sweep.errors import ConfigError
 from sweep.plan import optimize_plan
 
 COMMAND = "sweep-optimize"
 INFEASIBLE_EXIT = 3
 
 
-def _check(app: str, overrides: list[str]):
+def check(app: str, argv: list[str]):
+    """The preflight: compose, check and prepare the job (no JAX work).
+
+    Raises:
+      ConfigError: one line naming the field, its value and what is allowed.
+    """
     from sweep import optimize
 
-    base, hardware, models = optimize.options(app, overrides)
+    base, hardware, models = optimize.options(app, argv)
     return optimize.prepare(base, hardware, models)
 
 
@@ -125,12 +128,12 @@ def _optimize_app(cfg: DictConfig) -> None:
     quiet_backend_probe()
     err = Console(stderr=True)
     try:
-        job = _preflight_job or _check("optimize", _overrides())
+        job = _preflight_job or check("optimize", overrides())
     except ConfigError as e:
-        _fail(COMMAND, e)
+        fail(COMMAND, e)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
-    _check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
+    check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
                   "optimize")
     plan = optimize_plan(job.app, len(job.candidates), job.settings)
     hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
@@ -148,14 +151,14 @@ def _optimize_app(cfg: DictConfig) -> None:
         with outputs.lock(out):  # held from before the search to the write
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
-                                       restore(_overrides()))
+                                       restore(overrides()), job.specs)
             attrs.update(calibration.attrs(job.app.calibration, choices))
             optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)
         sys.exit(INFEASIBLE_EXIT)
     except outputs.OutputError as e:
-        _fail(COMMAND, e)
+        fail(COMMAND, e)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     console = Console(width=max(Console().width, 200))
     console.print(result_table(job, outcome))
@@ -170,11 +173,7 @@ def _optimize_app(cfg: DictConfig) -> None:
 def main() -> None:
     """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
     global _preflight_job
-    # Hydra's grammar is quadratic in a list's length: long lists go by stash
-    argv = stash_lists(sys.argv[1:])
-    _preflight_job = _preflight(COMMAND, "optimize", argv, _check)
-    sys.argv[1:] = argv + (_preflight(COMMAND, "optimize", argv, partial(
-        _place_run, command=COMMAND, kind="optimize", default_name="optimize.zarr",
-        resume=False)) or [])
+    _preflight_job = start(COMMAND, "optimize", check, kind="optimize",
+                           default_name="optimize.zarr", resume=False)
     _enable_compilation_cache()
     _optimize_app()

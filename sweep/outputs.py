@@ -49,7 +49,7 @@ from contextlib import contextmanager, suppress
 from datetime import datetime, timezone
 from pathlib import Path
 
-from sweep.config.schema import ConfigError
+from sweep.errors import ConfigError
 
 MARKER = "sweep_output"
 """The root attribute that marks a zarr store the tool wrote: ``"<kind> <inode>"``."""

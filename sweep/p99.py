@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep import roofline
+from sweep import contract, roofline
 from sweep.arrivals import workload_requests
+from sweep.batching import is_continuous
 from sweep.config.schema import (
     GridApp,
     LatencyMethod,
@@ -46,26 +47,23 @@ from sweep.config.schema import (
     Replay,
     Workload,
 )
-from sweep.evaluate import blocking
+from sweep.evaluate import Part, blocking
 from sweep.latency import LatencyWorkload, latency_workload, surrogate
-from sweep.params import CONTINUOUS, OVERLONG, stack
-from sweep.results import P99_VARIABLES
+from sweep.params import OVERLONG, stack
 from sweep.simulate import simulate
 from sweep.workload import WorkloadTables, served_tables
 
-DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
-        "token_budget", "batching", "arrival_rate_per_s")
+DIMS = contract.dims(contract.P99)
+"""The latency axes, in the cube's order."""
 
 
 def _summary(r, slo, kv_ok, ok_status):
-    """The cube's p99 variables; ``slo`` = (p99 TTFT, p99 ITL, rejected fraction)."""
+    """The cube's p99 variables from a latency model's outputs ``r`` (keys:
+    ``Metric.key``); ``slo`` = (p99 TTFT, p99 ITL, rejected fraction)."""
     met = ((r["ttft_p99_s"] <= slo[0]) & (r["itl_p99_s"] <= slo[1])
            & (r["rejected_fraction"] <= slo[2]))
-    out = {k: jnp.where(kv_ok, r[k], jnp.nan) for k in (
-        "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
-        "goodput_req_per_s", "rejected_fraction")}
-    out["achieved_output_tokens_per_s"] = jnp.where(kv_ok, r["output_tokens_per_s"],
-                                                    jnp.nan)
+    out = {m.name: jnp.where(kv_ok, r[m.key], jnp.nan)
+           for m in contract.metrics(contract.P99) if m.dtype == "float32"}
     out["slo_met"] = met & kv_ok
     out["latency_status"] = jnp.asarray(ok_status, jnp.int32)
     return out
@@ -73,30 +71,40 @@ def _summary(r, slo, kv_ok, ok_status):
 
 @dataclass(frozen=True)
 class SimulatePoint:
-    """One configuration through the simulator (hashable: a static jit argument)."""
+    """One configuration through the simulator (hashable: a static jit argument).
+
+    Its ``workload`` input is the workload's ``overlong`` rule (an index into
+    ``OVERLONG``); its requests come from the ``requests`` table.
+    """
 
     max_slots: int
 
-    def __call__(self, hw, model, overlong, tp, concurrency, token_budget, batching,
-                 _rate, requests, slo):
-        r = simulate(hw, model, tp, concurrency, token_budget, requests, batching,
-                     slo[0], slo[1], overlong, max_slots=self.max_slots)._asdict()
-        kv_ok = roofline.kv_capacity_tokens(hw, model, tp) >= 1.0
+    def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
+                 token_budget, batching, arrival_rate_per_s, requests, slo):
+        del arrival_rate_per_s  # the requests arrive at it already
+        r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
+                     requests, batching, slo[0], slo[1], workload,
+                     max_slots=self.max_slots)._asdict()
+        kv_ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
         return _summary(r, slo, kv_ok, r["status"])
 
 
-def surrogate_point(hw, model, _workload, tp, concurrency, token_budget, batching,
-                    rate, lw, rejected, slo):
+def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
+                    token_budget, batching, arrival_rate_per_s, served, rejected, slo):
     """One configuration through the surrogate (continuous batching only).
 
-    ``lw`` describes the requests this model serves, ``rejected`` the share
-    it rejects; the served ones arrive at ``rate * (1 - rejected)``.
+    ``served`` describes the requests this model serves of the workload,
+    ``rejected`` the share it rejects; the served ones arrive at
+    ``arrival_rate_per_s * (1 - rejected)``. The ``workload`` axis's own
+    input is unused (the tables carry the workload).
     """
-    r = dict(surrogate(hw, model, lw, tp, concurrency, token_budget,
-                       rate * (1.0 - rejected), slo[0], slo[1]))
+    del workload
+    r = dict(surrogate(hardware, model, served, tensor_parallel, concurrency,
+                       token_budget, arrival_rate_per_s * (1.0 - rejected), slo[0],
+                       slo[1]))
     r["rejected_fraction"] = rejected
-    ok = ((roofline.kv_capacity_tokens(hw, model, tp) >= 1.0)
-          & (batching == CONTINUOUS) & (rejected < 1.0))
+    ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
+          & is_continuous(batching) & (rejected < 1.0))
     return _summary(r, slo, ok, r["status"])
 
 
@@ -121,19 +129,21 @@ def _rates(app: GridApp, workloads) -> np.ndarray:
     return np.unique([w.arrival_rate_per_s for w in workloads])
 
 
-def part(app: GridApp, workloads, tables, models, hw_axis, model_axis, point_axes,
-         coords):
-    """The p99 ``Part`` of a grid job and the arrival-rate coordinate."""
-    from sweep.grid import Part
+def part(app: GridApp, workloads, tables, models, inputs, coords):
+    """The p99 ``Part`` of a grid job and the arrival-rate coordinate.
 
+    Args:
+      inputs: the roofline part's inputs by axis name (hardware, model and
+        the serving settings are shared).
+      coords: the roofline axes' coordinates.
+    """
     rates = _rates(app, workloads)
     slo = np.array([app.slo.ttft_p99_s, app.slo.itl_p99_s,
                     app.slo.max_rejected_fraction], np.float32)
-    shape = tuple(len(coords[d]) for d in DIMS[:-1]) + (len(rates),)
-    plan = blocking(shape, app.latency.chunk_configs)
-    common = (hw_axis, model_axis)
-    knobs = (point_axes["tensor_parallel"], point_axes["concurrency"],
-             point_axes["token_budget"], point_axes["batching"])
+    sizes = {d: len(coords[d]) for d in DIMS[:-1]} | {"arrival_rate_per_s": len(rates)}
+    plan = blocking(tuple(sizes[d] for d in DIMS), app.latency.chunk_configs)
+    shared = {d: inputs[d] for d in DIMS if d in inputs and d != "workload"}
+    rate_input = rates.astype(np.float32)
     method = app.latency.method
     if method == LatencyMethod.simulate:
         keys = jax.random.split(jax.random.key(app.seed), len(workloads))
@@ -145,19 +155,20 @@ def part(app: GridApp, workloads, tables, models, hw_axis, model_axis, point_axe
         fn = SimulatePoint(int(max(app.grid.axes["concurrency"])))
         overlong = np.array([OVERLONG.index(w.overlong.value) for w in workloads],
                             np.int32)
-        axes = (*common, overlong, *knobs, rates.astype(np.float32))
-        tables_ = (requests, slo)
-        table_dims = ((DIMS.index("workload"), DIMS.index("arrival_rate_per_s")), ())
+        lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
+                   "slo": (slo, ())}
+        workload_input = overlong
     else:
         served = [[served_workload(t, w, m) for w, t in zip(workloads, tables)]
                   for m in models]
-        axes = (*common, np.zeros(len(workloads), np.float32), *knobs,
-                rates.astype(np.float32))
         fn = surrogate_point
-        tables_ = (stack([stack([lw for lw, _ in row]) for row in served]),
-                   np.array([[r for _, r in row] for row in served], np.float32), slo)
-        mw = (DIMS.index("model"), DIMS.index("workload"))
-        table_dims = (mw, mw, ())
-    return Part("p99", DIMS, fn, axes, plan, tables=tables_, table_dims=table_dims,
-                variables=tuple(P99_VARIABLES),
-                attrs={"method": method.value}), rates
+        lookups = {
+            "served": (stack([stack([lw for lw, _ in row]) for row in served]),
+                       ("model", "workload")),
+            "rejected": (np.array([[r for _, r in row] for row in served], np.float32),
+                         ("model", "workload")),
+            "slo": (slo, ())}
+        workload_input = np.zeros(len(workloads), np.float32)
+    return Part(contract.P99, fn, {**shared, "workload": workload_input,
+                                   "arrival_rate_per_s": rate_input}, plan,
+                lookups=lookups, attrs={"method": method.value}), rates

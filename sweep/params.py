@@ -6,7 +6,8 @@ function of one grid point can be ``vmap``-ped over stacked parameters. They
 are NamedTuples rather than ``eqx.Module`` because that is all they need to be:
 immutable pytrees with named fields and no extra dependency.
 
-Conversions from configs happen here and only here.
+Configs become these pytrees in ``sweep.config.convert`` and only there: this
+module, and the physics built on it, import neither Hydra nor omegaconf.
 """
 
 from __future__ import annotations
@@ -18,11 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep.config.schema import Hardware, Model
-
-BATCHING = ("request", "static", "continuous")
-"""The ``batching`` axis values; the model receives their index."""
-REQUEST, STATIC, CONTINUOUS = range(3)
 OVERLONG = ("reject", "truncate")
 """``workload.overlong`` values; the simulator receives their index."""
 REJECT, TRUNCATE = range(2)
@@ -64,52 +60,6 @@ class ModelParams(NamedTuple):
     max_context_tokens: jax.Array = math.inf
 
 
-def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwareParams:
-    """Converts a validated hardware config to float leaves."""
-    return HardwareParams(
-        memory_bandwidth_bytes_per_s=hw.memory_bandwidth_bytes_per_s,
-        peak_flops_per_s=hw.peak_flops_per_s,
-        memory_bytes=hw.memory_bytes,
-        interconnect_bytes_per_s=hw.interconnect_bytes_per_s,
-        usd_per_gpu_hour=hw.usd_per_gpu_hour,
-        mbu=hw.mbu,
-        mfu=hw.mfu,
-        step_overhead_s=hw.step_overhead_s,
-        gpu_memory_utilization=gpu_memory_utilization,
-        kv_mbu=hw.kv_mbu or hw.mbu,
-        sequence_overhead_s=hw.sequence_overhead_s,
-    )
-
-
-def model_params(m: Model) -> ModelParams:
-    """Splits a model's parameters into always-read and routed-expert weights.
-
-    For a mixture of experts with ``E`` experts of which ``k`` serve a token,
-    ``active = shared + expert * k / E`` and ``params = shared + expert``, so
-    ``expert = (params - active) * E / (E - k)``.
-    """
-    if m.num_experts > m.experts_per_token:
-        expert = (m.params - m.active_params) * m.num_experts / (
-            m.num_experts - m.experts_per_token
-        )
-    else:
-        expert = 0.0
-    return ModelParams(
-        shared_params=m.params - expert,
-        expert_params=expert,
-        active_params=m.active_params,
-        layers=float(m.layers),
-        q_heads=float(m.q_heads),
-        kv_heads=float(m.kv_heads),
-        head_dim=float(m.head_dim),
-        hidden_size=float(m.hidden_size),
-        experts_per_token_fraction=m.experts_per_token / m.num_experts,
-        weight_dtype_bytes=float(m.weight_dtype_bytes),
-        kv_dtype_bytes=float(m.kv_dtype_bytes),
-        max_context_tokens=float(m.max_context_tokens or math.inf),
-    )
-
-
 def stack(trees: list, dtype=jnp.float32):
     """Stacks a list of same-structure pytrees of numbers along a new axis 0."""
     return jax.tree.map(
@@ -133,6 +83,6 @@ class GridPoint(NamedTuple):
     concurrency: jax.Array
     token_budget: jax.Array
     context_tokens: jax.Array
-    batching: jax.Array  # index into BATCHING, int32
+    batching: jax.Array  # index into sweep.batching.POLICIES, int32
     long_prompt_tokens: jax.Array
     traffic_tokens_per_day: jax.Array

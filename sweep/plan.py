@@ -25,9 +25,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sweep.config.schema import ConfigError, LatencyMethod
+import numpy as np
+
+from sweep import contract
+from sweep.config.schema import LatencyMethod
+from sweep.errors import ConfigError
 from sweep.evaluate import Blocking, blocking
-from sweep.results import BOOLEAN, P99_VARIABLES, ROOFLINE_VARIABLES
 
 # -- measured constants (benchmarks/README.md, "Run plans") --------------------
 # Time, on the 2-core CPU machine when quiet: the rates of the quiet reruns of
@@ -165,9 +168,9 @@ def budget(max_memory_gb: float) -> tuple[float, str]:
                                   f"{gb(total)}; set max_memory_gb to change it")
 
 
-def _disk_bytes(variables) -> int:
-    """Bytes per point of these cube variables before compression."""
-    return sum(1 if name in BOOLEAN else 4 for name in variables)
+def _disk_bytes(part: str) -> int:
+    """Bytes per point of a cube part's variables before compression."""
+    return sum(np.dtype(m.dtype).itemsize for m in contract.metrics(part))
 
 
 def _padded(plan: Blocking) -> int:
@@ -196,31 +199,31 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
       options: the hardware, model and workload objects of the grid.
     """
     g = app.grid
-    head = tuple(len(options[k]) for k in ("hardware", "model", "workload"))
-    sizes = {k: len(v) for k, v in g.axes.items()}
-    shape = (*head, sizes["tensor_parallel"], sizes["concurrency"],
-             sizes["token_budget"], sizes["context_tokens"], len(g.batching),
-             sizes["long_prompt_tokens"], sizes["traffic_tokens_per_day"])
+    sizes = {k: len(v) for k, v in g.axes.items()} | {
+        k: len(options[k]) for k in ("hardware", "model", "workload")} | {
+        "batching": len(g.batching)}
+    shape = tuple(sizes[d] for d in contract.dims(contract.ROOFLINE))
     roof = blocking(shape, g.chunk_points)
     points = math.prod(shape)
     time_s = ROOFLINE_FIXED_S + _padded(roof) / ROOFLINE_POINTS_PER_S
     block_bytes = roof.size * ROOFLINE_BYTES_PER_POINT
     memory, driver = block_bytes, f"grid.chunk_points = {g.chunk_points}"
-    disk = points * _disk_bytes(ROOFLINE_VARIABLES)
+    disk = points * _disk_bytes(contract.ROOFLINE)
     what = f"{points:,} points in {len(roof):,} block(s)"
     method = app.latency.method
     if method != LatencyMethod.none:
         rates = sizes.get("arrival_rate_per_s") or len(
             {w.arrival_rate_per_s for w in options["workload"]})
-        p99_shape = (*head, sizes["tensor_parallel"], sizes["concurrency"],
-                     sizes["token_budget"], len(g.batching), rates)
+        sizes["arrival_rate_per_s"] = rates
+        p99_shape = tuple(sizes[d] for d in contract.dims(contract.P99))
         p99 = blocking(p99_shape, app.latency.chunk_configs)
         configs = math.prod(p99_shape)
-        disk += configs * _disk_bytes(P99_VARIABLES)
+        disk += configs * _disk_bytes(contract.P99)
         if method == LatencyMethod.simulate:
             n = app.latency.num_requests
             slots = int(max(g.axes["concurrency"]))
-            block_s, p99_bytes = simulation(p99.size, n, slots, head[2] * rates)
+            block_s, p99_bytes = simulation(p99.size, n, slots,
+                                            sizes["workload"] * rates)
             time_s += SIM_FIXED_S + len(p99) * block_s
             what += (f"; {configs:,} configurations x {n:,} requests simulated in "
                      f"{len(p99):,} block(s)")
@@ -249,7 +252,7 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
       candidates: hardware x model x TP candidates that fit.
       settings: the job's ``search.Settings`` (for its scan length).
     """
-    from sweep.optimize import PAD
+    from sweep.search import PAD
 
     s = app.search
     padded = candidates + (-candidates % PAD)

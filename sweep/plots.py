@@ -7,8 +7,9 @@ stated way (``view``):
 
 * scenario dims (workload, context, long prompt, traffic, arrival rate) are
   fixed at their first coordinate value;
-* batching is fixed at ``continuous`` (what vLLM / SGLang / TGI run) when the
-  cube has it;
+* batching is fixed at a continuous policy (``continuous``: what vLLM /
+  SGLang / TGI run; ``sweep.batching``) when the cube has one, else at its
+  first value;
 * the deployment choices the chart does not show (tensor parallelism, token
   budget, concurrency) are reduced to the cheapest point in USD per 1M output
   tokens among those that fit, ties going to the first coordinate value;
@@ -47,6 +48,7 @@ from matplotlib.ticker import (
 )
 
 import sweep.accessor  # noqa: F401  (registers ds.sweep)
+from sweep import batching
 from sweep.accessor import CONFIG_DIMS, SCENARIO_DIMS
 
 COST = "cost_per_mtok_out_usd"
@@ -67,10 +69,11 @@ def scenario(ds: xr.Dataset) -> tuple[xr.Dataset, list[str]]:
         if d in ds.dims:
             sel[d] = 0
             extra = f" (first of {ds.sizes[d]})" if ds.sizes[d] > 1 else ""
-            notes.append(f"{d} = {_fmt(ds[d].values[0])}{extra}")
+            notes.append(f"{d} = {format_value(ds[d].values[0])}{extra}")
     if "batching" in ds.dims:
         values = [str(v) for v in ds["batching"].values]
-        sel["batching"] = values.index("continuous") if "continuous" in values else 0
+        served = [i for i, v in enumerate(values) if v in batching.CONTINUOUS_NAMES]
+        sel["batching"] = served[0] if served else 0
         notes.append(f"batching = {values[sel['batching']]}")
     return ds.isel(sel), notes
 
@@ -110,7 +113,8 @@ def per_gpu(rate: xr.DataArray, tp) -> xr.DataArray:
                                     units="tokens/s/GPU")
 
 
-def _fmt(v) -> str:
+def format_value(v) -> str:
+    """A coordinate or attribute value as text: floats as ``{:g}``, else ``str``."""
     if isinstance(v, (float, np.floating)):
         return f"{v:g}"
     return str(v)
@@ -289,9 +293,9 @@ def cost_heatmap(ds: xr.Dataset, hardware: str, model: str,
                                    edgecolor="0.55", lw=0))
     _boundary(ax, inside)
     ax.set_xticks(range(cost.sizes["concurrency"]),
-                  [_fmt(v) for v in cost["concurrency"].values])
+                  [format_value(v) for v in cost["concurrency"].values])
     ax.set_yticks(range(cost.sizes["token_budget"]),
-                  [_fmt(v) for v in cost["token_budget"].values])
+                  [format_value(v) for v in cost["token_budget"].values])
     ax.set_xlabel(label(ds["concurrency"]))
     ax.set_ylabel(label(ds["token_budget"]))
     text = (f"boundary of {what}" if inside.any() and not inside.all()
@@ -387,7 +391,7 @@ def prefill_interference(ds: xr.Dataset, hardware: str, model: str) -> Figure:
         ax.set_ylabel(label(ds[name], scale_ms=ms))
     axes[0].legend(title=ds["concurrency"].attrs.get("long_name", "concurrency"),
                    fontsize=7, title_fontsize=7)
-    _title(fig, f"Chunked-prefill interference: a {_fmt(prompt)}-token prompt "
+    _title(fig, f"Chunked-prefill interference: a {format_value(prompt)}-token prompt "
            f"arrives while the others decode ({hardware}, {model})",
            "dotted: ITL without the long prompt; " + tp_note + _notes(ds))
     return fig
@@ -408,7 +412,7 @@ STATUS_COLORS = {  # a candidate's status (``candidate_status``) -> bar colour
 
 def candidate_labels(ds: xr.Dataset) -> list[str]:
     """``hardware x model x TP n`` per candidate, as ``sweep-optimize`` names them."""
-    return [f"{h} x {m} x TP {_fmt(tp)}" for h, m, tp in zip(
+    return [f"{h} x {m} x TP {format_value(tp)}" for h, m, tp in zip(
         ds["hardware"].values, ds["model"].values, ds["tensor_parallel"].values)]
 
 
@@ -440,7 +444,7 @@ def slo_note(ds: xr.Dataset) -> str:
     """The workload, its rate and the SLO of an optimize dataset, in words."""
     a = ds.attrs
     return (f"{a.get('workload', 'workload')} at "
-            f"{_fmt(a.get('arrival_rate_per_s', '?'))} req/s; SLO p99 TTFT "
+            f"{format_value(a.get('arrival_rate_per_s', '?'))} req/s; SLO p99 TTFT "
             f"{a['slo_ttft_p99_s']:g} s, p99 ITL {a['slo_itl_p99_s'] * 1e3:g} ms")
 
 

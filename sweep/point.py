@@ -1,7 +1,7 @@
 """Every grid-sweep metric of one grid point, from the roofline and cost rules.
 
 One pure function of scalar pytrees; ``sweep.evaluate`` vmaps it over the
-cube's axes (``grid_point`` takes one argument per axis). Points whose
+cube's axes (``grid_point`` takes one keyword argument per axis). Points whose
 KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
 get NaN for every other metric (SPEC: infeasible is data, not an exception).
 """
@@ -10,21 +10,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from sweep import cost, roofline
-from sweep.params import CONTINUOUS, REQUEST, STATIC, GridPoint, WorkloadParams
+from sweep import batching, contract, cost, roofline
+from sweep.params import GridPoint, WorkloadParams
 
-DIMS = (
-    "hardware",
-    "model",
-    "workload",
-    "tensor_parallel",
-    "concurrency",
-    "token_budget",
-    "context_tokens",
-    "batching",
-    "long_prompt_tokens",
-    "traffic_tokens_per_day",
-)
+DIMS = contract.dims(contract.ROOFLINE)
 """The roofline cube's axes, in order."""
 
 
@@ -33,13 +22,13 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
 
     Args:
       static_utilization: ``E[out] / E[max of concurrency outputs]`` for this
-        workload and concurrency, computed once per (workload, concurrency).
+        workload and concurrency, computed once per (workload, concurrency);
+        the batching policy (``sweep.batching``) decides what it costs.
     """
     tp = pt.tensor_parallel
-    # request-at-a-time serving runs one sequence whatever the concurrency axis says
-    running = jnp.where(pt.batching == REQUEST, 1.0, pt.concurrency)
+    running = batching.running(pt.batching, pt.concurrency)
     step = roofline.decode_step_s(hw, model, tp, running, pt.context_tokens)
-    utilization = jnp.where(pt.batching == STATIC, static_utilization, 1.0)
+    utilization = batching.slot_utilization(pt.batching, static_utilization)
     output_rate = running / step * utilization
     prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens)
     prefill_rate = wl.mean_prompt_tokens / prefill
@@ -48,7 +37,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         pt.token_budget,
     )
     # chunked prefill only exists under continuous batching
-    chunked = pt.batching == CONTINUOUS
+    chunked = batching.is_continuous(pt.batching)
     replicas = cost.replicas_for_traffic(output_rate, pt.traffic_tokens_per_day)
     fits = roofline.kv_fits(hw, model, tp, running, pt.context_tokens)
     metrics = {
@@ -79,10 +68,9 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     return metrics
 
 
-def grid_point(hw, model, wl: WorkloadParams, tensor_parallel, concurrency,
-               token_budget, context_tokens, batching, long_prompt_tokens,
-               traffic_tokens_per_day, static_utilization):
-    """``evaluate_point`` with one argument per cube axis (the order of ``DIMS``)."""
-    pt = GridPoint(tensor_parallel, concurrency, token_budget, context_tokens,
-                   batching, long_prompt_tokens, traffic_tokens_per_day)
-    return evaluate_point(hw, model, wl, pt, static_utilization)
+def grid_point(*, hardware, model, workload: WorkloadParams, static_utilization,
+               **settings):
+    """``evaluate_point`` with one keyword argument per cube axis (``DIMS``):
+    the serving settings are the ``GridPoint`` fields, by name."""
+    return evaluate_point(hardware, model, workload, GridPoint(**settings),
+                          static_utilization)

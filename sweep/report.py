@@ -249,7 +249,7 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
     criterion = ds.sweep.feasible_mask(**limits).attrs["feasible"]
     dims = []
     for d in ds.dims:
-        values = [plots._fmt(v) for v in ds[d].values]
+        values = [plots.format_value(v) for v in ds[d].values]
         shown = ", ".join(values if len(values) <= 8 else values[:3] + ["…"]
                           + values[-2:])
         dims.append([d, shown])

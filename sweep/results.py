@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -35,80 +36,30 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from sweep import outputs, status
-
-ROOFLINE_VARIABLES: dict[str, tuple[str, str]] = {
-    # name: (units, long_name)
-    "step_s": ("s", "decode step time (ITL)"),
-    "user_tokens_per_s": ("tokens/s", "per-user decode rate"),
-    "output_tokens_per_s": ("tokens/s", "replica output rate"),
-    "slot_utilization": ("1", "batch slot utilisation"),
-    "cost_per_mtok_out_usd": ("USD/Mtoken", "cost per 1M output tokens"),
-    "prefill_tokens_per_s": ("tokens/s", "prefill rate"),
-    "cost_per_mtok_in_usd": ("USD/Mtoken", "cost per 1M input tokens"),
-    "long_prefill_s": ("s", "long-prompt prefill time"),
-    "long_prefill_steps": ("steps", "long-prompt prefill steps"),
-    "long_prefill_worst_itl_s": ("s", "worst ITL during long prefill"),
-    "replicas": ("replicas", "replicas for the traffic"),
-    "effective_cost_per_mtok_out_usd": ("USD/Mtoken",
-                                        "cost per 1M output tokens at the traffic"),
-    "kv_fits": ("1", "KV cache fits in memory"),
-    "max_concurrency_fit": ("sequences", "largest concurrency that fits"),
-}
-
-P99_VARIABLES: dict[str, tuple[str, str]] = {
-    "ttft_p50_s": ("s", "p50 time to first token"),
-    "ttft_p99_s": ("s", "p99 time to first token"),
-    "itl_p50_s": ("s", "p50 inter-token latency"),
-    "itl_p99_s": ("s", "p99 inter-token latency"),
-    "e2e_p99_s": ("s", "p99 end-to-end latency"),
-    "achieved_output_tokens_per_s": ("tokens/s", "achieved output rate"),
-    "goodput_req_per_s": ("requests/s", "requests meeting the SLO per second"),
-    "rejected_fraction": ("1", "share of requests rejected (prompt + output above "
-                          "the model's max_context_tokens)"),
-    "slo_met": ("1", "p99 TTFT and ITL within the SLO, rejected share within "
-                "slo.max_rejected_fraction"),
-    "latency_status": ("", "latency model status flags (0 = ok)"),
-}
-
-VARIABLES = {**ROOFLINE_VARIABLES, **P99_VARIABLES}
-"""Every data variable a cube may hold: ``(units, long_name)``."""
-
-BOOLEAN = ("kv_fits", "slo_met")
-INTEGER = ("latency_status",)
-FLAG_ATTRS = {"latency_status": status.cf_attrs()}
-"""CF flag attributes of the bit-mask variables (``sweep.status``)."""
-
-COORDS: dict[str, tuple[str, str]] = {
-    "hardware": ("", "hardware"),
-    "model": ("", "model"),
-    "workload": ("", "workload"),
-    "tensor_parallel": ("GPUs", "tensor-parallel GPUs"),
-    "concurrency": ("sequences", "concurrency (max_num_seqs)"),
-    "token_budget": ("tokens", "token budget (max_num_batched_tokens)"),
-    "context_tokens": ("tokens", "mean context"),
-    "batching": ("", "batching"),
-    "long_prompt_tokens": ("tokens", "long prompt length"),
-    "traffic_tokens_per_day": ("tokens/day", "output traffic"),
-    "arrival_rate_per_s": ("requests/s", "arrival rate"),
-}
+from sweep import contract, outputs
 
 
-def _attrs(name: str, table: dict[str, tuple[str, str]]) -> dict[str, str]:
-    units, long_name = table[name]
-    attrs = {"units": units} if units else {}
-    return {**attrs, "long_name": long_name}
+def provenance(config_yaml: str, seed: int, overrides: list[str],
+               specs: dict[str, list] | None = None) -> dict[str, str | int]:
+    """Global attributes every cube carries (strings and numbers only).
 
-
-def provenance(config_yaml: str, seed: int, overrides: list[str]
-               ) -> dict[str, str | int]:
-    """Global attributes every cube carries (strings and numbers only)."""
+    Args:
+      specs: per axis (``hardware``, ``model``, ``workload``), the validated
+        configs of every value swept or searched; each axis's become one YAML
+        mapping of name to spec, ``<axis>_specs`` (``config_yaml`` holds only
+        the groups chosen on the command line).
+    """
     import jax
+    import yaml
+    from omegaconf import OmegaConf
 
-    from sweep import __version__
+    from sweep.version import __version__
 
-    return {
+    commit = git_commit()
+    attrs = {
+        "Conventions": contract.CONVENTIONS,
         "sweep_version": __version__,
+        **({"git_sha": commit} if commit else {}),
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "jax_version": jax.__version__,
         "jax_backend": jax.default_backend(),
@@ -117,31 +68,57 @@ def provenance(config_yaml: str, seed: int, overrides: list[str]
         "hydra_overrides": " ".join(overrides),
         "config_yaml": config_yaml,
     }
+    for axis, values in (specs or {}).items():
+        table = {v.name: OmegaConf.to_container(OmegaConf.structured(v),
+                                                enum_to_str=True) for v in values}
+        attrs[f"{axis}_specs"] = yaml.safe_dump(table, sort_keys=False)
+    attrs["unit_definitions"] = "\n".join(contract.UNIT_DEFINITIONS)
+    return attrs
+
+
+def git_commit() -> str:
+    """The commit of the source tree the package runs from (``-dirty`` when a
+    tracked file differs from it); "" when it runs from an installed copy or
+    git is not there."""
+    root = Path(__file__).resolve().parent.parent
+    # only the project's own checkout: an installed copy may sit in another repo
+    if not ((root / ".git").exists() and (root / "pyproject.toml").is_file()):
+        return ""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return sha + ("-dirty" if dirty else "")
 
 
 def template(coords: dict[str, np.ndarray], parts, attrs: dict,
              extra: dict[str, xr.DataArray] | None = None) -> xr.Dataset:
     """An unwritten cube: coordinates, attributes and lazily-zero variables.
 
+    Every variable's dtype and attributes come from its declaration
+    (``sweep.contract``).
+
     Args:
       parts: the job's parts; each contributes its variables on its dims,
-        chunked like its blocks.
+        chunked like its blocks, with the part's ``attrs`` added.
     """
     import dask.array as da  # only writers need dask; keep `import sweep` light
 
     data_vars = {}
     for part in parts:
         shape = tuple(len(coords[d]) for d in part.dims)
-        for name in part.variables:
-            dtype = bool if name in BOOLEAN else (
-                np.int32 if name in INTEGER else np.float32)
-            data_vars[name] = (part.dims,
-                               da.zeros(shape, dtype=dtype, chunks=part.plan.chunks),
-                               {**_attrs(name, VARIABLES), **FLAG_ATTRS.get(name, {}),
-                                **part.attrs})
+        for m in part.variables:
+            zeros = da.zeros(shape, dtype=m.dtype, chunks=part.plan.chunks)
+            data_vars[m.name] = (part.dims, zeros, {**m.attrs(), **part.attrs})
     ds = xr.Dataset(
         data_vars,
-        coords={d: (d, v, _attrs(d, COORDS)) for d, v in coords.items()},
+        coords={d: (d, v, contract.AXIS[d].attrs()) for d, v in coords.items()},
         attrs=attrs,
     )
     if extra:

@@ -23,10 +23,19 @@ A mixture of experts reads its shared weights every step and each routed
 expert when at least one token of the step is sent to it; with ``k`` of ``E``
 experts per token chosen uniformly, ``t`` tokens touch a fraction
 ``1 - (1 - k/E)^t`` of the experts (the standard balls-into-bins estimate).
+
+A run of steps whose KV read and attention keys grow linearly with the step
+(a long prompt's chunks; the simulator's runs between scheduling events) has
+its memory and compute times on two lines (``step_lines``); the larger of
+the two changes at most once, at their crossing (``split_at_crossing``), so
+the run's duration is two arithmetic series (``run_s``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
 from sweep.params import HardwareParams, ModelParams
@@ -77,6 +86,23 @@ def allreduce_s(hw: HardwareParams, model: ModelParams, tp, new_tokens):
     return ALLREDUCES_PER_LAYER * model.layers * moved / hw.interconnect_bytes_per_s
 
 
+def fixed_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, sequences):
+    """The part of a step that neither bandwidth nor FLOPs bound: all-reduces,
+    the step's overhead and each sequence's (``sequence_overhead_s``)."""
+    return (allreduce_s(hw, model, tp, new_tokens) + hw.step_overhead_s
+            + hw.sequence_overhead_s * sequences)
+
+
+def effective_bandwidth_bytes_per_s(hw: HardwareParams):
+    """Memory bandwidth one GPU achieves: peak x ``mbu`` (a TP group: ``tp`` x)."""
+    return hw.memory_bandwidth_bytes_per_s * hw.mbu
+
+
+def effective_flops_per_s(hw: HardwareParams):
+    """FLOP rate one GPU achieves: peak x ``mfu`` (a TP group: ``tp`` x)."""
+    return hw.peak_flops_per_s * hw.mfu
+
+
 def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
            attention_keys, sequences=0.0):
     """One step's wall time, seconds.
@@ -95,8 +121,8 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
         2.0 * model.active_params * new_tokens
         + attention_flops_per_key(model) * attention_keys
     )
-    memory_s = bytes_moved / tp / (hw.memory_bandwidth_bytes_per_s * hw.mbu)
-    compute_s = flops / tp / (hw.peak_flops_per_s * hw.mfu)
+    memory_s = bytes_moved / tp / effective_bandwidth_bytes_per_s(hw)
+    compute_s = flops / tp / effective_flops_per_s(hw)
     return (
         jnp.maximum(memory_s, compute_s)
         + allreduce_s(hw, model, tp, new_tokens)
@@ -141,10 +167,82 @@ def prefill_step_s(hw, model, tp, prompt_tokens):
     return mixed_step_s(hw, model, tp, 0.0, 0.0, prompt_tokens, 0.0)
 
 
-def _sum_linear(lo, hi, a, s):
-    """``sum_{i=lo}^{hi-1} (a + s i)`` for ``lo <= hi``."""
+class StepLines(NamedTuple):
+    """Step times along a run: ``max(memory_s + memory_slope_s x, compute_s +
+    compute_slope_s x) + fixed_s`` at ``x`` (a step index, or a cached prefix)."""
+
+    memory_s: jax.Array
+    memory_slope_s: jax.Array
+    compute_s: jax.Array
+    compute_slope_s: jax.Array
+    fixed_s: jax.Array
+
+    def at(self, x):
+        """The step time at ``x``."""
+        return jnp.maximum(self.memory_s + self.memory_slope_s * x,
+                           self.compute_s + self.compute_slope_s * x) + self.fixed_s
+
+
+def step_lines(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
+               kv_read_slope, attention_keys, attention_keys_slope,
+               sequences=0.0) -> StepLines:
+    """``step_s`` of steps with ``new_tokens`` each (of ``sequences``
+    sequences) whose KV read and attention keys grow linearly in ``x``:
+    ``kv_read_tokens + kv_read_slope x`` and ``attention_keys +
+    attention_keys_slope x``."""
+    kvb = kv_read_bytes_per_token(hw, model)
+    fpk = attention_flops_per_key(model)
+    bandwidth = effective_bandwidth_bytes_per_s(hw)
+    flop_rate = effective_flops_per_s(hw)
+    return StepLines(
+        (weight_bytes_read(model, new_tokens) + kv_read_tokens * kvb) / tp / bandwidth,
+        kv_read_slope * kvb / tp / bandwidth,
+        (2.0 * model.active_params * new_tokens + fpk * attention_keys) / tp
+        / flop_rate,
+        fpk * attention_keys_slope / tp / flop_rate,
+        fixed_s(hw, model, tp, new_tokens, sequences),
+    )
+
+
+def crossing(lines: StepLines):
+    """Where the memory and compute lines meet (``0 / 1`` when parallel)."""
+    d0 = lines.memory_s - lines.compute_s
+    ds = lines.memory_slope_s - lines.compute_slope_s
+    return -d0 / jnp.where(ds == 0.0, 1.0, ds)
+
+
+def split_at_crossing(lines: StepLines, steps):
+    """Splits steps ``0 .. steps - 1`` where the larger of the two lines changes.
+
+    Returns ``(j, (a, s), (b, r))``: step ``i < j`` lasts ``a + s i``, a later
+    one ``b + r i`` (plus ``fixed_s``); ``j`` is a float in ``[0, steps]``.
+    """
+    d0 = lines.memory_s - lines.compute_s
+    ds = lines.memory_slope_s - lines.compute_slope_s
+    x = crossing(lines)
+    h = jnp.asarray(steps, x.dtype)
+    # memory is the larger from ceil(x) on (ds > 0) or up to floor(x) (ds < 0)
+    j = jnp.where(ds > 0, jnp.clip(jnp.ceil(x), 0.0, h),
+                  jnp.where(ds < 0, jnp.clip(jnp.floor(x) + 1.0, 0.0, h), 0.0))
+    def line(memory):
+        return (jnp.where(memory, lines.memory_s, lines.compute_s),
+                jnp.where(memory, lines.memory_slope_s, lines.compute_slope_s))
+
+    return j, line(ds < 0), line((ds > 0) | ((ds == 0) & (d0 >= 0)))
+
+
+def sum_linear(lo, hi, a, s):
+    """``sum_{i=lo}^{hi-1} (a + s i)`` for ``lo <= hi`` (float)."""
     n = hi - lo
     return n * a + s * n * (hi + lo - 1.0) / 2.0
+
+
+def run_s(lines: StepLines, split, steps):
+    """Duration of the first ``steps`` steps (float) of a run, in closed form;
+    ``split`` is ``split_at_crossing(lines, ...)``."""
+    j, (a, s), (b, r) = split
+    k = jnp.minimum(j, steps)
+    return sum_linear(0.0, k, a, s) + sum_linear(k, steps, b, r) + steps * lines.fixed_s
 
 
 def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
@@ -168,35 +266,25 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     ctx = decodes * context_tokens
     kvb = kv_read_bytes_per_token(hw, model)
     new = decodes + b
-    mem_bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
-    flop_rate = tp * hw.peak_flops_per_s * hw.mfu
+    mem_bw = tp * effective_bandwidth_bytes_per_s(hw)
+    flop_rate = tp * effective_flops_per_s(hw)
     fpk = attention_flops_per_key(model)
-    # step i of the full chunks: memory a_m + s_m i, compute a_c + s_c i
-    a_m = (weight_bytes_read(model, new) + ctx * kvb) / mem_bw
-    s_m = b * kvb / mem_bw
-    a_c = (2.0 * model.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0)) / (
-        flop_rate
+    # step i of the full chunks: step_lines(.., ctx, b, ctx + b (b + 1) / 2,
+    # b b), written out: it divides by the group's rates once and takes the
+    # compute slope as (fpk b) b, and the grid's and the surrogate's figures
+    # and gradients are bitwise tied to this order (XLA turns a division by a
+    # broadcast into a reciprocal multiply and fuses multiply-adds within a
+    # fusion, so the same formula rounds differently in another order)
+    lines = StepLines(
+        (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
+        b * kvb / mem_bw,
+        (2.0 * model.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0))
+        / flop_rate,
+        fpk * b * b / flop_rate,
+        fixed_s(hw, model, tp, new, decodes + 1.0),
     )
-    s_c = fpk * b * b / flop_rate
-    fixed = (allreduce_s(hw, model, tp, new) + hw.step_overhead_s
-             + hw.sequence_overhead_s * (decodes + 1.0))
-    # indices with memory >= compute form a suffix (s_m > s_c) or prefix
-    d0, ds = a_m - a_c, s_m - s_c
-    safe_ds = jnp.where(ds == 0.0, 1.0, ds)
-    cross = -d0 / safe_ds
-    suffix_start = jnp.clip(jnp.ceil(cross), 0.0, full)
-    prefix_end = jnp.clip(jnp.floor(cross) + 1.0, 0.0, full)
-    mem_lo = jnp.where(ds > 0, suffix_start, 0.0)
-    mem_hi = jnp.where(ds > 0, full, jnp.where(ds < 0, prefix_end, full))
-    mem_hi = jnp.where((ds == 0.0) & (d0 < 0.0), 0.0, mem_hi)
-    full_sum = (
-        _sum_linear(mem_lo, mem_hi, a_m, s_m)
-        + _sum_linear(0.0, mem_lo, a_c, s_c)
-        + _sum_linear(mem_hi, full, a_c, s_c)
-        + full * fixed
-    )
-    last_full = jnp.maximum(a_m + s_m * (full - 1.0), a_c + s_c * (full - 1.0)) + fixed
-    last_full = jnp.where(full > 0, last_full, 0.0)
+    full_sum = run_s(lines, split_at_crossing(lines, full), full)
+    last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
     partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, full * b)
     partial = jnp.where(rest > 0, partial, 0.0)
     steps = full + jnp.where(rest > 0, 1.0, 0.0)

@@ -50,30 +50,38 @@ ch. 17 (penalty and continuation methods).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sweep import contract
 from sweep._numerics import softplus
 from sweep.latency import LatencyWorkload, surrogate
 from sweep.params import HardwareParams, ModelParams
 from sweep.status import OK
 
+if TYPE_CHECKING:
+    from sweep.config.schema import Search
+
 NEIGHBOURS = 4
 """Lattice neighbours of a continuous answer: (c down/up) x (b down/up)."""
 
-METRICS = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p99_s",
-           "utilization")
+METRICS = (*contract.LATENCY, "utilization")
 """Surrogate outputs kept for every evaluated integer configuration."""
 
 REACH = ("ttft_p99_s", "itl_p99_s", "utilization")
 """Surrogate outputs kept at ``replicas_max``: the best a configuration reaches."""
+
+PAD = 8
+"""Candidates are stacked in multiples of this: fewer distinct shapes to compile."""
 
 
 class Candidates(NamedTuple):
@@ -88,24 +96,40 @@ class Candidates(NamedTuple):
     itl_target_s: jax.Array  # surrogate target for p99 ITL (<= the SLO)
 
 
+def _frozen(value) -> Hashable:
+    """``value`` with its lists and dicts as tuples (dict items sorted)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
-    """Static search settings (hashable: one compiled search per value)."""
+    """Static search settings: the ``search`` config group, frozen.
 
-    optimizer: str = "adam"
-    optimizer_options: tuple[tuple[str, float], ...] = (("b2", 0.9),)
-    learning_rate: float = 0.1
-    final_learning_rate_fraction: float = 0.1
-    steps: int = 150
-    concurrency_min: int = 1
-    concurrency_max: int = 1024
-    token_budget_min: int = 256
-    token_budget_max: int = 16384
-    levels_per_octave: int = 4
-    replicas_max: int = 256
-    penalty_weight: float = 10.0
-    penalty_scale_start: float = 0.3
-    penalty_scale_end: float = 0.01
+    ``sweep.config.schema.Search`` declares the fields, their defaults and
+    their checks; ``Settings.of(config)`` keeps a copy of a validated config's
+    values (lists and dicts as tuples) that reads as the config does
+    (``settings.steps``) and is hashable, so that it keys the compiled
+    search: each distinct value compiles once.
+    """
+
+    values: tuple[tuple[str, Hashable], ...]
+
+    @classmethod
+    def of(cls, config: Search) -> Settings:
+        """The settings of a validated ``search`` config."""
+        return cls(tuple((f.name, _frozen(getattr(config, f.name)))
+                         for f in dataclasses.fields(config)))
+
+    def __getattr__(self, name: str):
+        # only reached for names that are not attributes: the config's fields
+        for key, value in self.__dict__.get("values", ()):
+            if key == name:
+                return value
+        raise AttributeError(f"search settings have no field {name!r}")
 
     @property
     def concurrency_values(self) -> np.ndarray:
@@ -218,108 +242,137 @@ def _index(u, vmin, levels):
     return (u - jnp.log(vmin)) * levels / jnp.log(2.0)
 
 
+def _penalty_scales(settings: Settings) -> np.ndarray:
+    """The barrier's temperature at every scan step: geometric from
+    ``penalty_scale_start`` to ``penalty_scale_end`` over the search steps,
+    then held for the integer stage."""
+    steps = settings.steps
+    ratio = settings.penalty_scale_end / settings.penalty_scale_start
+    return settings.penalty_scale_start * ratio ** (
+        np.minimum(np.arange(steps + settings.integer_steps), steps - 1)
+        / max(steps - 1, 1))
+
+
+def _neighbour(settings: Settings, theta, n):
+    """Lattice neighbour ``n`` of ``theta``: concurrency down (``n`` even) or
+    up, token budget down (``n < 2``) or up, the budget raised to the
+    concurrency where lower. Returns ``(concurrency, token_budget)``."""
+    c_tab = np.asarray(settings.concurrency_values, np.float32)
+    b_tab = np.asarray(settings.token_budget_values, np.float32)
+    levels = float(settings.levels_per_octave)
+    kc = _index(theta[0], float(c_tab[0]), levels)
+    kb = _index(theta[1], float(b_tab[0]), levels)
+    ci = jnp.clip(jnp.where(n % 2 == 1, jnp.ceil(kc), jnp.floor(kc)),
+                  0, len(c_tab) - 1).astype(jnp.int32)
+    bi = jnp.clip(jnp.where(n // 2 == 1, jnp.ceil(kb), jnp.floor(kb)),
+                  0, len(b_tab) - 1).astype(jnp.int32)
+    c_val = jnp.asarray(c_tab)[ci]
+    return c_val, jnp.maximum(jnp.asarray(b_tab)[bi], c_val)
+
+
+def _descend(settings: Settings, opt, carry: _Carry, grad):
+    """One optax step on ``theta``, projected onto the box; a non-finite
+    gradient is replaced by zeros. Returns ``(theta, opt_state, grad, finite)``."""
+    finite = jnp.all(jnp.isfinite(grad))
+    grad = jnp.where(finite, grad, 0.0)
+    # optax mixes its int32 step count with floats (bias correction,
+    # schedules): allowed here even where a caller made promotion strict
+    with jax.numpy_dtype_promotion("standard"):
+        updates, opt_state = opt.update(grad, carry.opt_state, carry.theta)
+    theta = optax.projections.projection_box(
+        optax.apply_updates(carry.theta, updates),
+        np.asarray(settings.lower, np.float32), np.asarray(settings.upper, np.float32))
+    return theta, opt_state, grad, finite
+
+
+def _bisect(carry: _Carry, first, mid, meets, r_max):
+    """One bisection step on a neighbour's replicas (its first query is at
+    ``r_max``). Returns ``(lo, hi, kept)``: ``kept`` when the query is the
+    fewest replicas known to meet the targets."""
+    open_ = carry.hi - carry.lo > 1
+    lo = jnp.where(first, 0, jnp.where(open_ & ~meets, mid, carry.lo))
+    hi = jnp.where(first, r_max, jnp.where(open_ & meets, mid, carry.hi))
+    return lo, hi, jnp.where(first, meets, open_ & meets)
+
+
+def _scan_step(settings: Settings, opt, cand: Candidates, carry: _Carry, xs):
+    """Scan step ``k`` at penalty scale ``s``: a search step while
+    ``k < steps``, then bisection steps on the replicas of each lattice
+    neighbour in turn (``1 + bisect_steps`` per neighbour)."""
+    k, s = xs
+    steps, r_max = settings.steps, settings.replicas_max
+    searching = k < steps
+    k2 = jnp.maximum(k - steps, 0)
+    n, j = k2 // (1 + settings.bisect_steps), k2 % (1 + settings.bisect_steps)
+    c_val, b_val = _neighbour(settings, carry.theta, n)
+    first = j == 0
+    mid = (carry.lo + carry.hi) // 2
+    r_query = jnp.where(first, r_max, jnp.maximum(mid, 1))
+    query = jnp.where(searching, carry.theta,
+                      jnp.log(jnp.stack([c_val, b_val, r_query.astype(jnp.float32)])))
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    (value, out), grad = grad_fn(query, cand, s, settings.penalty_weight)
+
+    theta, opt_state, grad, finite = _descend(settings, opt, carry, grad)
+    meets = ((out["ttft_p99_s"] <= cand.ttft_target_s)
+             & (out["itl_p99_s"] <= cand.itl_target_s)
+             & (out["status"] == OK))
+    lo, hi, kept = _bisect(carry, first, mid, meets, r_max)
+    keep = ~searching & kept
+    top = ~searching & first
+
+    def put(arr, new, when):
+        return arr.at[n].set(jnp.where(when, new, arr[n]))
+
+    def pick(a, b):
+        return jnp.where(searching, a, b)
+
+    carry = _Carry(
+        theta=pick(theta, carry.theta),
+        opt_state=jax.tree.map(pick, opt_state, carry.opt_state),
+        lo=pick(carry.lo, lo),
+        hi=pick(carry.hi, hi),
+        feasible=put(carry.feasible, meets, top),
+        replicas=put(carry.replicas, r_query, keep),
+        concurrency=put(carry.concurrency, c_val, ~searching),
+        token_budget=put(carry.token_budget, b_val, ~searching),
+        metrics={m: put(carry.metrics[m], out[m], keep) for m in METRICS},
+        reach={m: put(carry.reach[m], out[m], top) for m in carry.reach},
+        max_abs_grad=pick(jnp.maximum(carry.max_abs_grad, jnp.max(jnp.abs(grad))),
+                          carry.max_abs_grad),
+        nonfinite_steps=carry.nonfinite_steps + (searching & ~finite).astype(jnp.int32),
+    )
+    return carry, value
+
+
+def _run_lane(settings: Settings, cand: Candidates, init):
+    """One candidate from one start: the search and the integer stage as one
+    scan. Returns ``(final carry, objective at each search step)``."""
+    opt = make_optimizer(settings)
+    r_max = settings.replicas_max
+    nan = jnp.full((NEIGHBOURS,), jnp.nan, jnp.float32)
+    carry = _Carry(
+        theta=init, opt_state=opt.init(init),
+        lo=jnp.int32(0), hi=jnp.int32(r_max),
+        feasible=jnp.zeros(NEIGHBOURS, bool),
+        replicas=jnp.full(NEIGHBOURS, r_max, jnp.int32),
+        concurrency=nan, token_budget=nan,
+        metrics={m: nan for m in METRICS},
+        reach={m: nan for m in REACH},
+        max_abs_grad=jnp.float32(0.0), nonfinite_steps=jnp.int32(0),
+    )
+    scales = _penalty_scales(settings)
+    xs = (jnp.arange(len(scales)), jnp.asarray(scales, jnp.float32))
+    carry, values = jax.lax.scan(functools.partial(_scan_step, settings, opt, cand),
+                                 carry, xs)
+    return carry, values[:settings.steps]
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(settings: Settings):
     """The jitted search over ``(C, R)`` lanes for these static settings."""
-    opt = make_optimizer(settings)
-    f32 = jnp.float32
-    c_tab = np.asarray(settings.concurrency_values, np.float32)
-    b_tab = np.asarray(settings.token_budget_values, np.float32)
-    lower = np.asarray(settings.lower, np.float32)
-    upper = np.asarray(settings.upper, np.float32)
-    steps, per = settings.steps, 1 + settings.bisect_steps
-    total = steps + settings.integer_steps
-    ratio = settings.penalty_scale_end / settings.penalty_scale_start
-    scale = settings.penalty_scale_start * ratio ** (
-        np.minimum(np.arange(total), steps - 1) / max(steps - 1, 1))
-    r_max = settings.replicas_max
-    levels = float(settings.levels_per_octave)
-
-    def run_lane(cand: Candidates, init):
-        grad_fn = jax.value_and_grad(objective, has_aux=True)
-
-        def body(carry: _Carry, xs):
-            k, s = xs
-            searching = k < steps
-            k2 = jnp.maximum(k - steps, 0)
-            n, j = k2 // per, k2 % per
-            kc = _index(carry.theta[0], float(c_tab[0]), levels)
-            kb = _index(carry.theta[1], float(b_tab[0]), levels)
-            ci = jnp.clip(jnp.where(n % 2 == 1, jnp.ceil(kc), jnp.floor(kc)),
-                          0, len(c_tab) - 1).astype(jnp.int32)
-            bi = jnp.clip(jnp.where(n // 2 == 1, jnp.ceil(kb), jnp.floor(kb)),
-                          0, len(b_tab) - 1).astype(jnp.int32)
-            c_val = jnp.asarray(c_tab)[ci]
-            b_val = jnp.maximum(jnp.asarray(b_tab)[bi], c_val)
-            first = j == 0
-            mid = (carry.lo + carry.hi) // 2
-            r_query = jnp.where(first, r_max, jnp.maximum(mid, 1))
-            query = jnp.where(searching, carry.theta,
-                              jnp.log(jnp.stack([c_val, b_val,
-                                                 r_query.astype(f32)])))
-            (value, out), grad = grad_fn(query, cand, s, settings.penalty_weight)
-
-            # search step; a non-finite gradient is counted and skipped
-            finite = jnp.all(jnp.isfinite(grad))
-            grad = jnp.where(finite, grad, 0.0)
-            # optax mixes its int32 step count with floats (bias correction,
-            # schedules): allowed here even where a caller made promotion strict
-            with jax.numpy_dtype_promotion("standard"):
-                updates, opt_state = opt.update(grad, carry.opt_state, carry.theta)
-            theta = optax.projections.projection_box(
-                optax.apply_updates(carry.theta, updates), lower, upper)
-
-            # integer step: bisection on the replicas of neighbour n
-            meets = ((out["ttft_p99_s"] <= cand.ttft_target_s)
-                     & (out["itl_p99_s"] <= cand.itl_target_s)
-                     & (out["status"] == OK))
-            open_ = carry.hi - carry.lo > 1
-            lo = jnp.where(first, 0, jnp.where(open_ & ~meets, mid, carry.lo))
-            hi = jnp.where(first, r_max, jnp.where(open_ & meets, mid, carry.hi))
-            keep = ~searching & jnp.where(first, meets, open_ & meets)
-            top = ~searching & first
-
-            def put(arr, new, when):
-                return arr.at[n].set(jnp.where(when, new, arr[n]))
-
-            def pick(a, b):
-                return jnp.where(searching, a, b)
-
-            carry = _Carry(
-                theta=pick(theta, carry.theta),
-                opt_state=jax.tree.map(pick, opt_state, carry.opt_state),
-                lo=pick(carry.lo, lo),
-                hi=pick(carry.hi, hi),
-                feasible=put(carry.feasible, meets, top),
-                replicas=put(carry.replicas, r_query, keep),
-                concurrency=put(carry.concurrency, c_val, ~searching),
-                token_budget=put(carry.token_budget, b_val, ~searching),
-                metrics={m: put(carry.metrics[m], out[m], keep) for m in METRICS},
-                reach={m: put(carry.reach[m], out[m], top) for m in carry.reach},
-                max_abs_grad=pick(jnp.maximum(carry.max_abs_grad,
-                                              jnp.max(jnp.abs(grad))),
-                                  carry.max_abs_grad),
-                nonfinite_steps=carry.nonfinite_steps
-                + (searching & ~finite).astype(jnp.int32),
-            )
-            return carry, value
-
-        nan = jnp.full((NEIGHBOURS,), jnp.nan, f32)
-        carry = _Carry(
-            theta=init, opt_state=opt.init(init),
-            lo=jnp.int32(0), hi=jnp.int32(r_max),
-            feasible=jnp.zeros(NEIGHBOURS, bool),
-            replicas=jnp.full(NEIGHBOURS, r_max, jnp.int32),
-            concurrency=nan, token_budget=nan,
-            metrics={m: nan for m in METRICS},
-            reach={m: nan for m in REACH},
-            max_abs_grad=jnp.float32(0.0), nonfinite_steps=jnp.int32(0),
-        )
-        xs = (jnp.arange(total), jnp.asarray(scale, f32))
-        carry, values = jax.lax.scan(body, carry, xs)
-        return carry, values[:steps]
-
-    return jax.jit(jax.vmap(jax.vmap(run_lane, in_axes=(None, 0)), in_axes=(0, 0)))
+    lane = functools.partial(_run_lane, settings)
+    return jax.jit(jax.vmap(jax.vmap(lane, in_axes=(None, 0)), in_axes=(0, 0)))
 
 
 def initial_theta(key, settings: Settings, num_candidates: int,

@@ -8,8 +8,10 @@ optimised: a row is the point of least ``cost_per_mtok_out_usd`` among the
 feasible ones, as ``sweep-report`` decides feasibility
 (``ds.sweep.feasible_mask``: the KV cache fits, the token budget is at least
 the concurrency, and on a cube with p99 variables the SLO of the cube's own
-config). ``long_prompt_tokens`` changes only the interference variables,
-which the table does not show: it is fixed at its first value.
+config). A scenario axis that changes only a few metrics
+(``sweep.contract.Axis.affects``: ``long_prompt_tokens``, the interference
+variables), none of them shown, is fixed at its first value. The columns
+are the metrics declared with a ``column`` (``sweep.contract``).
 
 Rows go scenario by scenario, so a long table cut at ``MAX_ROWS`` still
 compares every hardware x model on its first scenarios; the rest are in the
@@ -26,23 +28,30 @@ import xarray as xr
 from rich.table import Table
 
 import sweep.accessor  # noqa: F401  (registers ds.sweep)
-from sweep.accessor import CONFIG_DIMS, cube_slo
+from sweep import contract
+from sweep.accessor import CONFIG_DIMS, MASK_VARIABLES, cube_slo
 from sweep.plan import LOAD_POINTS
 
 MAX_ROWS = 60
-ROW_DIMS = ("workload", "context_tokens", "arrival_rate_per_s",
-            "traffic_tokens_per_day")
-"""Scenario dims that get rows (long_prompt_tokens is fixed: see above)."""
-
-_SCENARIO_COLUMNS = {"workload": "workload", "context_tokens": "context tok",
-                     "arrival_rate_per_s": "req/s",
-                     "traffic_tokens_per_day": "tok/day"}
+COLUMNS = tuple(sorted((m for m in contract.METRICS if m.column),
+                       key=lambda m: (contract.SPEED, contract.COST).index(
+                           m.column.section)))
+"""The metrics shown (those a cube has): speed, then cost, each in
+declaration order."""
+FIXED_DIMS = tuple(a.name for a in contract.AXES if a.role == contract.SCENARIO
+                   and a.affects and not set(a.affects) & {m.name for m in COLUMNS})
+"""Scenario dims that change only metrics the table does not show: fixed at
+their first value."""
+ROW_DIMS = tuple(a.name for a in contract.AXES
+                 if a.role == contract.SCENARIO and a.name not in FIXED_DIMS)
+"""Scenario dims that get rows."""
 
 
 def _fmt(dim: str, v) -> str:
-    if dim == "workload":
+    kind = contract.AXIS[dim].kind
+    if kind == contract.LABEL:
         return str(v)
-    if dim == "context_tokens":
+    if kind == contract.INTEGER:
         return f"{int(v):,}"
     return f"{float(v):g}"
 
@@ -61,21 +70,22 @@ def _cheapest(sl: xr.Dataset, limits: dict) -> xr.Dataset | None:
 
 def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
     """The table, and the notes to print under it (what was fixed or left out)."""
-    p99 = "ttft_p99_s" in ds and "itl_p99_s" in ds
+    p99 = all(name in ds for name in contract.SLO)
     limits = cube_slo(ds) if p99 else {}
     notes = []
-    if "long_prompt_tokens" in ds.dims:
-        if ds.sizes["long_prompt_tokens"] > 1:
-            notes.append(f"long_prompt_tokens fixed at "
-                         f"{int(ds.long_prompt_tokens[0]):,} (first of "
-                         f"{ds.sizes['long_prompt_tokens']}): it changes only the "
-                         "long-prompt interference variables")
-        ds = ds.isel(long_prompt_tokens=0)
+    for d in FIXED_DIMS:
+        if d not in ds.dims:
+            continue
+        if ds.sizes[d] > 1:
+            axis = contract.AXIS[d]
+            notes.append(f"{d} fixed at {_fmt(d, ds[d].values[0])} (first of "
+                         f"{ds.sizes[d]}): it changes only "
+                         f"{', '.join(axis.affects)}")
+        ds = ds.isel({d: 0})
+    columns = [m for m in COLUMNS if m.name in ds]
     if int(np.prod(list(ds.sizes.values()))) <= LOAD_POINTS:
-        names = ["cost_per_mtok_out_usd", "kv_fits", "step_s", "user_tokens_per_s",
-                 "max_concurrency_fit", "replicas", "ttft_p99_s", "itl_p99_s",
-                 "prefill_tokens_per_s", "mean_prompt_tokens"]
-        ds = ds[[n for n in names if n in ds]].load()
+        names = {m.name for m in columns} | set(MASK_VARIABLES)
+        ds = ds[[n for n in ds.data_vars if n in names]].load()
     row_dims = [d for d in ROW_DIMS if d in ds.dims]
     shown = [d for d in row_dims if d != "workload" or ds.sizes[d] > 1]
     if limits:
@@ -85,11 +95,10 @@ def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
     else:
         title = "cheapest point that fits"
     table = Table(title=f"{title}, per scenario and hardware x model")
-    cols = ["hardware", "model", *(_SCENARIO_COLUMNS[d] for d in shown),
-            "TP", "conc.", "budget tok", "batching", "ITL ms", "tok/s/user"]
-    if p99:
-        cols += ["p99 TTFT s", "p99 ITL ms"]
-    cols += ["USD/1M out", "replicas", "max conc."]
+    config = [d for d in CONFIG_DIMS if d in ds.coords]
+    cols = ["hardware", "model", *(contract.AXIS[d].header for d in shown),
+            *(contract.AXIS[d].header for d in config),
+            *(m.column.header for m in columns)]
     for col in cols:
         left = col in ("hardware", "model", "workload", "batching")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
@@ -109,16 +118,8 @@ def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
                 table.add_row(*head, *[""] * (len(cols) - len(head) - 1),
                               "meets no SLO" if limits else "does not fit")
                 continue
-            row = [*head, str(int(pt.tensor_parallel)), str(int(pt.concurrency)),
-                   f"{int(pt.token_budget):,}", str(pt.batching.values),
-                   f"{float(pt.step_s) * 1e3:.2f}",
-                   f"{float(pt.user_tokens_per_s):,.0f}"]
-            if p99:
-                row += [f"{float(pt.ttft_p99_s):.3f}",
-                        f"{float(pt.itl_p99_s) * 1e3:.2f}"]
-            row += [f"{float(pt.cost_per_mtok_out_usd):.3f}",
-                    f"{float(pt.replicas):,.0f}", f"{int(pt.max_concurrency_fit):,}"]
-            table.add_row(*row)
+            table.add_row(*head, *(_fmt(d, pt[d].values) for d in config),
+                          *(c.column.format(pt[c.name]) for c in columns))
     if rows < total:
         notes.append(f"{total - rows:,} more row(s) of {total:,} are in the cube "
                      "(sweep-report CUBE, or ds.sweep.feasible().sweep.cheapest(...))")

@@ -1,6 +1,12 @@
-"""Shared fixtures: strict JAX promotion, composed configs, a PRNG key, and
-the outputs of the ``sweep-grid`` and ``sweep-optimize`` runs shared by a
-session (a roofline, a surrogate and a simulated cube, an optimize dataset).
+"""Shared fixtures: strict JAX promotion, a Hydra context, a PRNG key, one
+JAX compilation cache for the console scripts, and the outputs of the
+``sweep-grid`` and ``sweep-optimize`` runs shared by a session (a roofline,
+a surrogate and a simulated cube, an optimize dataset).
+
+A test that runs a console script is marked ``slow``: by hand where it runs
+one itself, here (``pytest_collection_modifyitems``) where it reads a run of
+the session fixtures below. ``python -m pytest -q`` runs them all;
+``-m "not slow"`` leaves them out.
 
 The public traces come from ``SWEEP_DATA_DIR``; unset, it defaults to the
 ``shared/data`` folder beside the checkout (CI's layout), or beside the main
@@ -10,49 +16,42 @@ checkout of a git worktree, when there is one: no test downloads anything.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import pytest
-from hydra import initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
+from helpers import (
+    CUBE_GRID,
+    OPTIMIZE_QUICK,
+    SHARED_DATA,
+    hydra_context,
+    run_script,
+)
 
-from sweep.config.store import register_configs
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def shared_data_dir() -> Path | None:
-    """``shared/data`` beside this checkout, or beside its main worktree."""
-    roots = [REPO]
-    common = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--path-format=absolute",
-         "--git-common-dir"], capture_output=True, text=True, check=False)
-    if common.returncode == 0:
-        roots.append(Path(common.stdout.strip()).parent)
-    return next((r.parent / "shared" / "data" for r in roots
-                 if (r.parent / "shared" / "data").is_dir()), None)
-
-
-SHARED_DATA = shared_data_dir()
 if not os.environ.get("SWEEP_DATA_DIR") and SHARED_DATA is not None:
     os.environ["SWEEP_DATA_DIR"] = str(SHARED_DATA)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
-register_configs()
+
+CONSOLE_FIXTURES = frozenset({"cube_path", "optimize_run", "simulated_run",
+                              "surrogate_run"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the marks
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if CONSOLE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
 def hydra_ctx():
     """A Hydra context over the shipped configs (like the apps use)."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
+    with hydra_context():
         yield
-    GlobalHydra.instance().clear()
 
 
 @pytest.fixture
@@ -60,39 +59,32 @@ def key():
     return jax.random.key(0)
 
 
-CUBE_GRID = ["grid=small", "grid.hardware=[h100_sxm,l40s]", "model=qwen3_8b",
-             "grid.concurrency=[1,8,64,512]", "grid.token_budget=[256,2048]"]
-
-
 @pytest.fixture(scope="session")
 def cube_path(tmp_path_factory) -> Path:
     """A 64-point cube written by the installed ``sweep-grid`` (once a session)."""
     root = tmp_path_factory.mktemp("sweep_cube")
     out = root / "c.zarr"
-    subprocess.run([script("sweep-grid"), *CUBE_GRID, f"out={out}"], cwd=root,
-                   check=True, capture_output=True, timeout=300)
+    proc = run_script("sweep-grid", [*CUBE_GRID, f"out={out}"], root)
+    assert proc.returncode == 0, proc.stderr
     return out
 
 
-def script(name: str) -> str:
-    """The installed console script ``name``."""
-    exe = shutil.which(name)
-    assert exe, f"{name} is not installed (pip install -e .)"
-    return exe
-
-
-OPTIMIZE_QUICK = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
-                  "search.tensor_parallel=[1,2]", "search.verify_requests=200"]
-
-
-@pytest.fixture(scope="session")
-def jax_cache_env(tmp_path_factory) -> dict[str, str]:
-    """The environment of console-script runs: one JAX compilation cache (a
-    temporary folder) for the session, so a later run reuses an earlier one's
-    compiled programs."""
-    env = dict(os.environ)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    return env
+@pytest.fixture(scope="session", autouse=True)
+def jax_cache(tmp_path_factory):
+    """One JAX compilation cache (a temporary folder) for every console-script
+    run of the session, however small the program: a run reuses what an
+    earlier one compiled (a rerun of the same grid, the same search). This
+    process imported JAX before and keeps compiling in memory only."""
+    names = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    old = {n: os.environ.get(n) for n in names}
+    os.environ[names[0]] = str(tmp_path_factory.mktemp("jax_cache"))
+    os.environ[names[1]] = "0"
+    yield
+    for n, v in old.items():
+        if v is None:
+            os.environ.pop(n)
+        else:
+            os.environ[n] = v
 
 
 @dataclass(frozen=True)
@@ -102,13 +94,11 @@ class OptimizeRun:
 
 
 @pytest.fixture(scope="session")
-def optimize_run(tmp_path_factory, jax_cache_env) -> OptimizeRun:
+def optimize_run(tmp_path_factory) -> OptimizeRun:
     """``sweep-optimize OPTIMIZE_QUICK out=opt.zarr`` by the installed script,
     once a session; its exit code is for the tests to check."""
     root = tmp_path_factory.mktemp("sweep_optimize")
-    proc = subprocess.run([script("sweep-optimize"), *OPTIMIZE_QUICK, "out=opt.zarr"],
-                          cwd=root, capture_output=True, text=True, timeout=900,
-                          env=jax_cache_env)
+    proc = run_script("sweep-optimize", [*OPTIMIZE_QUICK, "out=opt.zarr"], root)
     return OptimizeRun(root / "opt.zarr", proc)
 
 
@@ -118,9 +108,8 @@ class GridRun:
     proc: subprocess.CompletedProcess
 
 
-def _grid_run(root: Path, args: list[str], env: dict[str, str]) -> GridRun:
-    proc = subprocess.run([script("sweep-grid"), *args, "out=cube.zarr"], cwd=root,
-                          capture_output=True, text=True, timeout=900, env=env)
+def _grid_run(root: Path, args: list[str]) -> GridRun:
+    proc = run_script("sweep-grid", [*args, "out=cube.zarr"], root)
     assert proc.returncode == 0, proc.stderr
     return GridRun(root / "cube.zarr", proc)
 
@@ -130,22 +119,22 @@ P99_BASE = ["model=qwen3_8b", "grid.tensor_parallel=[1]",
 
 
 @pytest.fixture(scope="session")
-def simulated_run(tmp_path_factory, jax_cache_env) -> GridRun:
+def simulated_run(tmp_path_factory) -> GridRun:
     """A ``latency=simulate`` cube by the installed ``sweep-grid``: two arrival
     rates, two contexts, static and continuous batching (once a session)."""
     return _grid_run(tmp_path_factory.mktemp("simulated"), [
         *P99_BASE, "hardware=h100_sxm", "workload=azure_conv_2023",
         "grid.arrival_rate_per_s=[1,4]", "grid.concurrency=[16,64]",
         "grid.token_budget=[512,2048]", "grid.batching=[static,continuous]",
-        "latency=simulate", "latency.num_requests=300"], jax_cache_env)
+        "latency=simulate", "latency.num_requests=300"])
 
 
 @pytest.fixture(scope="session")
-def surrogate_run(tmp_path_factory, jax_cache_env) -> GridRun:
+def surrogate_run(tmp_path_factory) -> GridRun:
     """A ``latency=surrogate`` cube by the installed ``sweep-grid``: two GPUs,
     two contexts, the workload's own rate set to 3 req/s (once a session)."""
     return _grid_run(tmp_path_factory.mktemp("surrogate"), [
         *P99_BASE, "grid.hardware=[h100_sxm,l40s]", "workload=seed_chat",
         "workload.arrival_rate_per_s=3", "grid.concurrency=[1,8,64]",
         "grid.token_budget=[512,2048]", "grid.batching=[static,continuous]",
-        "latency=surrogate"], jax_cache_env)
+        "latency=surrogate"])

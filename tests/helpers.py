@@ -1,12 +1,30 @@
-"""Independent float64 hand calculations of the SPEC's roofline rules.
+"""What the tests share besides fixtures (``conftest.py`` holds those).
 
-Nothing here imports the package's model code: these are the numbers the
-model is checked against.
+* Independent float64 hand calculations of the SPEC's roofline rules and the
+  SPEC's seed table: nothing in that section imports the package's model
+  code; these are the numbers the model is checked against.
+* Composing configs: the one way the tests do it, through the package's own
+  composition (``sweep.config.resolve``) in a Hydra context over the shipped
+  configs, opened and closed per call like the console scripts do.
+* The plain-Python baseline (``benchmarks/numpy_model.py``) over a whole
+  cube: the values a written cube is checked against.
+* Running the installed console scripts.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# --- hand calculations --------------------------------------------------------
 
 # the SPEC's seed: H100 SXM, Qwen3-8B bf16
 BW, FLOPS, MEM, USD = 3.35e12, 989e12, 80e9, 4.29
@@ -14,6 +32,15 @@ PARAMS, LAYERS, QH, KVH, HD = 8.19e9, 36, 32, 8, 128
 W = PARAMS * 2
 KVB = 2 * LAYERS * KVH * HD * 2
 FPK = 4 * LAYERS * QH * HD
+
+SEED_TABLE = [  # concurrency, ITL ms, per-user tok/s, GPU tok/s, USD/1M out
+    (1, 4.96, 202, 202, 5.91),
+    (8, 5.42, 185, 1477, 0.81),
+    (32, 7.00, 143, 4570, 0.26),
+    (64, 9.12, 110, 7021, 0.17),
+    (128, 13.34, 75, 9595, 0.12),
+    (256, 21.79, 46, 11747, 0.10),
+]
 
 
 def step(new_tokens, kv_read_tokens, keys, bw=BW, flops=FLOPS):
@@ -52,3 +79,161 @@ def expected_max_enumerated(values, probs, batch):
         p = math.prod(probs[i] for i in combo)
         total += p * max(values[i] for i in combo)
     return total
+
+
+# --- composing configs ----------------------------------------------------------
+
+
+@contextmanager
+def hydra_context() -> Iterator[None]:
+    """A Hydra context over the shipped configs, as the console scripts open it."""
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from sweep.config.store import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("sweep.conf", version_base="1.3"):
+            yield
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_app(app: str, overrides: Sequence[str] = ()):
+    """The validated config dataclasses of ``app`` (``grid`` or ``optimize``)."""
+    from sweep.config.resolve import compose_object
+
+    with hydra_context():
+        return compose_object(app, list(overrides))
+
+
+def config_yaml(app: str, overrides: Sequence[str] = ()) -> str:
+    """The config text a run of ``app`` records (Hydra's own composition)."""
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    with hydra_context():
+        return OmegaConf.to_yaml(compose(config_name=app, overrides=list(overrides)))
+
+
+def grid_inputs(overrides: Sequence[str]):
+    """``sweep-grid``'s validated config and the option objects of each group."""
+    from sweep.config.resolve import grid_options
+
+    with hydra_context():
+        return grid_options("grid", list(overrides))
+
+
+def grid_job(overrides: Sequence[str]):
+    """The checked ``sweep-grid`` job of ``overrides`` (nothing compiled yet)."""
+    from sweep import grid
+
+    return grid.prepare(*grid_inputs(overrides))
+
+
+def optimize_inputs(overrides: Sequence[str]):
+    """``sweep-optimize``'s validated config, hardware and models."""
+    from sweep import optimize
+
+    with hydra_context():
+        return optimize.options("optimize", list(overrides))
+
+
+# --- the baseline a cube is checked against -----------------------------------
+
+
+def numpy_baseline():
+    """``benchmarks/numpy_model.py``: the grid model re-written without JAX."""
+    folder = str(REPO / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("numpy_model")
+
+
+def python_cube(job) -> dict:
+    """Every roofline variable of ``job``'s cube, point by point in float64 by
+    the plain-Python loop of ``numpy_model`` (its own static utilisation, the
+    long prompt chunk by chunk), shaped like the cube (``sweep.point.DIMS``)."""
+    import numpy as np
+
+    nm = numpy_baseline()
+    part = job.parts[0]
+    shape = part.plan.shape
+    points = nm.evaluate_points_python(nm.to_numpy(part.axes),
+                                       range(math.prod(shape)), shape)
+    return {k: np.array([p[k] for p in points], np.float64).reshape(shape)
+            for k in points[0]}
+
+
+def assert_cube_matches_baseline(ds, job) -> None:
+    """A cube read back holds, at every point, what ``python_cube`` computes:
+    float32 against float64, a few float32 ulps per step apart (rtol 1e-4)."""
+    import numpy as np
+
+    from sweep.point import DIMS
+
+    for name, want in python_cube(job).items():
+        got = ds[name]
+        assert got.dims == DIMS, (name, got.dims)
+        np.testing.assert_allclose(got.values.astype(np.float64), want, rtol=1e-4,
+                                   atol=0, err_msg=name)
+
+
+# --- the console scripts ------------------------------------------------------
+
+CUBE_GRID = ["grid=small", "grid.hardware=[h100_sxm,l40s]", "model=qwen3_8b",
+             "grid.concurrency=[1,8,64,512]", "grid.token_budget=[256,2048]"]
+"""The session's roofline cube (``conftest.cube_path``)."""
+
+OPTIMIZE_QUICK = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
+                  "search.tensor_parallel=[1,2]", "search.verify_requests=200"]
+"""The session's ``sweep-optimize`` run (``conftest.optimize_run``)."""
+
+
+def script(name: str) -> str:
+    """The installed console script ``name``."""
+    exe = shutil.which(name)
+    assert exe, f"{name} is not installed (pip install -e .)"
+    return exe
+
+
+def run_script(name: str, args: Sequence[str], cwd, env=None,
+               timeout: float = 900) -> subprocess.CompletedProcess:
+    """Runs the installed console script ``name`` in ``cwd``; output captured."""
+    return subprocess.run([script(name), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def report(argv: Sequence) -> None:
+    """``sweep-report argv`` in this process (its exit is ``SystemExit``)."""
+    from sweep.report import main
+
+    main([str(a) for a in argv])
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png(path: Path) -> None:
+    """A PNG file, not blank."""
+    from matplotlib.image import imread
+
+    assert path.read_bytes()[:8] == PNG
+    assert imread(path).std() > 0
+
+
+def shared_data_dir() -> Path | None:
+    """``shared/data`` beside this checkout, or beside its main worktree."""
+    roots = [REPO]
+    common = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--path-format=absolute",
+         "--git-common-dir"], capture_output=True, text=True, check=False)
+    if common.returncode == 0:
+        roots.append(Path(common.stdout.strip()).parent)
+    return next((r.parent / "shared" / "data" for r in roots
+                 if (r.parent / "shared" / "data").is_dir()), None)
+
+
+SHARED_DATA = shared_data_dir()

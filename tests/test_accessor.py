@@ -110,7 +110,7 @@ def test_cheapest_over_concurrency_is_nanmin(ds):
     conc = ds.concurrency.values[np.nanargmin(raw, axis=axis)]
     np.testing.assert_array_equal(
         best["best_concurrency"].transpose(*got.dims).values, conc)
-    assert best["best_concurrency"].attrs["units"] == "sequences"
+    assert best["best_concurrency"].attrs["units"] == "sequence"
     assert "concurrency" not in best.dims
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xarray as xr
-from test_report import check_png, report
+from helpers import check_png, report
 
 import sweep
 from sweep import plots
@@ -159,7 +159,6 @@ def optimized(optimize_run) -> xr.Dataset:
     return sweep.open_cube(optimize_run.path).load()
 
 
-@pytest.mark.slow
 def test_accessor_on_the_optimize_dataset(optimized):
     ds = optimized
     mask = ds.sweep.feasible_mask("interactive")

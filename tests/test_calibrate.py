@@ -11,18 +11,16 @@ constants back.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import helpers as h
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import script
 from hydra import compose
 from omegaconf import OmegaConf
 
-from sweep import calibration
+from sweep import calibrate_io, calibration
 from sweep.calibrate_io import read_bench, read_steps
 from sweep.config.schema import (
     Calibration,
@@ -76,18 +74,17 @@ def _measured_steps(path: Path, noise: float = 0.01, decode_only: bool = False) 
 
 def _profile(conf: Path, name: str) -> dict:
     text = (conf / "calibration" / f"{name}.yaml").read_text()
-    assert text.startswith(calibration.MARK)
+    assert text.startswith(calibrate_io.MARK)
     return OmegaConf.to_container(OmegaConf.load(conf / "calibration" / f"{name}.yaml"))
 
 
-def test_recovers_known_constants_and_grid_uses_them(tmp_path, jax_cache_env):
+@pytest.mark.slow
+def test_recovers_known_constants_and_grid_uses_them(tmp_path):
     csv = tmp_path / "steps.csv"
     _measured_steps(csv)
     conf = tmp_path / "conf"
-    proc = subprocess.run([script("sweep-calibrate"), f"steps_csv=[{csv}]",
-                           f"out={conf}", "name=mine"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600,
-                          env=jax_cache_env)
+    proc = h.run_script("sweep-calibrate",
+                        [f"steps_csv=[{csv}]", f"out={conf}", "name=mine"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "residual" in proc.stdout and "4096" in proc.stdout  # per-point table
     cfg = _profile(conf, "mine")
@@ -102,11 +99,9 @@ def test_recovers_known_constants_and_grid_uses_them(tmp_path, jax_cache_env):
 
     # the config selects through the search path; the seed experiment's own
     # calibration=roofline gives way to the command line's
-    proc = subprocess.run([script("sweep-grid"), f"hydra.searchpath=[file://{conf}]",
-                           "calibration=mine", "experiment=seed",
-                           "grid.batching=[continuous]", "out=c.zarr"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600,
-                          env=jax_cache_env)
+    proc = h.run_script("sweep-grid", [
+        f"hydra.searchpath=[file://{conf}]", "calibration=mine", "experiment=seed",
+        "grid.batching=[continuous]", "out=c.zarr"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "calibration=mine (engine vllm): h100_sxm: qwen3_8b mbu" in proc.stderr
     ds = xr.open_zarr(tmp_path / "c.zarr")
@@ -162,14 +157,12 @@ def test_bench_json_read_by_hand():
 
 
 @pytest.mark.slow
-def test_bench_json_round_trip(tmp_path, jax_cache_env):
+def test_bench_json_round_trip(tmp_path):
     """Read the hand-made run, fit through the surrogate, write the config."""
     conf = tmp_path / "conf"
-    proc = subprocess.run([script("sweep-calibrate"), f"bench_json=[{BENCH}]",
-                           "max_num_batched_tokens=2048", "fit.steps=60",
-                           f"out={conf}", "name=bench"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900,
-                          env=jax_cache_env)
+    proc = h.run_script("sweep-calibrate", [
+        f"bench_json=[{BENCH}]", "max_num_batched_tokens=2048", "fit.steps=60",
+        f"out={conf}", "name=bench"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     (p,) = _profile(conf, "bench")["profiles"]
     assert p["fitted_points"] == 4
@@ -228,11 +221,11 @@ def test_bad_bench_refused(tmp_path, change, field):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_refusal_is_one_line_exit_2_nothing_written(tmp_path):
     path = _bench(tmp_path, hardware="b200")
-    proc = subprocess.run([script("sweep-calibrate"), f"bench_json=[{path}]",
-                           f"out={tmp_path / 'conf'}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = h.run_script("sweep-calibrate",
+                        [f"bench_json=[{path}]", f"out={tmp_path / 'conf'}"], tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "sweep-calibrate: error: run.json: hardware: 'b200' measured, but "
@@ -242,21 +235,22 @@ def test_refusal_is_one_line_exit_2_nothing_written(tmp_path):
 
 
 def test_never_overwrites_a_foreign_config(tmp_path):
-    path = calibration.profile_path(tmp_path, "mine")
+    path = calibrate_io.profile_path(tmp_path, "mine")
     path.parent.mkdir()
     path.write_text("name: mine\n")
     with pytest.raises(ConfigError, match="not written by sweep-calibrate"):
-        calibration.write_profile(path, "mine", CalibrationProfile(hardware="h100_sxm"))
+        calibrate_io.write_profile(path, "mine",
+                                   CalibrationProfile(hardware="h100_sxm"))
     assert path.read_text() == "name: mine\n"
 
 
 def test_written_profiles_accumulate(tmp_path):
-    path = calibration.profile_path(tmp_path, "mine")
+    path = calibrate_io.profile_path(tmp_path, "mine")
     a = CalibrationProfile(hardware="h100_sxm", model="qwen3_8b", mbu=0.8)
     b = CalibrationProfile(hardware="h200_sxm", model="qwen3_8b", mbu=0.85)
-    calibration.write_profile(path, "mine", a)
-    calibration.write_profile(path, "mine", b)
-    calibration.write_profile(path, "mine", CalibrationProfile(
+    calibrate_io.write_profile(path, "mine", a)
+    calibrate_io.write_profile(path, "mine", b)
+    calibrate_io.write_profile(path, "mine", CalibrationProfile(
         hardware="h100_sxm", model="qwen3_8b", mbu=0.7))
     got = {p["hardware"]: p["mbu"] for p in OmegaConf.load(path).profiles}
     assert got == {"h100_sxm": 0.7, "h200_sxm": 0.85}
@@ -315,7 +309,8 @@ def test_roofline_is_the_bound(hydra_ctx):
                                               "grid=small", *args])
         assert base.calibration.name == "roofline"
         job = grid.prepare(base, options)
-        assert job.parts[0].fn is grid_point and len(job.parts[0].tables) == 1
+        assert job.parts[0].point is grid_point
+        assert list(job.parts[0].lookups) == ["static_utilization"]
 
 
 def test_shipped_profiles_name_their_source(hydra_ctx):
@@ -331,14 +326,13 @@ def test_shipped_profiles_name_their_source(hydra_ctx):
         assert (hw, "vllm") in have
 
 
-def test_auto_in_sweep_grid(tmp_path, jax_cache_env):
+@pytest.mark.slow
+def test_auto_in_sweep_grid(tmp_path):
     """``calibration=auto``: H100 takes its measured vLLM profile, MI300X (none
     shipped) the bound; one line says so; the cube records it."""
-    proc = subprocess.run([script("sweep-grid"), "calibration=auto", "grid=small",
-                           "grid.hardware=[h100_sxm,mi300x]", "model=qwen3_8b",
-                           "grid.batching=[continuous]", "out=c.zarr"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600,
-                          env=jax_cache_env)
+    proc = h.run_script("sweep-grid", [
+        "calibration=auto", "grid=small", "grid.hardware=[h100_sxm,mi300x]",
+        "model=qwen3_8b", "grid.batching=[continuous]", "out=c.zarr"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     line = next(x for x in proc.stderr.splitlines() if x.startswith("calibration="))
     assert line.startswith("calibration=auto (engine vllm): h100_sxm: qwen3_8b mbu ")
@@ -381,7 +375,8 @@ def test_simulator_matches_reference_when_calibrated():
     from reference_scheduler import simulate_reference
 
     from sweep.arrivals import Requests
-    from sweep.params import CONTINUOUS, REJECT, HardwareParams, ModelParams
+    from sweep.batching import CONTINUOUS
+    from sweep.params import REJECT, HardwareParams, ModelParams
     from sweep.simulate import simulate_requests
 
     rng = np.random.default_rng(3)

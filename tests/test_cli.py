@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import socket
-import subprocess
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import CUBE_GRID
-from hydra import compose
-from omegaconf import OmegaConf
-from test_roofline import SEED_TABLE
+import yaml
+from helpers import (
+    CUBE_GRID,
+    REPO,
+    SEED_TABLE,
+    assert_cube_matches_baseline,
+    config_yaml,
+    grid_job,
+    run_script,
+)
 
 import sweep
 from sweep import grid, outputs
-from sweep.config.resolve import grid_options
+
+pytestmark = pytest.mark.slow  # every test here runs the console script
 
 SEED_ARGS = [
     "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
@@ -26,11 +33,7 @@ SEED_ARGS = [
 ]
 
 
-def run(args, cwd):
-    exe = shutil.which("sweep-grid")
-    assert exe, "sweep-grid is not installed (pip install -e .)"
-    return subprocess.run([exe, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+run = partial(run_script, "sweep-grid")
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +76,9 @@ def test_cube_contract(seed_run):
     for key in ("sweep_version", "config_yaml", "created_utc", "seed"):
         assert key in ds.attrs
     assert "qwen3_8b" in ds.attrs["config_yaml"]
-    plain = xr.open_zarr(cwd / "seed.zarr")
-    xr.testing.assert_identical(plain.load(), ds.load())
+    # every point of the cube the script wrote, against the plain-Python
+    # baseline evaluated here on the same command line's config
+    assert_cube_matches_baseline(ds.load(), grid_job(SEED_ARGS))
 
 
 def test_default_run_writes_under_outputs(tmp_path):
@@ -88,25 +92,19 @@ def test_default_run_writes_under_outputs(tmp_path):
     assert "cheapest point that fits" in proc.stdout
 
 
+# one refusal of Hydra's composition, one of the checks after it; the others
+# go the same way (test_inputs checks their messages in this process)
 @pytest.mark.parametrize("args, pattern", [
     (["hardware=nope"], r"hardware=nope: unknown option; allowed: a100_80gb_sxm"),
-    (["hardware.memory_bandwidth_bytes_per_s=-1"],
-     r"memory_bandwidth_bytes_per_s = -1.0: must be a finite number in "
-     r"\[1e\+06, 1e\+15\]"),
-    (["grid.concurrency=[0,8]"],
-     r"grid.concurrency = 0.0: every value must be in \[1, 16777216\]"),
-    (["grid.concurrency=[]"], r"grid.concurrency = \[\]: must list at least one"),
-    (["hardware.mbu=fast"], r"hardware.mbu"),
     (["hardware=l40s", "model=llama3_1_70b", "grid.tensor_parallel=[1]"],
      r"model\[llama3_1_70b\]: .* more than any grid.tensor_parallel x hardware"),
-    (["grid.hardware=[h100_sxm,nope]"], r"grid.hardware entry hardware=nope"),
 ])
 def test_bad_input_gets_one_line_and_exit_2(tmp_path, args, pattern):
     proc = run([*args, "out=cube.zarr"], tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert __import__("re").search(pattern, lines[0]), lines[0]
+    assert re.search(pattern, lines[0]), lines[0]
     assert not any(tmp_path.iterdir()), "bad input must leave nothing behind"
 
 
@@ -127,20 +125,22 @@ def test_malformed_trace_is_refused(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_grid_lists_several_hardware_in_one_run(tmp_path):
-    proc = run(["grid=small", "grid.hardware=[h100_sxm,h200_sxm]", "model=qwen3_8b",
-                "out=two.zarr"], tmp_path)
+def test_own_trace_with_every_hardware(tmp_path):
+    # the hardware axis lists every option, composed apart from the workload
+    # choice: the trace override must still reach the chosen workload
+    mine = tmp_path / "mine.csv"
+    mine.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                    "2023-11-16 18:00:00,1000,10\n2023-11-16 18:00:02,3000,30\n")
+    proc = run(["workload=azure_conv_2023", f"workload.trace.path={mine}",
+                "grid=small", "model=qwen3_8b", "out=c.zarr"], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    ds = sweep.open_cube(tmp_path / "two.zarr")
-    assert list(ds.hardware.values) == ["h100_sxm", "h200_sxm"]
-    step = ds.step_s.sel(batching="continuous", concurrency=8, tensor_parallel=1)
-    # H200's 4.8 TB/s beats H100's 3.35 TB/s on a memory-bound decode
-    assert float(step.sel(hardware="h200_sxm").min()) < float(
-        step.sel(hardware="h100_sxm").min())
-    assert np.isfinite(step.values).all()
+    ds = sweep.open_cube(tmp_path / "c.zarr")
+    assert ds.sizes["hardware"] > 1
+    assert str(mine) in ds.attrs["config_yaml"]
 
 
-def test_user_configs_through_hydra_searchpath(tmp_path):
+def test_a_users_gpu_beside_a_shipped_one_in_one_run(tmp_path):
+    # a user's config through Hydra's search path, listed with a shipped one
     folder = tmp_path / "my_conf" / "hardware"
     folder.mkdir(parents=True)
     (folder / "my_gpu.yaml").write_text(
@@ -149,15 +149,21 @@ def test_user_configs_through_hydra_searchpath(tmp_path):
         "memory_bytes: 8.0e+10\ninterconnect_bytes_per_s: 4.5e+11\n"
         "usd_per_gpu_hour: 4.29\n")
     searchpath = f"hydra.searchpath=[file://{tmp_path / 'my_conf'}]"
-    proc = run([searchpath, "hardware=my_gpu", "model=qwen3_8b", "grid=small",
-                "out=mine.zarr"], tmp_path)
+    proc = run([searchpath, "grid.hardware=[h100_sxm,my_gpu]", "model=qwen3_8b",
+                "grid=small", "out=two.zarr"], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    ds = sweep.open_cube(tmp_path / "mine.zarr")
-    assert list(ds.hardware.values) == ["my_gpu"]
-    # twice the H100's bandwidth: a memory-bound decode step takes half the time
-    one = ds.step_s.sel(batching="continuous", concurrency=1, tensor_parallel=1)
-    np.testing.assert_allclose(float(one.isel(token_budget=0).squeeze()),
-                               (16.38e9 + 1500 * 147_456) / 6.7e12, rtol=1e-5)
+    ds = sweep.open_cube(tmp_path / "two.zarr")
+    assert list(ds.hardware.values) == ["h100_sxm", "my_gpu"]
+    step = ds.step_s.sel(batching="continuous", tensor_parallel=1)
+    assert np.isfinite(step.values).all()
+    # a memory-bound decode step: weights + KV of 1,500 tokens over the bandwidth
+    one = step.sel(concurrency=1).isel(token_budget=0).squeeze()
+    for hw, bandwidth in (("h100_sxm", 3.35e12), ("my_gpu", 6.7e12)):
+        np.testing.assert_allclose(float(one.sel(hardware=hw)),
+                                   (16.38e9 + 1500 * 147_456) / bandwidth, rtol=1e-5)
+    # twice the bandwidth: every memory-bound step at concurrency 8 is faster
+    assert (step.sel(concurrency=8, hardware="my_gpu")
+            < step.sel(concurrency=8, hardware="h100_sxm")).all()
 
 
 # --- outputs: never replace what the tool did not write; one writer; resume ---
@@ -232,20 +238,19 @@ def test_multirun_jobs_sharing_one_out_second_is_refused(tmp_path):
     assert list(sweep.open_cube(tmp_path / "m.zarr").concurrency.values) == [1]
 
 
-def test_app_config_is_the_one_a_rerun_looks_for(cube_path, hydra_ctx):
+def test_app_config_is_the_one_a_rerun_looks_for(cube_path):
     # a rerun without out= finds an unfinished cube by the digest of the config
     # it composes; the job wrote the digest of Hydra's own composition
     out = f"out={cube_path}"
     written = sweep.open_cube(cube_path).attrs["config_yaml"]
-    assert OmegaConf.to_yaml(compose(config_name="grid", overrides=[
-        *CUBE_GRID, out])) == written
+    assert config_yaml("grid", [*CUBE_GRID, out]) == written
     assert not (cube_path.parent / "outputs").exists()
 
 
-def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path, hydra_ctx):
+def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path):
     args = [*SMALL, "grid.chunk_points=12"]
-    config_yaml = OmegaConf.to_yaml(compose(config_name="grid", overrides=args))
-    job = grid.prepare(*grid_options("grid", args))
+    text = config_yaml("grid", args)
+    job = grid_job(args)
     assert len(job.parts[0].plan) == 2
     folder = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
 
@@ -254,7 +259,7 @@ def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path, hydra_ctx):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        grid.run(job, folder / "cube.zarr", {"run": "first"}, config_yaml,
+        grid.run(job, folder / "cube.zarr", {"run": "first"}, text,
                  progress=stop)
     # a run of another config is not resumed
     other = tmp_path / "outputs" / "2026-01-01" / "00-00-01"
@@ -266,9 +271,72 @@ def test_a_rerun_without_out_resumes_the_unfinished_run(tmp_path, hydra_ctx):
             "00-00-00/cube.zarr (1 of 2 blocks done)") in proc.stderr
     assert sorted(p.name for p in (tmp_path / "outputs").glob("*/*")) == [
         "00-00-00", "00-00-01"], "no new run directory"
-    assert sorted(p.name for p in folder.iterdir()) == [".hydra", "cli.log",
-                                                         "cube.zarr"]
+    assert sorted(p.name for p in folder.iterdir()) == [".hydra", "cube.zarr",
+                                                         "sweep-grid.log"]
     ds = sweep.open_cube(folder / "cube.zarr").load()
     assert ds.attrs["run"] == "first"  # its store was continued, not started over
-    fresh = grid.run(job, tmp_path / "fresh.zarr", {"run": "first"}, config_yaml)
+    assert_cube_matches_baseline(ds, job)
+    fresh = grid.run(job, tmp_path / "fresh.zarr", {"run": "first"}, text)
     xr.testing.assert_equal(ds, fresh.load())
+
+
+# --- Hydra's own flags: --cfg, --help, tab completion ---
+
+@pytest.mark.parametrize("command", ["sweep-grid", "sweep-optimize"])
+def test_cfg_job_resolve_prints_the_resolved_config(tmp_path, command):
+    # the shipped grid's axes are ${range:...}; a 100-value list is parsed
+    # outside Hydra (stash_lists); both resolve to lists
+    extra = [f"grid.token_budget=[{','.join(map(str, range(1, 101)))}]"] if (
+        command == "sweep-grid") else []
+    proc = run_script(command, ["--cfg", "job", "--resolve", *extra], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cfg = yaml.safe_load(proc.stdout)
+    if command == "sweep-grid":
+        assert cfg["grid"]["concurrency"] == [2.0**i for i in range(11)]
+        assert cfg["grid"]["token_budget"] == list(range(1, 101))
+    else:
+        assert cfg["search"]["tensor_parallel"] == [1, 2, 4, 8]
+    assert "${" not in proc.stdout
+    assert list(tmp_path.iterdir()) == [], "printing a config writes nothing"
+
+
+SHIPPED_HARDWARE = sorted(p.stem for p in (REPO / "conf" / "hardware").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("command", ["sweep-grid", "sweep-optimize", "sweep-calibrate"])
+def test_help_names_the_command_and_lists_configs_not_schemas(tmp_path, command):
+    proc = run_script(command, ["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{command}: ")
+    assert "cli" not in proc.stdout.split("== Config ==")[0]
+    assert f"hardware: {', '.join(SHIPPED_HARDWARE)}\n" in proc.stdout
+    assert "base_" not in proc.stdout
+
+
+def test_tab_completion_offers_configs_not_schemas(tmp_path):
+    # what bash's completion function asks: the options of "hardware="
+    env = {**os.environ, "COMP_LINE": "sweep-grid hardware="}
+    proc = run("-sc query=bash".split(), tmp_path, env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [f"hardware={h}" for h in SHIPPED_HARDWARE]
+
+
+# --- numeric axes: sorted, integer axes deduplicated ---
+
+def test_axes_are_sorted_and_a_log_range_of_integers_deduplicated(tmp_path):
+    args = ["grid=small", "hardware=h100_sxm", "model=qwen3_8b",
+            "grid.concurrency=${range:1,1024,64,log}", "grid.token_budget=[2048,512]",
+            "grid.tensor_parallel=[2,1]", "out=c.zarr"]
+    proc = run(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "c.zarr").load()
+    # 64 log-spaced values from 1 to 1024, each rounded to an integer: the
+    # small ones repeat (1, 1.12, 1.25, 1.39 -> 1)
+    conc = sorted({round(1024 ** (i / 63)) for i in range(64)})
+    assert 40 < len(conc) < 64
+    assert ds.concurrency.values.tolist() == conc
+    assert ds.token_budget.values.tolist() == [512, 2048]
+    assert ds.tensor_parallel.values.tolist() == [1, 2]
+    assert ds.sel(concurrency=slice(1, 16)).concurrency.values.tolist() == [
+        c for c in conc if c <= 16]
+    assert_cube_matches_baseline(ds, grid_job(args[:-1]))

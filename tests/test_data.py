@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO, SHARED_DATA, script
+from helpers import REPO, SHARED_DATA, script
 
 from sweep.config.schema import (
     ArrivalKind,
@@ -226,6 +226,7 @@ def test_download_is_verified_and_cached(origin, tmp_path, monkeypatch, capsys):
 
 # the console scripts --------------------------------------------------------
 
+@pytest.mark.slow
 def test_offline_trace_error_through_sweep_grid(tmp_path):
     empty, cache, cwd = tmp_path / "empty", tmp_path / "cache", tmp_path / "run"
     for d in (empty, cwd):
@@ -249,6 +250,7 @@ def test_offline_trace_error_through_sweep_grid(tmp_path):
     assert not cache.exists() or not any(cache.iterdir())
 
 
+@pytest.mark.slow
 def test_corrupted_copy_through_sweep_grid_data_dir(tmp_path):
     bad, cwd = tmp_path / "bad", tmp_path / "run"
     for d in (bad, cwd):
@@ -271,6 +273,7 @@ def run_data(args, env):
                           text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow
 def test_sweep_data_list_and_fetch(tmp_path):
     folder = tmp_path / "copies"
     folder.mkdir()

@@ -1,7 +1,7 @@
 """Fuzzing ``sweep-grid``'s numeric fields and axes: each draw runs or is refused
 with one line and exit code 2, never a traceback, never a partial output.
 
-Most draws go through the preflight in-process (``sweep.cli._grid_check``,
+Most draws go through the preflight in-process (``sweep.cli.check``,
 the function the console script calls before compiling anything); a few go
 through the installed console script end to end.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import script
+from helpers import script
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sweep
-from sweep.cli import _grid_check
+from sweep import contract
+from sweep.cli import check as grid_check
 from sweep.config.schema import ConfigError
-from sweep.results import ROOFLINE_VARIABLES
 
 TINY = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
         "grid.tensor_parallel=[1]", "grid.concurrency=[8]", "grid.token_budget=[512]",
@@ -76,7 +76,7 @@ overrides = st.lists(override, min_size=1, max_size=3,
 @given(drawn=overrides)
 def test_preflight_runs_or_refuses_with_one_line(hydra_ctx, drawn):
     try:
-        _grid_check("grid", [*TINY, *drawn])
+        grid_check("grid", [*TINY, *drawn])
     except ConfigError as e:
         msg = str(e)
         assert msg and "\n" not in msg and len(msg) < 1000, msg
@@ -99,6 +99,7 @@ def test_console_runs_or_refuses_with_one_line(tmp_path_factory, drawn):
         return
     assert proc.returncode == 0, proc.stderr
     ds = sweep.open_cube(cwd / "c.zarr")
-    assert set(ROOFLINE_VARIABLES) <= set(ds.data_vars)
+    roofline = contract.names(contract.metrics(contract.ROOFLINE))
+    assert set(roofline) <= set(ds.data_vars)
     leftovers = [p.name for p in cwd.iterdir() if p.name not in ("c.zarr", "outputs")]
     assert leftovers == [], leftovers

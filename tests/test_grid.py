@@ -5,30 +5,24 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from hydra import initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
+from helpers import grid_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sweep import grid, roofline
-from sweep.config.resolve import grid_options
+from sweep import batching, roofline
 from sweep.evaluate import blocking, evaluate_region, iterate_blocks
-from sweep.params import BATCHING, GridPoint
+from sweep.params import GridPoint
 from sweep.point import DIMS, evaluate_point
 
 SMALL = [
     "grid=small", "grid.hardware=[h100_sxm,l40s]", "grid.model=[qwen3_8b,mixtral_8x7b]",
-    "grid.batching=[request,static,continuous]", "grid.chunk_points=50",
+    "grid.batching=[request,static,continuous]", "grid.chunk_points=12",
 ]
 
 
 @pytest.fixture(scope="module")
 def job():
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        app, options = grid_options("grid", SMALL)
-    GlobalHydra.instance().clear()
-    return grid.prepare(app, options)
+    return grid_job(SMALL)
 
 
 def test_blocks_cover_the_cube_once():
@@ -52,9 +46,18 @@ def _cube(part):
     return out
 
 
-def test_vmap_equals_python_loop_over_points(job):
+@pytest.fixture(scope="module")
+def cube(job):
+    """The part's cube, block by block, from an empty compilation cache; and how
+    many programs that compiled."""
+    evaluate_region.clear_cache()
+    values = _cube(job.parts[0])
+    return values, evaluate_region._cache_size()
+
+
+def test_vmap_equals_python_loop_over_points(job, cube):
     part = job.parts[0]
-    got = _cube(part)
+    got, _ = cube
     take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
     rng = np.random.default_rng(0)
     from sweep.cost import static_slot_utilization
@@ -72,17 +75,20 @@ def test_vmap_equals_python_loop_over_points(job):
                                        equal_nan=True, err_msg=k)
 
 
-def test_second_call_compiles_nothing(job):
-    part = job.parts[0]
-    list(_blocks(part))
-    before = evaluate_region._cache_size()
-    list(_blocks(part))
-    assert evaluate_region._cache_size() == before
-    assert len(part.plan) > 1  # several blocks, one compiled shape
+def test_several_blocks_one_compiled_shape(job, cube):
+    plan = job.parts[0].plan
+    _, compiled = cube
+    assert len(plan) > 1
+    # the last blocks overhang the cube: padded to the one shape, not recompiled
+    assert any(tuple(r.stop - r.start for r in plan.region(b)) != plan.chunks
+               for b in range(len(plan)))
+    assert compiled == 1
+    list(_blocks(job.parts[0]))  # a second sweep compiles nothing
+    assert evaluate_region._cache_size() == 1
 
 
-def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job):
-    out = _cube(job.parts[0])
+def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job, cube):
+    out, _ = cube
     fits = out["kv_fits"]
     assert fits.any() and not fits.all()
     assert np.isnan(out["step_s"][~fits]).all()
@@ -90,7 +96,7 @@ def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job):
     assert np.isfinite(out["max_concurrency_fit"]).all()
     # under continuous batching a point fits exactly up to max_concurrency_fit
     axis = DIMS.index("batching")
-    cont = BATCHING.index("continuous")
+    cont = batching.index("continuous")
     shape = [1] * (len(DIMS) - 1)
     shape[DIMS.index("concurrency")] = -1
     conc = job.coords["concurrency"].reshape(shape)

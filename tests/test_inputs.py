@@ -2,7 +2,7 @@
 long axes parsed quickly.
 
 Refusals are checked in-process through the preflight the console scripts
-run (``sweep.cli._grid_check``, ``sweep.optimize_cli._check``) and, for the
+run (``sweep.cli.check``, ``sweep.optimize_cli.check``) and, for the
 issue's own examples, through the installed scripts.
 """
 
@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
+from functools import partial
 
 import numpy as np
 import pytest
 import yaml
-from conftest import OPTIMIZE_QUICK, script
+from helpers import OPTIMIZE_QUICK, compose_app, grid_inputs, run_script
 
 import sweep
 from sweep import plan
-from sweep.cli import _grid_check
+from sweep.cli import check as grid_check
 from sweep.config.resolve import grid_options, restore, stash_lists
 from sweep.config.schema import ConfigError
-from sweep.optimize_cli import _check as optimize_check
+from sweep.optimize_cli import check as optimize_check
 
 TINY = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
         "grid.tensor_parallel=[1]", "grid.concurrency=[8]", "grid.token_budget=[512]",
@@ -54,6 +54,16 @@ def refused(check, app: str, overrides: list[str]) -> str:
     (["model.kv_heads=5"], r"model\[qwen3_8b\].kv_heads = 5: must divide q_heads"),
     (["hardware.memory_bytes=1e300"], r"memory_bytes = 1e\+300: .* \[1e\+06, 1e\+14\]"),
     (["hardware.mbu=1e-300"], r"hardware\[h100_sxm\].mbu = 1e-300"),
+    (["hardware.mbu=fast"], r"hardware.mbu"),
+    (["hardware.memory_bandwidth_bytes_per_s=-1"],
+     r"memory_bandwidth_bytes_per_s = -1.0: must be a finite number in "
+     r"\[1e\+06, 1e\+15\]"),
+    (["hardware=nope"], r"^hardware=nope: unknown option; allowed: a100_80gb_sxm, "
+     r"b200, h100_sxm, h200_sxm, l40s, mi300x$"),
+    (["grid.hardware=[h100_sxm,nope]"], r"^grid.hardware entry hardware=nope"),
+    (["grid.concurrency=[0,8]"],
+     r"grid.concurrency = 0.0: every value must be in \[1, 16777216\]"),
+    (["grid.concurrency=[]"], r"grid.concurrency = \[\]: must list at least one"),
     (["grid.concurrency=[8,8]"], r"^grid.concurrency: 8 appears more than once"),
     (["grid.concurrency=${range:1,8,0}"], r"num must be an integer in \[1, "),
     (["grid.concurrency=[1e9]"], r"grid.concurrency = 1000000000.0: every value "
@@ -75,13 +85,13 @@ def test_grid_preflight_refuses(hydra_ctx, args, pattern):
     overrides = [*TINY, *args]
     if any("num_requests" in a for a in args):
         overrides.append("max_memory_gb=1")
-    msg = refused(_grid_check, "grid", overrides)
+    msg = refused(grid_check, "grid", overrides)
     assert re.search(pattern, msg), msg
 
 
 def test_memory_budget_names_the_override_that_permits(hydra_ctx):
     base = [*TINY, "latency=simulate", "latency.num_requests=10000000"]
-    msg = refused(_grid_check, "grid", [*base, "max_memory_gb=1"])
+    msg = refused(grid_check, "grid", [*base, "max_memory_gb=1"])
     need = int(re.search(r"max_memory_gb=(\d+) to run anyway", msg)[1])
     # one block of 1 configuration x 1e7 requests x 8 slots, one stream of 1e7
     expect = (plan.BASE_BYTES + plan.SIM_FIXED_BYTES
@@ -89,7 +99,7 @@ def test_memory_budget_names_the_override_that_permits(hydra_ctx):
               + 8 * plan.SIM_BYTES_PER_CONFIG_SLOT + plan.SIM_BYTES_PER_CONFIG
               + 1e7 * plan.STREAM_BYTES_PER_REQUEST)
     assert need == np.ceil(expect / 1e9 * 1.1)
-    _grid_check("grid", [*base, f"max_memory_gb={need}"])  # passes now
+    grid_check("grid", [*base, f"max_memory_gb={need}"])  # passes now
 
 
 def test_default_budget_is_the_machines(hydra_ctx):
@@ -99,7 +109,7 @@ def test_default_budget_is_the_machines(hydra_ctx):
             "latency.num_requests=10000000"]
     if plan.BUDGET_SHARE * plan.machine_memory_bytes() > 51e9:
         pytest.skip("this machine has the memory for it")
-    msg = refused(_grid_check, "grid", args)
+    msg = refused(grid_check, "grid", args)
     assert re.search(r"above the budget of [\d.]+ GB \(80% of this machine's "
                      r"[\d.]+ GB; set max_memory_gb to change it\); allowed: a "
                      r"smaller setting, or max_memory_gb=\d+ to run anyway$", msg), msg
@@ -116,11 +126,10 @@ def test_optimize_preflight_refuses(hydra_ctx):
     assert msg.startswith("search.verify_requests = 16000000 with search.verify_top")
 
 
-def run(args, cwd, env=None):
-    return subprocess.run([script("sweep-grid"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=600, env=env)
+run = partial(run_script, "sweep-grid")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, pattern", [
     (["grid.tensor_parallel=[3]"], r"grid.tensor_parallel = 3: model\[qwen3_8b\]"),
     (["latency=simulate", "latency.num_requests=10000000", "max_memory_gb=2",
@@ -149,6 +158,19 @@ def test_long_axis_is_parsed_without_hydra(hydra_ctx):
     assert base.grid.axes["concurrency"] == [float(v) for v in values]
 
 
+def test_numeric_axes_ascend_and_integer_axes_merge_what_rounds_alike():
+    app, _ = grid_inputs([*TINY[:3], "grid.concurrency=${range:1,1024,64,log}",
+                          "grid.token_budget=[2048,512,511.8]",
+                          "grid.traffic_tokens_per_day=[1e9,1e7]"])
+    conc = app.grid.axes["concurrency"]
+    assert conc == sorted({float(round(1024 ** (i / 63))) for i in range(64)})
+    assert conc[:3] == [1.0, 2.0, 3.0] and conc[-1] == 1024.0
+    assert app.grid.axes["token_budget"] == [512.0, 2048.0]
+    assert app.grid.axes["traffic_tokens_per_day"] == [1e7, 1e9]
+    search = compose_app("optimize", ["search.tensor_parallel=[8,1,2]"]).search
+    assert search.tp_values == [1.0, 2.0, 8.0]
+
+
 @pytest.fixture(scope="module")
 def long_run(tmp_path_factory):
     """sweep-grid with a 2,000-value axis in blocks of 500 points, progress
@@ -165,6 +187,7 @@ def long_run(tmp_path_factory):
     return cwd, proc, conc, args
 
 
+@pytest.mark.slow
 def test_plan_line_comes_first(long_run):
     _, proc, _, _ = long_run
     first = proc.stderr.splitlines()[0]
@@ -175,6 +198,7 @@ def test_plan_line_comes_first(long_run):
         r"long.zarr", first), first
 
 
+@pytest.mark.slow
 def test_progress_lines_when_stderr_is_not_a_terminal(long_run):
     _, proc, _, _ = long_run
     lines = [ln for ln in proc.stderr.splitlines()
@@ -183,11 +207,13 @@ def test_progress_lines_when_stderr_is_not_a_terminal(long_run):
     assert lines[-1].startswith("sweep-grid: 4/4 blocks in ")
 
 
+@pytest.mark.slow
 def test_no_backend_probe_noise(long_run):
     _, proc, _, _ = long_run
     assert "Unable to initialize backend" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_long_axis_through_the_console(long_run):
     cwd, _, conc, args = long_run
     ds = sweep.open_cube(cwd / "long.zarr")
@@ -199,12 +225,11 @@ def test_long_axis_through_the_console(long_run):
 
 
 @pytest.mark.slow
-def test_optimize_says_replicas_max_binds(optimize_run, jax_cache_env, tmp_path):
+def test_optimize_says_replicas_max_binds(optimize_run, tmp_path):
     # the session's sweep-optimize run compiled the same search (cache reused)
-    proc = subprocess.run([script("sweep-optimize"), *OPTIMIZE_QUICK,
-                           "workload.arrival_rate_per_s=1e9", "out=o.zarr"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env=jax_cache_env)
+    proc = run_script("sweep-optimize", [*OPTIMIZE_QUICK,
+                                         "workload.arrival_rate_per_s=1e9",
+                                         "out=o.zarr"], tmp_path)
     assert proc.returncode == 3, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert re.match(r"sweep-optimize: infeasible at search.replicas_max = 256: each "

@@ -9,28 +9,26 @@ from __future__ import annotations
 
 import math
 
+import helpers as h
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
 
 from sweep import _numerics as nm
 from sweep import status
 from sweep.arrivals import sample_requests
+from sweep.config.convert import hardware_params, model_params
 from sweep.latency import (
     BAND_EDGES,
     _erlang_c,
     latency_workload,
     surrogate,
 )
-from sweep.params import hardware_params, model_params, stack
+from sweep.params import stack
 from sweep.simulate import simulate
 from sweep.status import KV_INFEASIBLE, OK, SATURATED
 from sweep.workload import WorkloadTables, workload_tables
-from tests import helpers as h
 
 LONG_PROMPT = 100_000  # tokens: the "long" workload's only prompt
 
@@ -39,16 +37,11 @@ BATCH = 16  # every surrogate call below uses this batch size (one compilation)
 
 @pytest.fixture(scope="module")
 def setup():
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        def get(group, name):
-            return OmegaConf.to_object(
-                getattr(compose(config_name=f"{group}/{name}"), group))
-        hw = hardware_params(get("hardware", "h100_sxm"), 1.0)
-        model = model_params(get("model", "qwen3_8b"))
-        tables = {w: workload_tables(get("workload", w))
-                  for w in ("seed_chat", "rag_long_prompt")}
-    GlobalHydra.instance().clear()
+    app = h.compose_app("grid", ["hardware=h100_sxm", "model=qwen3_8b"])
+    hw = hardware_params(app.hardware, 1.0)
+    model = model_params(app.model)
+    tables = {w: workload_tables(h.compose_app("grid", [f"workload={w}"]).workload)
+              for w in ("seed_chat", "rag_long_prompt")}
     seed = tables["seed_chat"]
     tables["long"] = WorkloadTables("long", np.array([float(LONG_PROMPT)]),
                                     np.array([1.0]), seed.output_values,
@@ -168,6 +161,38 @@ def test_zero_load_is_the_bare_roofline(setup):
                                rtol=2e-3)
 
 
+def _fixed_at_zero_load(setup):
+    """The surrogate on 1,500-token prompts and 200-token outputs, no traffic."""
+    one, wls, tables = setup
+    fixed = latency_workload(WorkloadTables(
+        "fixed", np.array([1500.0]), np.array([1.0]), np.array([200.0]),
+        np.array([1.0])))
+    return run((one, {**wls, "fixed": fixed}, tables), [("fixed", 64, 2048, 1e-6)])
+
+
+def test_zero_load_e2e_is_prefill_plus_decodes(setup):
+    """One prompt and output length, no traffic: every request's E2E is its
+    prefill alone plus O - 1 decode steps of one sequence, at contexts
+    P + 1 .. P + O - 1 (mean P + O / 2: a step is linear in its context)."""
+    out = _fixed_at_zero_load(setup)
+    want = h.step(1500, 0, h.chunk_keys(1500, 0)) + 199 * h.decode(1, 1600.0)
+    # the surrogate's gaps are the mean decode step at the mean load, which at
+    # zero load leaves out the request's own KV read (0.07 of 4.96 ms: 1.5 %
+    # low; see the floor test below)
+    for k in ("e2e_p50_s", "e2e_p99_s"):
+        np.testing.assert_allclose(out[k][0], want, rtol=2e-2, err_msg=k)
+
+
+@pytest.mark.xfail(strict=True, reason="the surrogate's E2E decode gaps are the "
+                   "mean step at the mean load, below one decode of one sequence "
+                   "near zero load")
+def test_zero_load_e2e_never_below_its_floor(setup):
+    out = _fixed_at_zero_load(setup)
+    # the prefill, then 199 gaps each at least one decode at context 1,501
+    floor = h.step(1500, 0, h.chunk_keys(1500, 0)) + 199 * h.decode(1, 1501.0)
+    assert out["e2e_p50_s"][0] >= floor * (1 - 3e-3)  # the kernels' width
+
+
 def test_percentiles_ordered_and_monotone_in_rate(setup):
     seed = [("seed_chat", 64, 2048, r) for r in np.geomspace(0.3, 30.0, 8)]
     rag = [("rag_long_prompt", 64, 8192, r) for r in np.geomspace(0.05, 6.0, 8)]
@@ -178,8 +203,12 @@ def test_percentiles_ordered_and_monotone_in_rate(setup):
     assert np.all(out["ttft_p99_s"] >= out["ttft_p50_s"])
     assert np.all(out["itl_p99_s"] >= out["itl_p50_s"])
     assert np.all(out["e2e_p99_s"] >= out["ttft_p99_s"])
+    # E2E >= TTFT request by request, so their medians are ordered too
+    assert np.all(out["e2e_p50_s"] >= out["ttft_p50_s"])
+    assert np.all(out["e2e_p99_s"] >= out["e2e_p50_s"])
     for sl in (slice(0, 8), slice(8, 16)):
-        for k in ("ttft_p50_s", "ttft_p99_s", "e2e_p99_s", "utilization"):
+        for k in ("ttft_p50_s", "ttft_p99_s", "e2e_p50_s", "e2e_p99_s",
+                  "utilization"):
             v = out[k][sl]
             assert np.all(np.diff(v) >= -1e-6 * v[1:]), (k, v)
         # the achieved rate never exceeds the offered one, nor goodput it

@@ -11,20 +11,15 @@ contexts that overflow memory) cut into several blocks, some of them padded.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import initialize_config_module
+from helpers import grid_job, numpy_baseline
 
 from sweep import grid
-from sweep.config.resolve import grid_options
-from sweep.config.store import register_configs
-from sweep.evaluate import iterate_blocks
+from sweep.evaluate import Part, iterate_blocks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import numpy_model  # noqa: E402
+numpy_model = numpy_baseline()
 
 OVERRIDES = [
     "grid.workload=[seed_chat,azure_conv_2023,rag_long_prompt]",
@@ -41,14 +36,11 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def job() -> grid.GridJob:
-    register_configs()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        base, options = grid_options("grid", OVERRIDES)
-    return grid.prepare(base, options)
+    return grid_job(OVERRIDES)
 
 
 @pytest.fixture(scope="module")
-def part(job) -> grid.Part:
+def part(job) -> Part:
     return job.parts[0]
 
 

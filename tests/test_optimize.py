@@ -1,38 +1,36 @@
 """``sweep-optimize`` as a user runs it, and the job's pure-Python parts.
 
 The console-script runs share one JAX compilation cache (a temporary folder,
-``jax_cache_env``), so a later run reuses the first one's compiled search; the
+``conftest.jax_cache``), so a later run reuses the first one's compiled search; the
 successful run is the session's ``optimize_run``, which ``sweep-report``'s
 tests read too.
 """
 
 from __future__ import annotations
 
-import subprocess
+from functools import partial
 
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import OPTIMIZE_QUICK, script
+import yaml
+from helpers import OPTIMIZE_QUICK, run_script
 
 import sweep
-from sweep import outputs
-from sweep.optimize import pareto
+from sweep import outputs, pareto
 
-
-def run(args, cwd, env=None):
-    return subprocess.run([script("sweep-optimize"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=900, env=env)
+run = partial(run_script, "sweep-optimize")
 
 
 def test_pareto_front():
     cost = np.array([1.0, 2.0, 2.0, 3.0, np.nan, 0.5])
     latency = np.array([5.0, 4.0, 6.0, 1.0, 0.1, 9.0])
     # 0.5/9 and 1/5 and 2/4 and 3/1 are non-dominated; 2/6 is beaten; NaN is off
-    np.testing.assert_array_equal(pareto(cost, latency),
+    np.testing.assert_array_equal(pareto.front(cost, latency),
                                   [True, True, False, True, False, True])
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_exit_2(tmp_path):
     proc = run(["search.tensor_parallel=[0]"], tmp_path)
     assert proc.returncode == 2
@@ -42,6 +40,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_out_the_tool_must_not_replace_is_refused(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "k.txt").write_text("keep")
@@ -55,7 +54,6 @@ def test_out_the_tool_must_not_replace_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
 
 
-@pytest.mark.slow
 def test_run_writes_dataset_and_flags(optimize_run):
     proc = optimize_run.proc
     assert proc.returncode == 0, proc.stderr
@@ -93,15 +91,22 @@ def test_run_writes_dataset_and_flags(optimize_run):
     for front in ("pareto_itl", "pareto_ttft"):
         assert 0 < int(ds[front].sum()) <= ds.sizes["config"]
     for name in ("cost_per_mtok_out_usd", "surrogate_ttft_p99_s",
-                 "simulated_itl_p99_s", "config_itl_p99_s", "replicas"):
+                 "simulated_itl_p99_s", "config_itl_p99_s", "replicas",
+                 "surrogate_e2e_p50_s", "simulated_e2e_p50_s"):
         assert "units" in ds[name].attrs and "long_name" in ds[name].attrs
+    # every latency percentile of both models: the E2E median below its p99
+    assert float(chosen.simulated_e2e_p50_s) <= float(chosen.simulated_e2e_p99_s)
+    assert float(chosen.surrogate_e2e_p50_s) <= float(chosen.surrogate_e2e_p99_s)
+    # the searched specs (hardware=h100_sxm model=qwen3_8b) and the units' meaning
+    assert yaml.safe_load(a["hardware_specs"])["h100_sxm"]["memory_bytes"] == 8e10
+    assert list(yaml.safe_load(a["model_specs"])) == ["qwen3_8b"]
+    assert a["Conventions"].startswith("CF-") and "USD = " in a["unit_definitions"]
 
 
 @pytest.mark.slow
-def test_infeasible_slo_names_the_constraint_exit_3(tmp_path, jax_cache_env):
+def test_infeasible_slo_names_the_constraint_exit_3(tmp_path):
     # 0.5 ms p99 ITL is below one decode step of Qwen3-8B on any H100 split
-    proc = run([*OPTIMIZE_QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path,
-               jax_cache_env)
+    proc = run([*OPTIMIZE_QUICK, "slo.itl_p99_s=0.0005", "out=opt.zarr"], tmp_path)
     assert proc.returncode == 3, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("sweep-optimize: infeasible SLO: binding constraint "

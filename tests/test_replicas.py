@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import optimize_inputs
 
 from sweep import optimize
 from sweep.arrivals import Requests, route, split
+from sweep.batching import CONTINUOUS
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing
-from sweep.params import CONTINUOUS, hardware_params, model_params
 from sweep.simulate import itl_percentiles, simulate_requests
 
 OVERRIDES = ["hardware=h100_sxm", "model=qwen3_8b", "workload=azure_conv_2023",
@@ -50,15 +52,7 @@ def test_random_routing_is_reproducible_and_complete():
 
 @pytest.fixture(scope="module")
 def job():
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        base, hardware, models = optimize.options("optimize", OVERRIDES)
-        out = optimize.prepare(base, hardware, models)
-    GlobalHydra.instance().clear()
-    return out
+    return optimize.prepare(*optimize_inputs(OVERRIDES))
 
 
 def test_split_replicas_pool_every_request(job):

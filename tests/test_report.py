@@ -8,17 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
-from matplotlib.image import imread
+from helpers import check_png, report
 
 import sweep
 from sweep import plots
-from sweep.report import main
-
-PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def report(argv: list[str]) -> None:
-    main([str(a) for a in argv])
 
 
 def fail(argv, capsys) -> str:
@@ -37,11 +30,6 @@ def save(ds: xr.Dataset, path: Path) -> Path:
         v.encoding = {}
     ds.to_zarr(path, mode="w", zarr_format=2, consolidated=True)
     return path
-
-
-def check_png(path: Path) -> None:
-    assert path.read_bytes()[:8] == PNG
-    assert imread(path).std() > 0  # not blank
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +146,6 @@ def optimize_report(optimize_run) -> Path:
     return optimize_run.path.parent / "opt.report"
 
 
-@pytest.mark.slow
 def test_optimize_report(optimize_report, optimize_run):
     for chart in plots.OPTIMIZE_CHARTS:
         check_png(optimize_report / chart.file)
@@ -174,7 +161,6 @@ def test_optimize_report(optimize_report, optimize_run):
     assert "## Verification rounds" in md
 
 
-@pytest.mark.slow
 def test_optimize_report_refuses_grid_options(optimize_run, tmp_path, capsys):
     err = fail([optimize_run.path, "--out", tmp_path / "rep", "--hardware", "l40s"],
                capsys)

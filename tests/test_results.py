@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -10,23 +11,42 @@ import sys
 import numpy as np
 import pytest
 import xarray as xr
-from hydra import initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
+from helpers import assert_cube_matches_baseline, grid_job
 
 from sweep import grid, outputs, results
-from sweep.config.resolve import grid_options
 
 ARGS = ["grid=small", "hardware=h100_sxm", "grid.model=[qwen3_8b,llama3_1_8b]",
         "grid.chunk_points=12"]
+
+# the coordinates ARGS and conf/grid/small.yaml give, as typed there
+COORDS = {
+    "hardware": ["h100_sxm"], "model": ["qwen3_8b", "llama3_1_8b"],
+    "workload": ["seed_chat"], "tensor_parallel": [1, 2], "concurrency": [1, 8, 64],
+    "token_budget": [512, 2048], "context_tokens": [1500],
+    "batching": ["static", "continuous"], "long_prompt_tokens": [8192],
+    "traffic_tokens_per_day": [1e8],
+}
 
 
 class Interrupt(Exception):
     pass
 
 
-def _job(hydra_ctx_unused=None):
-    app, options = grid_options("grid", ARGS)
-    return grid.prepare(app, options)
+def stop_at(block: int, seen: list | None = None):
+    """A progress callback that interrupts the sweep once ``block`` blocks
+    are written (recording each count in ``seen``)."""
+    def progress(done, total):
+        if seen is not None:
+            seen.append(done)
+        if done == block:
+            raise Interrupt
+    return progress
+
+
+@pytest.fixture(scope="module")
+def job():
+    """48 points in blocks of at most 12."""
+    return grid_job(ARGS)
 
 
 def content(ds: xr.Dataset) -> xr.Dataset:
@@ -36,20 +56,14 @@ def content(ds: xr.Dataset) -> xr.Dataset:
     return ds
 
 
-def test_interrupted_sweep_resumes_without_recomputing(hydra_ctx, tmp_path):
-    job = _job()
+def test_interrupted_sweep_resumes_without_recomputing(job, tmp_path):
     out = tmp_path / "cube.zarr"
     attrs = {"config_yaml": "x"}
     assert len(job.parts[0].plan) > 2
     seen = []
 
-    def stop_after_two(done, total):
-        seen.append(done)
-        if done == 2:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        grid.run(job, out, attrs, "x", progress=stop_after_two)
+        grid.run(job, out, attrs, "x", progress=stop_at(2, seen))
     assert not out.exists(), "an unfinished cube must not appear under its name"
     with pytest.raises(FileNotFoundError, match="interrupted; rerun it to resume"):
         results.open_cube(out)
@@ -57,39 +71,64 @@ def test_interrupted_sweep_resumes_without_recomputing(hydra_ctx, tmp_path):
     ds = grid.run(job, out, attrs, "x", progress=lambda d, t: resumed.append(d))
     assert resumed[0] == 2  # the two finished blocks are kept, not recomputed
     assert len(resumed) == len(job.parts[0].plan) - 2 + 1
+    assert_cube_matches_baseline(ds, job)
     fresh = grid.run(job, tmp_path / "fresh.zarr", attrs, "x")
     xr.testing.assert_identical(content(ds), content(fresh))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cube.zarr", "fresh.zarr"]
 
 
-def test_a_changed_config_starts_over(hydra_ctx, tmp_path):
-    job = _job()
+def test_a_changed_config_starts_over(job, tmp_path):
     out = tmp_path / "cube.zarr"
 
-    def stop(done, total):
-        if done == 1:
-            raise Interrupt
-
     with pytest.raises(Interrupt):
-        grid.run(job, out, {}, "config A", progress=stop)
+        grid.run(job, out, {}, "config A", progress=stop_at(1))
     seen = []
     grid.run(job, out, {}, "config B", progress=lambda d, t: seen.append(d))
     assert seen[0] == 0
 
 
+def test_an_axis_typed_out_of_order_resumes_into_sorted_coordinates(tmp_path):
+    job = grid_job([*ARGS, "grid.concurrency=[64,1,8]"])
+    out = tmp_path / "c.zarr"
+
+    with pytest.raises(Interrupt):
+        grid.run(job, out, {}, "x", progress=stop_at(2))
+    ds = grid.run(job, out, {}, "x").load()
+    assert ds.concurrency.values.tolist() == [1, 8, 64]
+    assert ds.sel(concurrency=slice(1, 16)).sizes["concurrency"] == 2
+    assert_cube_matches_baseline(ds, job)
+
+
+def test_a_store_of_other_coordinates_is_not_resumed(job):
+    # the same config text may give other coordinates (an older version kept
+    # the order typed; a search path's options change): resuming would mix
+    # blocks of two cubes
+    other = dataclasses.replace(job, coords={
+        **job.coords, "model": job.coords["model"][::-1]})
+    assert grid.fingerprint("x", other) != grid.fingerprint("x", job)
+
+
 @pytest.mark.parametrize("store", ["directory", "netcdf"])
-def test_round_trip(hydra_ctx, tmp_path, store):
-    job = _job()
-    ds = grid.run(job, tmp_path / "c.zarr", {"config_yaml": "x"}, "x").load()
+def test_round_trip(job, tmp_path, store):
+    # what is read back is checked against values computed without the tool
+    # (the plain-Python baseline, point by point), so a block written to the
+    # wrong region, a dropped chunk or a cast shows
+    path = tmp_path / "c.zarr"
+    grid.run(job, path, {"config_yaml": "x"}, "x")
     if store == "netcdf":
         pytest.importorskip("scipy")
         path = tmp_path / "c.nc"
-        ds.to_netcdf(path, engine="scipy")
-        back = results.open_cube(path).load()
-        xr.testing.assert_allclose(back.drop_vars("kv_fits"), ds.drop_vars("kv_fits"))
-    else:
-        back = results.open_cube(tmp_path / "c.zarr").load()
-        xr.testing.assert_identical(back, ds)
+        results.open_cube(tmp_path / "c.zarr").load().to_netcdf(path, engine="scipy")
+    back = results.open_cube(path).load()
+    assert {d: back[d].values.tolist() for d in COORDS} == COORDS
+    assert_cube_matches_baseline(back, job)
+    assert back.attrs["config_yaml"] == "x"
+    assert back.step_s.attrs["units"] == "s"
+    if store == "directory":  # netCDF 3 has no boolean type
+        assert back.kv_fits.dtype == bool and back.step_s.dtype == np.float32
+    np.testing.assert_array_equal(back.usd_per_gpu_hour, [4.29])
+    np.testing.assert_allclose(back.kv_bytes_per_token.sel(model="qwen3_8b"),
+                               2 * 36 * 8 * 128 * 2)
 
 
 # --- a kill at any step: the old cube or the new, and a rerun that works ---
@@ -111,13 +150,12 @@ def _state(folder, out) -> tuple[str, ...]:
 @pytest.fixture(scope="module")
 def one_block(tmp_path_factory):
     """A one-block job (each write is cheap) and its cube, written uninterrupted."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        job = grid.prepare(*grid_options("grid", [*ARGS, "grid.chunk_points=48"]))
-    GlobalHydra.instance().clear()
+    job = grid_job([*ARGS, "grid.chunk_points=48"])
     assert len(job.parts[0].plan) == 1
     out = tmp_path_factory.mktemp("reference") / "c.zarr"
-    return job, content(grid.run(job, out, {"run": "new"}, "new"))
+    reference = content(grid.run(job, out, {"run": "new"}, "new"))
+    assert_cube_matches_baseline(reference, job)
+    return job, reference
 
 
 @pytest.fixture
@@ -161,13 +199,9 @@ def test_a_kill_while_starting_leaves_the_old_cube(rerun, tmp_path):
         out = folder / "c.zarr"
         grid.run(job, out, {"run": "old"}, "old")
 
-        def stop_at_one(done, total):
-            if done == 1:
-                raise Interrupt
-
         # an interrupted sweep of another config left its partial store
         with pytest.raises(Interrupt):
-            grid.run(job, out, {"run": "other"}, "other", progress=stop_at_one)
+            grid.run(job, out, {"run": "other"}, "other", progress=stop_at(1))
         state = results.Progress(out, fp, grid.config_digest("new"), 1)
         ds = results.template(job.coords, job.parts, {"run": "new"}, job.extra)
         for step in results.create_steps(state, ds)[:k]:
@@ -186,8 +220,7 @@ def test_bookkeeping_without_its_store_is_started_over(rerun, tmp_path):
     check(tmp_path, out)
 
 
-def test_a_partial_store_the_tool_did_not_write_is_refused(hydra_ctx, tmp_path):
-    job = _job()
+def test_a_partial_store_the_tool_did_not_write_is_refused(job, tmp_path):
     out = tmp_path / "c.zarr"
     partial = results.partial_path(out)
     partial.mkdir()
@@ -268,10 +301,9 @@ def test_a_damaged_cube_is_refused_naming_the_chunk(one_block, tmp_path_factory,
     results.open_cube(out)  # repaired
 
 
-def test_a_users_copy_without_fill_chunks_is_not_damaged(hydra_ctx, tmp_path):
+def test_a_users_copy_without_fill_chunks_is_not_damaged(job, tmp_path):
     # xarray (zarr 3) leaves out chunks of fill values only: a user's copy of a
     # cube may lack them, and is not the tool's store
-    job = _job()
     ds = grid.run(job, tmp_path / "c.zarr", {}, "x").load()
     nan = ds.assign(step_s=ds.step_s * np.nan)
     for v in nan.variables.values():

@@ -10,9 +10,11 @@ from helpers import (
     FLOPS,
     KVB,
     MEM,
+    SEED_TABLE,
     USD,
     W,
     chunked,
+    compose_app,
     cost_per_mtok,
     decode,
     expected_max_enumerated,
@@ -20,35 +22,18 @@ from helpers import (
 )
 
 from sweep import cost, roofline
-from sweep.config.resolve import compose_object
-from sweep.params import (
-    CONTINUOUS,
-    REQUEST,
-    STATIC,
-    GridPoint,
-    WorkloadParams,
-    hardware_params,
-    model_params,
-)
+from sweep.batching import CONTINUOUS, REQUEST, STATIC
+from sweep.config.convert import hardware_params, model_params
+from sweep.params import GridPoint, WorkloadParams
 from sweep.point import evaluate_point
 
 # float32 model vs float64 hand numbers: 1e-5 covers float32 rounding of
 # sums of ~1e10-sized terms with margin
 RTOL = 1e-5
 
-SEED_TABLE = [  # concurrency, ITL ms, per-user tok/s, GPU tok/s, USD/1M out
-    (1, 4.96, 202, 202, 5.91),
-    (8, 5.42, 185, 1477, 0.81),
-    (32, 7.00, 143, 4570, 0.26),
-    (64, 9.12, 110, 7021, 0.17),
-    (128, 13.34, 75, 9595, 0.12),
-    (256, 21.79, 46, 11747, 0.10),
-]
-
-
 @pytest.fixture
-def seed(hydra_ctx):
-    app = compose_object("grid", ["hardware=h100_sxm", "model=qwen3_8b"])
+def seed():
+    app = compose_app("grid", ["hardware=h100_sxm", "model=qwen3_8b"])
     hw = hardware_params(app.hardware, 1.0)
     model = model_params(app.model)
     return (jax.tree.map(jnp.float32, hw), jax.tree.map(jnp.float32, model))
@@ -181,8 +166,8 @@ def test_low_traffic_pays_for_idle_capacity(tokens_per_day, replicas):
         assert round(eff, 2) == 102.96  # 4.29 * 24 USD a day for 1M tokens
 
 
-def test_tensor_parallel_splits_work_and_adds_allreduce(hydra_ctx):
-    app = compose_object("grid", ["hardware=h100_sxm", "model=llama3_1_70b"])
+def test_tensor_parallel_splits_work_and_adds_allreduce():
+    app = compose_app("grid", ["hardware=h100_sxm", "model=llama3_1_70b"])
     hw, model = hardware_params(app.hardware, 1.0), model_params(app.model)
     n, c, tp = 16.0, 2000.0, 4.0
     got = float(roofline.decode_step_s(hw, model, tp, n, c))
@@ -197,8 +182,8 @@ def test_tensor_parallel_splits_work_and_adds_allreduce(hydra_ctx):
     np.testing.assert_allclose(got, max(mem, comp) + comm, rtol=RTOL)
 
 
-def test_moe_reads_only_touched_experts(hydra_ctx):
-    app = compose_object("grid", ["model=mixtral_8x7b"])
+def test_moe_reads_only_touched_experts():
+    app = compose_app("grid", ["model=mixtral_8x7b"])
     m = model_params(app.model)
     e, k = 8, 2
     expert = (46.7e9 - 12.9e9) * e / (e - k)

@@ -13,18 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hydra import compose
-from omegaconf import OmegaConf
+from helpers import compose_app
 
 from sweep import search
+from sweep.config.convert import hardware_params, model_params
+from sweep.config.schema import Search
 from sweep.latency import latency_workload, surrogate
-from sweep.params import hardware_params, model_params, stack
+from sweep.params import stack
 from sweep.status import OK
 from sweep.workload import workload_tables
 
-SETTINGS = search.Settings(steps=60, concurrency_min=1, concurrency_max=64,
-                           token_budget_min=256, token_budget_max=4096,
-                           levels_per_octave=1, replicas_max=16)
+SETTINGS = search.Settings.of(Search(steps=60, concurrency_min=1, concurrency_max=64,
+                                     token_budget_min=256, token_budget_max=4096,
+                                     levels_per_octave=1, replicas_max=16))
 TP = (1.0, 2.0)
 RESTARTS = 4
 RATE = 40.0  # req/s: several replicas, so the answer is not the lower corner
@@ -33,14 +34,7 @@ SLO = (1.0, 0.05)  # p99 TTFT, p99 ITL (s)
 
 @pytest.fixture(scope="module")
 def scenario():
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        app = OmegaConf.to_object(compose("optimize", ["hardware=h100_sxm",
-                                                       "model=qwen3_8b"]))
-    GlobalHydra.instance().clear()
+    app = compose_app("optimize", ["hardware=h100_sxm", "model=qwen3_8b"])
     hw = hardware_params(app.hardware, 0.9)
     model = model_params(app.model)
     lw = latency_workload(workload_tables(app.workload))
@@ -131,3 +125,23 @@ def test_gradients_finite_at_zero_load_and_saturation(scenario):
     assert res.feasible[0].all() and (res.replicas[0] == 1).all()
     assert not res.feasible[1].any()
     assert np.isfinite(res.reach["ttft_p99_s"][1]).all()
+
+
+def test_settings_are_the_search_config_frozen():
+    config = Search(steps=60, tensor_parallel=[1, 2], optimizer_options={"b2": 0.8})
+    s = search.Settings.of(config)
+    # read as the config reads, with the config's defaults for the rest
+    assert (s.steps, s.learning_rate, s.replicas_max) == (60, 0.1, 256)
+    assert s.optimizer_options == (("b2", 0.8),)
+    assert s.tensor_parallel == (1, 2)
+    # a hashable value: equal configs are equal settings (one compiled search)
+    again = search.Settings.of(Search(steps=60, tensor_parallel=[1, 2],
+                                      optimizer_options={"b2": 0.8}))
+    assert again == s and hash(again) == hash(s)
+    assert search.Settings.of(Search(steps=61, tensor_parallel=[1, 2],
+                                     optimizer_options={"b2": 0.8})) != s
+    # a later change to the config does not reach the settings
+    config.steps = 7
+    assert s.steps == 60
+    with pytest.raises(AttributeError, match="no field 'step'"):
+        s.step  # noqa: B018

@@ -9,32 +9,22 @@ running) go through one more vmapped call per precision (``big``).
 
 from __future__ import annotations
 
-import sys
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hydra import initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
+from helpers import grid_inputs
+from reference_scheduler import simulate_reference, step_time_s
 
+from sweep import roofline
 from sweep import simulate as sim
 from sweep.arrivals import Requests, sample_requests
-from sweep.config.resolve import grid_options
+from sweep.batching import CONTINUOUS, REQUEST, STATIC
+from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import ArrivalKind
-from sweep.params import (
-    CONTINUOUS,
-    REJECT,
-    REQUEST,
-    STATIC,
-    TRUNCATE,
-    HardwareParams,
-    ModelParams,
-    hardware_params,
-    model_params,
-)
+from sweep.params import REJECT, TRUNCATE, HardwareParams, ModelParams
 from sweep.simulate import (
     ITL_MANTISSA_BITS,
     STATUS_SLOTS,
@@ -44,9 +34,6 @@ from sweep.simulate import (
     summarize,
 )
 from sweep.workload import WorkloadTables, context_limit, load_trace, workload_tables
-
-sys.path.insert(0, str(Path(__file__).parent))
-from reference_scheduler import simulate_reference, step_time_s  # noqa: E402
 
 R = 40  # requests per case (one jit shape)
 SLOTS = 8
@@ -206,6 +193,57 @@ def assert_itl_percentiles(outcome, gaps, budget, hw=None, model=None, tp=1.0):
     bound = itl_bound_s(hw, model, tp, budget, hi) + 1e-5 * hi
     assert np.all(got >= lo - bound) and np.all(got <= hi + bound), (got, want, bound)
     return got
+
+
+# (memory_s, memory_slope_s, compute_s, compute_slope_s, fixed_s) of a run:
+# memory overtakes compute within it (between steps, and at a step where the
+# two are equal), compute overtakes memory (likewise), parallel lines with
+# memory above and below, equal lines, a crossing beyond the run
+RUN_LINES = [
+    (1.0, 0.5, 3.1, 0.1, 0.2),
+    (1.0, 0.5, 3.0, 0.1, 0.2),
+    (3.1, 0.1, 1.0, 0.5, 0.2),
+    (3.0, 0.1, 1.0, 0.5, 0.2),
+    (2.0, 0.3, 1.0, 0.3, 0.0),
+    (1.0, 0.3, 2.0, 0.3, 0.01),
+    (1.0, 0.0, 1.0, 0.0, 0.1),
+    (0.5, 0.01, 9.0, 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize("lines", RUN_LINES)
+def test_a_run_in_closed_form_is_the_sum_of_its_steps(lines):
+    """A run's duration (``roofline.run_s`` at ``split_at_crossing``, which
+    the simulator's turns and ``chunked_prefill`` use) against its steps
+    summed one by one in float64, and every step on the piece it is given."""
+    m0, m, c0, c, fixed = lines
+    with jax.enable_x64(True):
+        run = roofline.StepLines(*(jnp.float64(x) for x in lines))
+        for n in (0, 1, 5, 40):
+            step = [max(m0 + m * j, c0 + c * j) + fixed for j in range(n)]
+            split = roofline.split_at_crossing(run, np.float64(n))
+            got = float(roofline.run_s(run, split, np.float64(n)))
+            assert got == pytest.approx(sum(step), rel=1e-12, abs=1e-15)
+            j_cross, (a, s), (b, r) = jax.tree.map(float, split)
+            assert 0 <= j_cross <= n and j_cross == int(j_cross)
+            on_piece = [(a + s * j if j < j_cross else b + r * j) + fixed
+                        for j in range(n)]
+            np.testing.assert_allclose(on_piece, step, rtol=1e-12)
+
+
+def test_step_lines_are_the_step_time_along_the_run():
+    """``roofline.step_lines(...).at(x)`` is ``step_s`` with the KV read and
+    the attention keys moved ``x`` steps along their lines."""
+    hw, model = h100(np.float64), qwen3_8b(np.float64)
+    # compute-bound at x = 0, memory-bound by x = 5000
+    new, kv0, kv1, keys0, keys1 = 300.0, 5e4, 40.0, 8e6, 100.0
+    with jax.enable_x64(True):
+        for tp in (1.0, 2.0, 3.0):
+            lines = roofline.step_lines(hw, model, tp, new, kv0, kv1, keys0, keys1)
+            for x in (0.0, 1.0, 17.0, 5000.0):
+                want = roofline.step_s(hw, model, tp, new, kv0 + kv1 * x,
+                                       keys0 + keys1 * x)
+                assert float(lines.at(x)) == pytest.approx(float(want), rel=1e-12)
 
 
 def test_preemptions_happen_and_match(sim64):
@@ -391,13 +429,8 @@ SHIPPED = ("seed_chat", "rag_long_prompt", "offline_batch", "azure_conv_2023",
 
 def composed():
     """The grid app over the shipped workloads, H100 SXM and MI300X, Qwen3-8B."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
-        app, options = grid_options("grid", [
-            f"grid.workload=[{','.join(SHIPPED)}]", "grid.hardware=[h100_sxm,mi300x]",
-            "model=qwen3_8b"])
-    GlobalHydra.instance().clear()
-    return app, options
+    return grid_inputs([f"grid.workload=[{','.join(SHIPPED)}]",
+                        "grid.hardware=[h100_sxm,mi300x]", "model=qwen3_8b"])
 
 
 def shipped_stream(w, rate_factor, seed):

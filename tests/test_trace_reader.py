@@ -12,7 +12,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from test_cli import run
+from helpers import run_script
 
 from sweep.arrivals import replay_requests, sample_requests
 from sweep.config.schema import (
@@ -131,6 +131,7 @@ def test_equal_timestamps_refused_for_arrivals_only(tmp_path):
     workload_tables(trace_workload(path, arrival=ArrivalKind.poisson))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trace, extra, pattern", [
     ("t,prompt,output\n5,100,5\n5,200,7\n", ["latency=simulate"],
      r"every timestamp is equal"),
@@ -148,7 +149,7 @@ def test_bad_trace_through_the_cli(tmp_path, trace, extra, pattern):
                  "workload.trace.timestamp_unit=s",
                  "workload.trace.prompt_column=prompt",
                  "workload.trace.output_column=output"]
-    proc = run([*args, *extra], tmp_path)
+    proc = run_script("sweep-grid", [*args, *extra], tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(pattern, lines[0]), proc.stderr

@@ -12,9 +12,11 @@ import json
 
 import numpy as np
 import pytest
-from test_cli import run
+from helpers import run_script
 
 import sweep
+
+pytestmark = pytest.mark.slow  # every test here reads a run of the console script
 
 # recorded (timestamp ms, prompt, output); rows 1 and 3 exceed 2,048 tokens
 TRACE = [(1_700_000_000_000, 1000, 4), (1_700_000_002_000, 3000, 2),
@@ -69,14 +71,14 @@ def replayed(tmp_path_factory):
     for overlong in ("reject", "truncate"):
         (folder / f"tiny_{overlong}.yaml").write_text(WORKLOAD.format(
             name=f"tiny_{overlong}", path=trace, overlong=overlong))
-    proc = run([f"hydra.searchpath=[file://{root / 'conf'}]", "hardware=h100_sxm",
-                "model=qwen3_8b", f"model.max_context_tokens={CONTEXT}",
-                "grid.workload=[tiny_reject,tiny_truncate]",
-                "grid.tensor_parallel=[1]", "grid.concurrency=[8]",
-                "grid.token_budget=[2048]", "grid.batching=[continuous]",
-                "grid.context_tokens=[1500]", "grid.long_prompt_tokens=[1024]",
-                "grid.traffic_tokens_per_day=[1e8]", "latency=simulate",
-                "latency.num_requests=4", "out=tiny.zarr"], root)
+    proc = run_script("sweep-grid", [
+        f"hydra.searchpath=[file://{root / 'conf'}]", "hardware=h100_sxm",
+        "model=qwen3_8b", f"model.max_context_tokens={CONTEXT}",
+        "grid.workload=[tiny_reject,tiny_truncate]", "grid.tensor_parallel=[1]",
+        "grid.concurrency=[8]", "grid.token_budget=[2048]",
+        "grid.batching=[continuous]", "grid.context_tokens=[1500]",
+        "grid.long_prompt_tokens=[1024]", "grid.traffic_tokens_per_day=[1e8]",
+        "latency=simulate", "latency.num_requests=4", "out=tiny.zarr"], root)
     assert proc.returncode == 0, proc.stderr
     return sweep.open_cube(root / "tiny.zarr").load().squeeze()
 

@@ -104,10 +104,10 @@ def config_yaml(cfg) -> str:
 
 
 def group_options(group: str, app: str, overrides: list[str]) -> list[str]:
-    """Options of a config group (user search paths included), less ``base_*``."""
-    names = GlobalHydra.instance().config_loader().get_group_options(
+    """Options of a config group, user search paths included (the schemas are
+    not options: ``sweep.config.store``)."""
+    return GlobalHydra.instance().config_loader().get_group_options(
         group, config_name=app, overrides=overrides)
-    return sorted(n for n in names if not n.startswith("base_"))
 
 
 def _one_line(e: BaseException) -> str:
@@ -135,9 +135,8 @@ def compose_object(app: str, overrides: list[str]):
     except MissingConfigException as e:
         group, _, name = (e.missing_cfg_file or "").rpartition("/")
         if group and e.options is not None:
-            opts = ", ".join(o for o in e.options if not o.startswith("base_"))
-            raise ConfigError(
-                f"{group}={name}: unknown option; allowed: {opts}") from None
+            raise ConfigError(f"{group}={name}: unknown option; allowed: "
+                              f"{', '.join(e.options)}") from None
         raise ConfigError(_one_line(e)) from None
     except ConfigError:
         raise
@@ -201,9 +200,11 @@ def grid_options(app: str, overrides: list[str], section: str = "grid",
             raise ConfigError(
                 f"{section}.{group} = {listed}: options must be distinct")
     # compose option i of every group together: max(len) compositions in all;
-    # the section's own overrides (its axes) cannot change a group's options
+    # the section's own overrides (its axes) cannot change a group's options,
+    # and a group used as chosen keeps its choice (its fields' overrides need it)
+    listed_groups = {g for g, v in names.items() if v is not None}
     kept = [o for o in overrides
-            if o.split("=")[0].lstrip("+~") not in (*SWEPT_GROUPS, "experiment")
+            if o.split("=")[0].lstrip("+~") not in (*listed_groups, "experiment")
             and not o.lstrip("+~").startswith(f"{section}.")]
     experiment = [o for o in overrides if o.split("=")[0].lstrip("+~") == "experiment"]
     out = {g: [] for g in groups}

@@ -15,9 +15,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
-
-class ConfigError(ValueError):
-    """A config that cannot describe a real deployment."""
+from sweep import contract
+from sweep.errors import ConfigError
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
@@ -309,6 +308,14 @@ def axis_range(start, stop, num, scale="linear") -> list[float]:
 
 def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float,
                   high: float = MAX_TOKENS) -> list[float]:
+    """An axis's values, checked, in ascending order.
+
+    A value typed twice is refused (a slip of the pen); on an integer axis,
+    distinct values that round to the same integer are kept once, so a log
+    range over small integers (``${range:1,1024,64,log}``) is usable. The
+    order is ascending whatever the order typed: the values become a cube's
+    coordinate, which ``.sel(axis=slice(a, b))`` reads as sorted.
+    """
     values = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     _check(len(values) > 0, key, values, "must list at least one value")
     _check(len(values) <= MAX_AXIS_VALUES, key, f"{len(values)} values",
@@ -317,16 +324,16 @@ def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float,
     for v in values:
         _check(isinstance(v, (int, float)) and not isinstance(v, bool)
                and math.isfinite(v), key, v, "must be a number")
-        v = float(round(v)) if integer else float(v)
-        _check(low <= v <= high, key, v,
+        r = float(round(v)) if integer else float(v)
+        _check(low <= r <= high, key, r,
                f"every value must be in [{_bound(low)}, {_bound(high)}]")
-        out.append(v)
-    if len(set(out)) != len(out):
+        out.append(r)
+    if len(set(values)) != len(values):
         seen: set[float] = set()
-        twice = next(v for v in out if v in seen or seen.add(v))
+        twice = next(v for v in values if v in seen or seen.add(v))
         raise ConfigError(f"{key}: {twice:g} appears more than once; values must be "
                           "distinct")
-    return out
+    return sorted(set(out))
 
 
 @dataclass
@@ -362,26 +369,15 @@ class Grid:
     )
 
     def __post_init__(self) -> None:
-        self.axes = {
-            "tensor_parallel": _numeric_axis(
-                self.tensor_parallel, "grid.tensor_parallel", integer=True, low=1),
-            "concurrency": _numeric_axis(self.concurrency, "grid.concurrency",
-                                         integer=True, low=1),
-            "token_budget": _numeric_axis(self.token_budget, "grid.token_budget",
-                                          integer=True, low=1),
-            "context_tokens": _numeric_axis(self.context_tokens, "grid.context_tokens",
-                                            integer=True, low=1),
-            "long_prompt_tokens": _numeric_axis(self.long_prompt_tokens,
-                                                "grid.long_prompt_tokens",
-                                                integer=True, low=1),
-            "traffic_tokens_per_day": _numeric_axis(
-                self.traffic_tokens_per_day, "grid.traffic_tokens_per_day",
-                integer=False, low=1e-6, high=1e18),
-        }
-        if len(self.arrival_rate_per_s) > 0:
-            self.axes["arrival_rate_per_s"] = _numeric_axis(
-                self.arrival_rate_per_s, "grid.arrival_rate_per_s", integer=False,
-                low=1e-9, high=1e12)
+        # the numeric axes of the cube (sweep.contract), each a list of floats
+        self.axes = {}
+        for a in contract.AXES:
+            spec = getattr(self, a.name) if a.kind != contract.LABEL else None
+            if spec is None or (a.optional and len(spec) == 0):
+                continue
+            self.axes[a.name] = _numeric_axis(
+                spec, f"grid.{a.name}", integer=a.kind == contract.INTEGER,
+                low=a.low, high=MAX_TOKENS if a.high is None else a.high)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
         _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
@@ -642,6 +638,83 @@ class OptimizeApp:
 
     def __post_init__(self) -> None:
         _check_run_settings(self)
+
+
+@dataclass
+class CalibrateFit:
+    """``sweep-calibrate``'s optax fit of ``sweep.calibrate.CONSTANTS``."""
+
+    steps: int = field(default=1000, metadata={"help": "Adam steps (lax.scan)"})
+    learning_rate: float = 0.1
+    fit: list[str] = field(
+        default_factory=lambda: ["mbu", "mfu", "step_overhead_s", "kv_mbu",
+                                 "sequence_overhead_s"],
+        metadata={"help": "constants fitted; the others keep the hardware's "
+                  "(kv_mbu: follows mbu)"})
+
+    def __post_init__(self) -> None:
+        _in_range(self, "calibrate.fit", "steps", 1, 100_000)
+        _in_range(self, "calibrate.fit", "learning_rate", 1e-6, 10)
+        allowed = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
+        _check(len(self.fit) > 0 and all(f in allowed for f in self.fit)
+               and len(set(self.fit)) == len(self.fit), "calibrate.fit.fit",
+               list(self.fit), f"a non-empty list of distinct {', '.join(allowed)}")
+
+
+@dataclass
+class CalibrateApp:
+    """Top config of ``sweep-calibrate``: it fits one hardware x model x
+    engine at a time to measured step latencies (CSV) and ``vllm bench
+    serve`` results (JSON) and writes a ``calibration/<name>.yaml`` config
+    (``sweep.calibrate_cli``)."""
+
+    hardware: Hardware = MISSING
+    model: Model = MISSING
+    name: str = field(
+        default="measured",
+        metadata={"help": "the calibration config written: calibration/<name>.yaml"})
+    engine: str = field(default="vllm", metadata={"help": "vllm, sglang or trtllm"})
+    steps_csv: list[str] = field(
+        default_factory=list,
+        metadata={"help": "CSVs of measured steps: batch_size, context_tokens, "
+                  "prefill_tokens, seconds[, tensor_parallel]"})
+    bench_json: list[str] = field(
+        default_factory=list,
+        metadata={"help": "JSONs of `vllm bench serve --save-result "
+                  "--save-detailed`, one run each"})
+    max_num_seqs: int = field(
+        default=256, metadata={"help": "the server's --max-num-seqs in the runs"})
+    max_num_batched_tokens: int = field(
+        default=8192,
+        metadata={"help": "the server's --max-num-batched-tokens in the runs"})
+    tensor_parallel: int = field(
+        default=1, metadata={"help": "the server's --tensor-parallel-size in the runs"})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "the server's --gpu-memory-utilization"})
+    source: str = field(default="", metadata={"help": "recorded in the profile"})
+    version: str = field(default="", metadata={"help": "recorded in the profile"})
+    license: str = field(default="", metadata={"help": "recorded in the profile"})
+    fit: CalibrateFit = field(default_factory=CalibrateFit)
+    out: str | None = field(
+        default=None,
+        metadata={"help": "config folder written: <out>/calibration/<name>.yaml; "
+                  "default the run directory"})
+    seed: int = 0
+    max_memory_gb: float = field(default=0.0, metadata={"help": MAX_MEMORY_HELP})
+
+    def __post_init__(self) -> None:
+        _check_run_settings(self)
+        _check(bool(self.name) and self.name.replace("_", "").replace("-", "")
+               .isalnum(), "name", self.name,
+               "a config name: letters, digits, '_' and '-'")
+        _check(self.engine in ENGINES, "engine", self.engine,
+               f"allowed: {', '.join(ENGINES)}")
+        _check(len(self.steps_csv) + len(self.bench_json) > 0, "steps_csv", [],
+               "give at least one measured file: steps_csv=[...] or bench_json=[...]")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _in_range(self, "", name, 1, MAX_TOKENS)
+        _in_range(self, "", "tensor_parallel", 1, self.hardware.max_gpus_per_node)
+        _in_range(self, "", "gpu_memory_utilization", 1e-3, 1)
 
 
 def tp_splits_heads(model: Model, tp: int) -> bool:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sweep.config.schema import ConfigError
 from sweep.data.registry import (
     CACHE_ENV,
     DATA_DIR_ENV,
@@ -23,6 +22,7 @@ from sweep.data.registry import (
     lookup,
     status,
 )
+from sweep.errors import ConfigError
 
 COMMAND = "sweep-data"
 

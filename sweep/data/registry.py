@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import pooch
 import requests
 
-from sweep.config.schema import ConfigError
+from sweep.errors import ConfigError
 
 DATA_DIR_ENV = "SWEEP_DATA_DIR"
 CACHE_ENV = "SWEEP_DATA_CACHE"

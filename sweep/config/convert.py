@@ -1,0 +1,59 @@
+"""Validated configs to the parameter pytrees the models receive.
+
+The one place where a Hydra schema (``sweep.config.schema``) becomes a
+``sweep.params`` pytree of float leaves in SI units, so that the physics layer
+(``sweep.params``, ``sweep.roofline``, ...) never imports the config layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sweep.config.schema import Hardware, Model
+from sweep.params import HardwareParams, ModelParams
+
+
+def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwareParams:
+    """Converts a validated hardware config to float leaves."""
+    return HardwareParams(
+        memory_bandwidth_bytes_per_s=hw.memory_bandwidth_bytes_per_s,
+        peak_flops_per_s=hw.peak_flops_per_s,
+        memory_bytes=hw.memory_bytes,
+        interconnect_bytes_per_s=hw.interconnect_bytes_per_s,
+        usd_per_gpu_hour=hw.usd_per_gpu_hour,
+        mbu=hw.mbu,
+        mfu=hw.mfu,
+        step_overhead_s=hw.step_overhead_s,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_mbu=hw.kv_mbu or hw.mbu,
+        sequence_overhead_s=hw.sequence_overhead_s,
+    )
+
+
+def model_params(m: Model) -> ModelParams:
+    """Splits a model's parameters into always-read and routed-expert weights.
+
+    For a mixture of experts with ``E`` experts of which ``k`` serve a token,
+    ``active = shared + expert * k / E`` and ``params = shared + expert``, so
+    ``expert = (params - active) * E / (E - k)``.
+    """
+    if m.num_experts > m.experts_per_token:
+        expert = (m.params - m.active_params) * m.num_experts / (
+            m.num_experts - m.experts_per_token
+        )
+    else:
+        expert = 0.0
+    return ModelParams(
+        shared_params=m.params - expert,
+        expert_params=expert,
+        active_params=m.active_params,
+        layers=float(m.layers),
+        q_heads=float(m.q_heads),
+        kv_heads=float(m.kv_heads),
+        head_dim=float(m.head_dim),
+        hidden_size=float(m.hidden_size),
+        experts_per_token_fraction=m.experts_per_token / m.num_experts,
+        weight_dtype_bytes=float(m.weight_dtype_bytes),
+        kv_dtype_bytes=float(m.kv_dtype_bytes),
+        max_context_tokens=float(m.max_context_tokens or math.inf),
+    )

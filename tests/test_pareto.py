@@ -1,0 +1,57 @@
+"""The one Pareto filter (``sweep.pareto.front``): hand-checked fronts in
+every sense, and the definition checked pairwise on random points."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sweep.pareto import front
+
+# cost (minimised) and throughput (maximised), by hand: (1, 2) and (3, 5) are
+# beaten by nothing; (2, 2) is beaten by (1, 2); (3, 5) twice is kept once;
+# (4, 6) is the best throughput; NaN and inf are off
+COST = np.array([1.0, 2.0, 3.0, 3.0, 4.0, np.nan, np.inf])
+RATE = np.array([2.0, 2.0, 5.0, 5.0, 6.0, 9.0, 9.0])
+
+
+def test_mixed_senses_by_hand():
+    np.testing.assert_array_equal(front(COST, RATE, maximize=(False, True)),
+                                  [True, False, True, False, True, False, False])
+
+
+def test_each_sense_is_the_negated_other():
+    # minimising (x, y) is maximising (-x, -y), whatever the points
+    x, y = np.array([1.0, 2.0, 0.5, 2.0]), np.array([3.0, 1.0, 4.0, 1.0])
+    np.testing.assert_array_equal(front(x, y), [True, True, True, False])
+    np.testing.assert_array_equal(front(-x, -y, maximize=(True, True)),
+                                  front(x, y))
+    np.testing.assert_array_equal(front(x, -y, maximize=(False, True)), front(x, y))
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_tiny_inputs(n):
+    assert front(np.ones(n), np.ones(n)).tolist() == [True] * n
+    assert front(np.full(n, np.nan), np.ones(n)).tolist() == [False] * n
+
+
+def _dominated(a, b, i):
+    """Whether some point beats point ``i`` (both minimised), or an identical
+    point comes before it."""
+    better = (a <= a[i]) & (b <= b[i]) & ((a < a[i]) | (b < b[i]))
+    same = (a == a[i]) & (b == b[i])
+    return bool(better.any() or same[:i].any())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=25),
+       st.tuples(st.booleans(), st.booleans()))
+def test_front_is_the_set_of_non_dominated_points(points, maximize):
+    xy = np.array(points, np.float64).reshape(-1, 2)
+    got = front(xy[:, 0], xy[:, 1], maximize=maximize)
+    a = -xy[:, 0] if maximize[0] else xy[:, 0]
+    b = -xy[:, 1] if maximize[1] else xy[:, 1]
+    want = [not _dominated(a, b, i) for i in range(len(xy))]
+    assert got.tolist() == want
