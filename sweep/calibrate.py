@@ -103,8 +103,9 @@ def step_bounds(hw: HardwareParams, model: ModelParams, s: Steps):
     memory = (roofline.weight_bytes_read(model, new) + cached
               * roofline.kv_read_bytes_per_token(hw, model)) / s.tensor_parallel / (
         hw.memory_bandwidth_bytes_per_s * hw.mbu)
-    compute = (2.0 * model.active_params * new + roofline.attention_flops_per_key(
-        model) * keys) / s.tensor_parallel / (hw.peak_flops_per_s * hw.mfu)
+    compute = (roofline.linear_flops_per_token(hw, model) * new
+               + roofline.attention_flops_per_key(model) * keys) / s.tensor_parallel / (
+        hw.peak_flops_per_s * hw.mfu)
     return memory, compute
 
 

@@ -45,7 +45,16 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import calibration, contract, outputs, pareto, roofline, search, status
+from sweep import (
+    calibration,
+    contract,
+    outputs,
+    pareto,
+    precision,
+    roofline,
+    search,
+    status,
+)
 from sweep.arrivals import Requests, route, split, workload_requests
 from sweep.batching import CONTINUOUS
 from sweep.config.convert import hardware_params, model_params
@@ -123,12 +132,27 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"allowed: slo.max_rejected_fraction >= {served[least.name][1]:.4g}, "
             "workload.overlong=truncate, or a model with a longer context")
     request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
+    for m in models:
+        w = m.weight_dtype
+        if not any(precision.supported(h, w) for h in hardware):
+            runs = [d for d in precision.WEIGHT_DTYPES
+                    if any(precision.supported(h, d) for h in hardware)]
+            raise ConfigError(
+                f"model[{m.name}].weight_dtype = {w}: no hardware searched has {w} "
+                f"tensor cores (hardware.{precision.rate_field(w)} = 0 on "
+                f"{', '.join(h.name for h in hardware)}); allowed: "
+                f"{', '.join(runs)}, or hardware with them")
     keep, excluded = [], []
     chosen = calibration.choose(app.calibration, hardware, models)
     for h, row in zip(hardware, chosen):
         hp = hardware_params(h, s.gpu_memory_utilization)
         for m, choice in zip(models, row):
             mp = model_params(m)
+            if not precision.supported(h, m.weight_dtype):
+                excluded.append(
+                    f"{h.name} x {m.name}: no {m.weight_dtype} tensor cores "
+                    f"(hardware.{precision.rate_field(m.weight_dtype)} = 0)")
+                continue
             if m in too_long:
                 excluded.append(
                     f"{h.name} x {m.name}: rejects {served[m.name][1]:.2%} of the "

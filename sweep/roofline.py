@@ -61,6 +61,20 @@ def kv_read_bytes_per_token(hw: HardwareParams, model: ModelParams):
     return kv_bytes_per_token(model) * hw.mbu / hw.kv_mbu
 
 
+def linear_flops_per_token(hw: HardwareParams, model: ModelParams):
+    """FLOPs of one token through the linear layers, counted at the BF16 rate.
+
+    ``2 * active_params``, scaled by ``peak_flops_per_s`` over the rate of the
+    model's weight dtype (``sweep.precision``: FP8 or FP4 tensor cores for
+    fp8 or fp4 weights), so that one division by the BF16 rate times them
+    all; the scale is exactly 1 for BF16 compute.
+    """
+    rate = jnp.where(model.weight_compute == 1.0, hw.fp8_flops_per_s,
+                     jnp.where(model.weight_compute == 2.0, hw.fp4_flops_per_s,
+                               hw.peak_flops_per_s))
+    return 2.0 * model.active_params * (hw.peak_flops_per_s / rate)
+
+
 def attention_flops_per_key(model: ModelParams):
     """FLOPs for one new token attending to one key (QK^T and PV)."""
     return 4.0 * model.layers * model.q_heads * model.head_dim
@@ -118,7 +132,7 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
         kv_read_bytes_per_token(hw, model)
     )
     flops = (
-        2.0 * model.active_params * new_tokens
+        linear_flops_per_token(hw, model) * new_tokens
         + attention_flops_per_key(model) * attention_keys
     )
     memory_s = bytes_moved / tp / effective_bandwidth_bytes_per_s(hw)
@@ -197,7 +211,7 @@ def step_lines(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_t
     return StepLines(
         (weight_bytes_read(model, new_tokens) + kv_read_tokens * kvb) / tp / bandwidth,
         kv_read_slope * kvb / tp / bandwidth,
-        (2.0 * model.active_params * new_tokens + fpk * attention_keys) / tp
+        (linear_flops_per_token(hw, model) * new_tokens + fpk * attention_keys) / tp
         / flop_rate,
         fpk * attention_keys_slope / tp / flop_rate,
         fixed_s(hw, model, tp, new_tokens, sequences),
@@ -278,7 +292,7 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     lines = StepLines(
         (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
         b * kvb / mem_bw,
-        (2.0 * model.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0))
+        (linear_flops_per_token(hw, model) * new + fpk * (ctx + b * (b + 1.0) / 2.0))
         / flop_rate,
         fpk * b * b / flop_rate,
         fixed_s(hw, model, tp, new, decodes + 1.0),

@@ -14,8 +14,8 @@ from pathlib import Path
 import sweep
 
 PACKAGE = Path(sweep.__file__).parent
-PHYSICS = ("sweep.params", "sweep.roofline", "sweep.cost", "sweep.batching",
-           "sweep.point", "sweep.evaluate", "sweep.pareto")
+PHYSICS = ("sweep.params", "sweep.precision", "sweep.roofline", "sweep.cost",
+           "sweep.batching", "sweep.point", "sweep.evaluate", "sweep.pareto")
 
 
 def test_physics_layer_imports_neither_hydra_nor_omegaconf():

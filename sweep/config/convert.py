@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from sweep import precision
 from sweep.config.schema import Hardware, Model
 from sweep.params import HardwareParams, ModelParams
 
@@ -27,6 +28,8 @@ def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwarePara
         gpu_memory_utilization=gpu_memory_utilization,
         kv_mbu=hw.kv_mbu or hw.mbu,
         sequence_overhead_s=hw.sequence_overhead_s,
+        fp8_flops_per_s=hw.fp8_flops_per_s,
+        fp4_flops_per_s=hw.fp4_flops_per_s,
     )
 
 
@@ -56,4 +59,5 @@ def model_params(m: Model) -> ModelParams:
         weight_dtype_bytes=float(m.weight_dtype_bytes),
         kv_dtype_bytes=float(m.kv_dtype_bytes),
         max_context_tokens=float(m.max_context_tokens or math.inf),
+        weight_compute=float(precision.WEIGHT_COMPUTE[m.weight_dtype]),
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from sweep import contract
+from sweep import contract, precision
 from sweep.errors import ConfigError
 
 
@@ -100,6 +100,14 @@ class Hardware:
     peak_flops_per_s: float = field(
         default=MISSING, metadata={"help": "dense bf16 tensor FLOP/s, no sparsity"}
     )
+    fp8_flops_per_s: float = field(
+        default=0.0,
+        metadata={"help": "dense fp8 tensor FLOP/s, no sparsity; 0: no FP8 tensor "
+                  "cores (weight_dtype fp8 refused)"})
+    fp4_flops_per_s: float = field(
+        default=0.0,
+        metadata={"help": "dense fp4 tensor FLOP/s, no sparsity; 0: no FP4 tensor "
+                  "cores (weight_dtype fp4 refused)"})
     memory_bytes: float = MISSING
     interconnect_bytes_per_s: float = field(
         default=MISSING, metadata={"help": "GPU-to-GPU bandwidth, one direction"}
@@ -134,6 +142,9 @@ class Hardware:
             _in_range(self, p, name, low, high)
         _in_range(self, p, "step_overhead_s", 0, 3600)
         _check_step_shape(self, p)
+        for name in ("fp8_flops_per_s", "fp4_flops_per_s"):
+            if getattr(self, name) != 0:
+                _in_range(self, p, name, 1e6, 1e18)
         _in_range(self, p, "max_gpus_per_node", 1, 1024)
 
 
@@ -151,8 +162,12 @@ class Model:
     hidden_size: int = MISSING
     num_experts: int = 1
     experts_per_token: int = 1
-    weight_dtype_bytes: float = 2.0
-    kv_dtype_bytes: float = 2.0
+    weight_dtype: str = field(
+        default="bf16",
+        metadata={"help": f"{', '.join(precision.WEIGHT_DTYPES)} (group scales "
+                  "counted in the bytes: sweep.precision)"})
+    kv_dtype: str = field(
+        default="bf16", metadata={"help": ", ".join(precision.KV_DTYPES)})
     max_context_tokens: int = field(
         default=0,
         metadata={"help": "longest prompt + output served (vLLM's max_model_len); "
@@ -161,10 +176,12 @@ class Model:
 
     def __post_init__(self) -> None:
         p = f"model[{self.name}]"
-        for name, low, high in (("params", 1, 1e14), ("active_params", 1, 1e14),
-                                ("weight_dtype_bytes", 0.125, 16),
-                                ("kv_dtype_bytes", 0.125, 16)):
+        for name, low, high in (("params", 1, 1e14), ("active_params", 1, 1e14)):
             _in_range(self, p, name, low, high)
+        for name, allowed in (("weight_dtype", precision.WEIGHT_DTYPES),
+                              ("kv_dtype", precision.KV_DTYPES)):
+            _check(getattr(self, name) in allowed, f"{p}.{name}", getattr(self, name),
+                   f"allowed: {', '.join(allowed)}")
         for name, high in (("layers", 10_000), ("q_heads", 100_000),
                            ("kv_heads", 100_000), ("head_dim", 100_000),
                            ("hidden_size", 10_000_000), ("num_experts", 100_000),
@@ -181,6 +198,16 @@ class Model:
                self.active_params, f"must be <= params ({self.params:g})")
         _check(self.experts_per_token <= self.num_experts, f"{p}.experts_per_token",
                self.experts_per_token, f"must be <= num_experts ({self.num_experts})")
+
+    @property
+    def weight_dtype_bytes(self) -> float:
+        """Bytes per weight at ``weight_dtype``, group scales included."""
+        return precision.WEIGHT_BYTES[self.weight_dtype]
+
+    @property
+    def kv_dtype_bytes(self) -> float:
+        """Bytes per KV-cache value at ``kv_dtype``."""
+        return precision.KV_BYTES[self.kv_dtype]
 
 
 @dataclass
@@ -354,6 +381,14 @@ class Grid:
     batching: list[Batching] = field(
         default_factory=lambda: [Batching.request, Batching.static, Batching.continuous]
     )
+    weight_dtype: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"weight precisions ({', '.join(precision.WEIGHT_DTYPES)}); "
+                  "empty: each model's own"})
+    kv_dtype: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"KV cache precisions ({', '.join(precision.KV_DTYPES)}); "
+                  "empty: each model's own"})
     long_prompt_tokens: Any = field(default_factory=lambda: [8192])
     traffic_tokens_per_day: Any = field(default_factory=lambda: [1e7, 1e9])
     arrival_rate_per_s: Any = field(
@@ -380,8 +415,25 @@ class Grid:
                 low=a.low, high=MAX_TOKENS if a.high is None else a.high)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
+        for name, allowed in (("weight_dtype", precision.WEIGHT_DTYPES),
+                              ("kv_dtype", precision.KV_DTYPES)):
+            values = list(getattr(self, name))
+            bad = [v for v in values if v not in allowed]
+            _check(not bad, f"grid.{name}", values, f"allowed: {', '.join(allowed)}")
+            _check(len(set(values)) == len(values), f"grid.{name}", values,
+                   "values must be distinct")
         _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
         _in_range(self, "grid", "chunk_points", 1, 2**31 - 1)
+
+    def precision(self, name: str, models: list[Model]) -> list[str]:
+        """The values of a precision axis (``weight_dtype``, ``kv_dtype``): the
+        grid's, else the models' own when they agree, else ``own`` (each
+        model's own)."""
+        values = list(getattr(self, name))
+        if values:
+            return values
+        own = {getattr(m, name) for m in models}
+        return [own.pop()] if len(own) == 1 else ["own"]
 
 
 @dataclass
