@@ -3,10 +3,11 @@
 Each grid is composed from the shipped Hydra configs (every hardware x every
 model, four tensor-parallel sizes, three batching modes, two traffic levels,
 and concurrency / token budget / context ranges sized to about 1M and 10M
-points), prepared with ``sweep.grid.prepare`` and its roofline part (every
-roofline variable of ``sweep.contract.METRICS``) evaluated four ways in one process:
+points), prepared with ``sweep.grid.job.prepare`` and its roofline part (every
+roofline variable of ``sweep.cube.contract.METRICS``) evaluated four ways in one
+process:
 
-* JAX: ``sweep.evaluate.iterate_blocks``, the sweep's own path (one compiled
+* JAX: ``sweep.grid.evaluate.iterate_blocks``, the sweep's own path (one compiled
   ``evaluate_region`` per block of ``grid.chunk_points`` points, results pulled
   to host NumPy arrays of the region's shape); compilation is timed apart;
 * NumPy, flat: ``benchmarks/numpy_model.py``, the same formulas in float32
@@ -21,7 +22,7 @@ The methods take turns, best of ``--repeats``, so a slowdown of a shared
 machine hits all of them. The script also counts the bytes of the output cube
 and compares the rate at which JAX produces them with this machine's memory
 bandwidth (a NumPy copy and fill timed in the same process), and optionally
-times the full zarr write (``sweep.grid.run``) on its own line.
+times the full zarr write (``sweep.grid.job.run``) on its own line.
 
 Usage::
 
@@ -49,10 +50,10 @@ from hydra import initialize_config_module
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy_model  # noqa: E402
 
-from sweep import grid  # noqa: E402
 from sweep.config.resolve import grid_options  # noqa: E402
 from sweep.config.store import register_configs  # noqa: E402
-from sweep.evaluate import Part, evaluate_region, iterate_blocks  # noqa: E402
+from sweep.grid import job as grid  # noqa: E402
+from sweep.grid.evaluate import Part, evaluate_region, iterate_blocks  # noqa: E402
 
 SIZES = {
     # 6 hardware x 7 models x 4 TP x 3 batching x 2 traffic = 1,008 per (c, b, ctx)
@@ -188,7 +189,7 @@ def bench_size(label: str, args, bandwidth: tuple[float, float]) -> None:
     print(f"   compile evaluate_region: {jit_s:.2f} s (once per block shape, not in "
           "the times below)")
     rows = [
-        ("jax", "JAX sweep.evaluate.iterate_blocks -> host"),
+        ("jax", "JAX sweep.grid.evaluate.iterate_blocks -> host"),
         ("numpy", "NumPy, flat points, per-point gathers"),
         ("numpy_broadcast", "NumPy, broadcasting"),
     ]
@@ -210,7 +211,7 @@ def bench_size(label: str, args, bandwidth: tuple[float, float]) -> None:
             t = time.perf_counter()
             grid.run(job, Path(tmp) / "cube.zarr", {}, "benchmark")
             zarr_s = time.perf_counter() - t
-        print(f"   sweep.grid.run to zarr (evaluate + write + consolidate): "
+        print(f"   sweep.grid.job.run to zarr (evaluate + write + consolidate): "
               f"{zarr_s:8.2f} s {points / zarr_s / 1e6:8.2f} M points/s")
 
 
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-points", type=int, default=1 << 21,
                         help="grid.chunk_points (the sweep's default is 2**21)")
     parser.add_argument("--zarr", action="store_true",
-                        help="also time sweep.grid.run writing a zarr cube")
+                        help="also time sweep.grid.job.run writing a zarr cube")
     args = parser.parse_args(argv)
     register_configs()
     print(f"grid throughput, {date.today().isoformat()}")

@@ -1,9 +1,9 @@
 """The grid model without JAX: the baselines of ``grid_throughput.py``.
 
 Re-implementations of exactly what the sweep's roofline part computes (the
-roofline of ``sweep.roofline``, the cost rules of ``sweep.cost`` and the
-metrics of ``sweep.point``), with the same formulas in the same order, over
-the same blocks (``sweep.evaluate.Blocking``) and from the same inputs (the
+roofline of ``sweep.model.roofline``, the cost rules of ``sweep.model.cost`` and the
+metrics of ``sweep.model.point``), with the same formulas in the same order, over
+the same blocks (``sweep.grid.evaluate.Blocking``) and from the same inputs (the
 part's stacked axes and its static-utilisation table):
 
 * ``evaluate_region_flat``: vectorized NumPy in float32 over the block's points
@@ -11,7 +11,7 @@ part's stacked axes and its static-utilisation table):
   indexing), the way a vectorized NumPy port of a point loop is written;
 * ``evaluate_region_broadcast``: the same NumPy formulas on per-axis arrays
   that broadcast, so each sub-expression is computed at the rank of the axes
-  it depends on, as ``sweep.evaluate``'s nested ``vmap`` does;
+  it depends on, as ``sweep.grid.evaluate``'s nested ``vmap`` does;
 * ``evaluate_points_python``: a per-point loop of plain Python floats and the
   ``math`` module (float64, since Python floats are), which also tabulates the
   static utilisation itself and prefills the long prompt chunk by chunk.
@@ -27,10 +27,10 @@ import math
 import jax
 import numpy as np
 
-from sweep.batching import CONTINUOUS, REQUEST, STATIC
-from sweep.cost import HOURS_PER_MONTH, SECONDS_PER_DAY
-from sweep.params import GridPoint
-from sweep.roofline import ACTIVATION_BYTES, ALLREDUCES_PER_LAYER
+from sweep.model.batching import CONTINUOUS, REQUEST, STATIC
+from sweep.model.cost import HOURS_PER_MONTH, SECONDS_PER_DAY
+from sweep.model.params import GridPoint
+from sweep.model.roofline import ACTIVATION_BYTES, ALLREDUCES_PER_LAYER
 
 F32 = np.float32
 
@@ -43,7 +43,7 @@ def to_numpy(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-# --- roofline (sweep.roofline) ------------------------------------------------
+# --- roofline (sweep.model.roofline) ------------------------------------------------
 
 
 def _kv_bytes_per_token(m):
@@ -148,7 +148,7 @@ def _kv_capacity_tokens(hw, m, tp):
     return (usable - weights) / _kv_bytes_per_token(m)
 
 
-# --- cost (sweep.cost) and one point (sweep.point) ------------------------------
+# --- cost (sweep.model.cost) and one point (sweep.model.point) ----------------
 
 
 def _cost_per_mtok_usd(usd_per_gpu_hour, gpus, tokens_per_s):
@@ -156,7 +156,7 @@ def _cost_per_mtok_usd(usd_per_gpu_hour, gpus, tokens_per_s):
 
 
 def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
-    """``sweep.point.evaluate_point`` on arrays of points (float32)."""
+    """``sweep.model.point.evaluate_point`` on arrays of points (float32)."""
     tp = pt.tensor_parallel
     running = np.where(pt.batching == REQUEST, F32(1.0), pt.concurrency)
     cached = running * pt.context_tokens
@@ -224,7 +224,7 @@ def evaluate_region_flat(axes: tuple, utilization: np.ndarray, starts, *,
     """The block's points as one flat list, every parameter gathered per point.
 
     Args:
-      axes: ``to_numpy`` of the roofline part's axes (``sweep.point.DIMS`` order).
+      axes: ``to_numpy`` of the roofline part's axes (``sweep.model.point.DIMS`` order).
       utilization: the part's static-utilisation table, workload x concurrency.
       starts: the block's first index along each axis.
 

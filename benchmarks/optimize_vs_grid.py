@@ -2,11 +2,11 @@
 
 Scenarios: hardware x model x workload x arrival rate x SLO from the shipped
 configs (``--hardware`` etc.). Each scenario's candidates are the fitting TP
-values; its discrete space is the lattice of ``sweep.search`` (concurrency x
+values; its discrete space is the lattice of ``sweep.search.descent`` (concurrency x
 token budget, ``levels_per_octave``) x integer replicas in
 ``[1, replicas_max]``; cost = replicas x TP x price.
 
-* **optax**: ``sweep.search.search`` on every scenario's candidates at once
+* **optax**: ``sweep.search.descent.search`` on every scenario's candidates at once
   (one compiled call); answer = cheapest surrogate-feasible integer
   configuration it evaluated. Evaluations = lanes x (steps + integer steps),
   each a surrogate value and gradient.
@@ -25,7 +25,7 @@ Then both optax's and the grid's answers run once through the simulator
 replicas round-robin, as ``sweep-optimize`` verifies),
 without ``sweep-optimize``'s tightening rounds: the feasibility rate shows
 what those rounds have to repair. Finally ``sweep-optimize``'s own loop
-(``sweep.optimize.run``: search, simulate the cheapest answers, tighten the
+(``sweep.search.optimize.run``: search, simulate the cheapest answers, tighten the
 surrogate targets of a missed candidate, search again) runs on every
 scenario, and its answers are simulated once more on an independent request
 stream (held out); TPE's answers are simulated as well.
@@ -48,10 +48,10 @@ import numpy as np
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from sweep import optimize, search
 from sweep.config.store import register_configs
-from sweep.latency import surrogate
-from sweep.status import OK
+from sweep.cube.status import OK
+from sweep.latency.surrogate import surrogate
+from sweep.search import descent, optimize
 
 register_configs()
 
@@ -98,9 +98,9 @@ def cost_of(job, cand, replicas):
 
 
 def run_optax(jobs, cands, owner, settings, restarts, key):
-    init = search.initial_theta(key, settings, len(owner), restarts)
+    init = descent.initial_theta(key, settings, len(owner), restarts)
     t0 = time.perf_counter()
-    res = search.search(cands, init, settings)
+    res = descent.search(cands, init, settings)
     wall = time.perf_counter() - t0
     best = {}
     for row, (s, i) in enumerate(owner):
@@ -280,9 +280,9 @@ def main():
 
     # the timed call reuses the timed compilation through the persistent cache
     jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
-    init = search.initial_theta(key, settings, len(owner), args.restarts)
+    init = descent.initial_theta(key, settings, len(owner), args.restarts)
     t0 = time.perf_counter()
-    search._compiled(settings).lower(cands, init).compile()
+    descent._compiled(settings).lower(cands, init).compile()
     opt_compile = time.perf_counter() - t0
     opt, opt_evals, opt_first = run_optax(jobs, cands, owner, settings,
                                           args.restarts, key)

@@ -1,4 +1,4 @@
-"""Measures what ``sweep.plan`` estimates: wall time and peak memory of real runs.
+"""Measures what ``sweep.grid.plan`` estimates: wall time and peak memory of real runs.
 
 Runs the installed ``sweep-grid`` (and ``sweep-optimize``) as a user does, at
 two sizes per kind of work, reads each run's wall time and peak resident
@@ -119,10 +119,10 @@ def xla_buffers() -> None:
     import jax.numpy as jnp
     from hydra import initialize_config_module
 
-    from sweep import grid
     from sweep.config.resolve import grid_options
     from sweep.config.store import register_configs
-    from sweep.evaluate import evaluate_region
+    from sweep.grid import job as grid
+    from sweep.grid.evaluate import evaluate_region
 
     register_configs()
     sizes = {}

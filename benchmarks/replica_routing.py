@@ -3,7 +3,7 @@
 ``sweep-optimize`` used to verify R replicas by simulating one replica fed
 the whole stream slowed to ``rate / R``; it now splits one full-rate stream
 over R simulated schedulers as a load balancer does
-(``sweep.optimize.simulate_configs``). On a Poisson stream the two agree in
+(``sweep.search.optimize.simulate_configs``). On a Poisson stream the two agree in
 distribution (a Poisson process split at random is Poisson); on a bursty
 trace a burst in the slowed stream lands on one replica, while the balancer
 spreads it over all of them. This prints p99 TTFT of both (and of random
@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 from hydra import initialize_config_module
 
-from sweep import optimize
-from sweep.arrivals import workload_requests
-from sweep.batching import CONTINUOUS
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing
 from sweep.config.store import register_configs
-from sweep.simulate import simulate
+from sweep.latency.arrivals import workload_requests
+from sweep.latency.simulate import simulate
+from sweep.model.batching import CONTINUOUS
+from sweep.search import optimize
 
 register_configs()
 

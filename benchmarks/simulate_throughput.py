@@ -12,7 +12,8 @@ configurations:
 
 Run ``python benchmarks/simulate_throughput.py --configs 64 --requests 200``
 for a quick check. ``--compare OLD.py`` times another version of
-``sweep/simulate.py`` (e.g. ``git show main:sweep/simulate.py > OLD.py``) on
+``sweep/latency/simulate.py`` (e.g.
+``git show main:sweep/latency/simulate.py > OLD.py``) on
 the same first pass, the two calls taking turns ``--repeats`` times in this
 process, so a loaded machine slows both alike, and prints the size of both
 compiled programs (instructions of the optimized HLO).
@@ -33,13 +34,13 @@ import numpy as np
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from sweep.arrivals import sample_requests
-from sweep.batching import CONTINUOUS
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.resolve import grid_options
 from sweep.config.store import register_configs
-from sweep.simulate import STATUS_SLOTS, simulate
-from sweep.workload import workload_tables
+from sweep.latency.arrivals import sample_requests
+from sweep.latency.simulate import STATUS_SLOTS, simulate
+from sweep.latency.workload import workload_tables
+from sweep.model.batching import CONTINUOUS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from reference_scheduler import simulate_reference  # noqa: E402
@@ -148,7 +149,7 @@ def main() -> None:
     ap.add_argument("--reference-configs", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare", metavar="SIMULATE_PY",
-                    help="another sweep/simulate.py to time against this one")
+                    help="another sweep/latency/simulate.py to time against this one")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--slots", type=int, default=64,
                     help="slot array size of the first pass (configurations whose "

@@ -1,9 +1,9 @@
-"""Agreement of the analytic surrogate (sweep/latency.py) with the simulator.
+"""Agreement of the analytic surrogate (sweep/latency/surrogate.py) with the simulator.
 
 Runs a validation grid of deployment x workload x concurrency x token budget
-x utilisation through ``sweep.simulate.simulate`` (jit + vmap, Poisson
-arrivals from ``sweep.arrivals.sample_requests``) and through
-``sweep.latency.surrogate`` (jit + vmap, float32 as users run it), and
+x utilisation through ``sweep.latency.simulate.simulate`` (jit + vmap, Poisson
+arrivals from ``sweep.latency.arrivals.sample_requests``) and through
+``sweep.latency.surrogate.surrogate`` (jit + vmap, float32 as users run it), and
 reports ``surrogate / simulator - 1`` for p99 TTFT and p99 ITL per workload x
 utilisation band: the median of ``|error|`` and the worst under-prediction.
 
@@ -39,15 +39,15 @@ import numpy as np
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from sweep import contract
-from sweep.arrivals import Requests, sample_requests
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import LengthDist, LengthKind
 from sweep.config.store import register_configs
-from sweep.latency import latency_workload, surrogate
-from sweep.params import stack
-from sweep.simulate import simulate
-from sweep.workload import WorkloadTables, length_table, workload_tables
+from sweep.cube import contract
+from sweep.latency.arrivals import Requests, sample_requests
+from sweep.latency.simulate import simulate
+from sweep.latency.surrogate import latency_workload, surrogate
+from sweep.latency.workload import WorkloadTables, length_table, workload_tables
+from sweep.model.params import stack
 
 DEPLOYMENTS = [  # (hardware, model, tensor_parallel); no very fast TP 8 configs
     ("h100_sxm", "llama3_1_8b", 1),
@@ -67,7 +67,7 @@ LOADS = [0.15, 0.25, 0.4, 0.55, 0.7, 0.8]
 BANDS = [(0.1, 0.3), (0.3, 0.6), (0.6, 0.85)]
 GPU_MEMORY_UTILIZATION = 0.9
 METRICS = contract.LATENCY
-"""Every latency percentile both models give (``sweep.contract``)."""
+"""Every latency percentile both models give (``sweep.cube.contract``)."""
 
 
 def _configs():

@@ -1,6 +1,6 @@
 """Compilation time of the surrogate: what sweep-grid and sweep-optimize compile.
 
-Lowers and compiles ``jit(vmap(sweep.latency.surrogate))`` (a grid's
+Lowers and compiles ``jit(vmap(sweep.latency.surrogate.surrogate))`` (a grid's
 ``latency=surrogate`` part) and ``jit(vmap(grad))`` of a log-p99 objective in
 (log concurrency, log budget, rate) (what the optax search differentiates),
 for a batch of 16 points on H100 x Qwen3-8B x seed_chat, at XLA's default
@@ -25,9 +25,9 @@ from omegaconf import OmegaConf
 
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.store import register_configs
-from sweep.latency import latency_workload, surrogate
-from sweep.params import stack
-from sweep.workload import workload_tables
+from sweep.latency.surrogate import latency_workload, surrogate
+from sweep.latency.workload import workload_tables
+from sweep.model.params import stack
 
 BATCH = 16
 

@@ -4,8 +4,8 @@ Public API:
   open_cube: open a result cube written by any entry point.
 """
 
-import sweep.accessor  # noqa: F401  (registers ds.sweep)
-from sweep.results import open_cube as open_cube
+import sweep.cube.accessor  # noqa: F401  (registers ds.sweep)
+from sweep.cube.results import open_cube as open_cube
 from sweep.version import __version__ as __version__
 
 __all__ = ["open_cube", "__version__"]

@@ -128,14 +128,14 @@ def grid_inputs(overrides: Sequence[str]):
 
 def grid_job(overrides: Sequence[str]):
     """The checked ``sweep-grid`` job of ``overrides`` (nothing compiled yet)."""
-    from sweep import grid
+    from sweep.grid import job as grid
 
     return grid.prepare(*grid_inputs(overrides))
 
 
 def optimize_inputs(overrides: Sequence[str]):
     """``sweep-optimize``'s validated config, hardware and models."""
-    from sweep import optimize
+    from sweep.search import optimize
 
     with hydra_context():
         return optimize.options("optimize", list(overrides))
@@ -155,7 +155,7 @@ def numpy_baseline():
 def python_cube(job) -> dict:
     """Every roofline variable of ``job``'s cube, point by point in float64 by
     the plain-Python loop of ``numpy_model`` (its own static utilisation, the
-    long prompt chunk by chunk), shaped like the cube (``sweep.point.DIMS``)."""
+    long prompt chunk by chunk), shaped like the cube (``sweep.model.point.DIMS``)."""
     import numpy as np
 
     nm = numpy_baseline()
@@ -172,7 +172,7 @@ def assert_cube_matches_baseline(ds, job) -> None:
     float32 against float64, a few float32 ulps per step apart (rtol 1e-4)."""
     import numpy as np
 
-    from sweep.point import DIMS
+    from sweep.model.point import DIMS
 
     for name, want in python_cube(job).items():
         got = ds[name]
@@ -208,7 +208,7 @@ def run_script(name: str, args: Sequence[str], cwd, env=None,
 
 def report(argv: Sequence) -> None:
     """``sweep-report argv`` in this process (its exit is ``SystemExit``)."""
-    from sweep.report import main
+    from sweep.cli.report import main
 
     main([str(a) for a in argv])
 

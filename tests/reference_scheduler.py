@@ -1,6 +1,6 @@
 """Plain-Python reference of the serving scheduler: one loop turn per step.
 
-The ground truth for ``sweep.simulate``. It follows the SPEC's "p99 latency"
+The ground truth for ``sweep.latency.simulate``. It follows the SPEC's "p99 latency"
 rules literally, in float64, with none of the simulator's shortcuts (no runs
 of steps, no histograms), plus the simulator's documented choices:
 

@@ -87,7 +87,7 @@ def _shipped_slos() -> list[str]:
 
 @pytest.mark.parametrize("name", _shipped_slos())
 def test_feasible_named_slo_equals_its_limits(ds, name):
-    limits = sweep.accessor.load_slo(name)
+    limits = sweep.cube.accessor.load_slo(name)
     np.testing.assert_array_equal(ds.sweep.feasible_mask(name).values,
                                   ds.sweep.feasible_mask(**limits).values)
 

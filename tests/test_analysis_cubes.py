@@ -13,7 +13,7 @@ import xarray as xr
 from helpers import check_png, report
 
 import sweep
-from sweep import plots
+from sweep.report import plots
 
 CONFIG = ["tensor_parallel", "concurrency", "token_budget", "batching"]
 INTERACTIVE = {"ttft_p99_s": 1.0, "itl_p99_s": 0.05}  # conf/slo/interactive.yaml
@@ -145,7 +145,7 @@ def test_summary_rows_per_scenario(p99):
 
 def test_summary_of_a_roofline_cube(cube_path):
     # the session's roofline cube is summarised in-process from the same function
-    from sweep.summary import summary_table
+    from sweep.cube.summary import summary_table
 
     ds = sweep.open_cube(cube_path)
     table, notes = summary_table(ds)

@@ -1,4 +1,4 @@
-"""Batching policies (``sweep.batching``): the registry, each policy's answers,
+"""Batching policies (``sweep.model.batching``): the registry, each policy's answers,
 their selection by a traced index, and that a new policy needs no other edit.
 
 Expected values are the SPEC's rules by hand (``helpers``); the seed
@@ -15,10 +15,10 @@ from helpers import BW, FLOPS, HD, KVH, LAYERS, MEM, PARAMS, QH, USD, decode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sweep import batching
 from sweep.config.schema import Batching
-from sweep.params import GridPoint, HardwareParams, ModelParams, WorkloadParams
-from sweep.point import evaluate_point
+from sweep.model import batching
+from sweep.model.params import GridPoint, HardwareParams, ModelParams, WorkloadParams
+from sweep.model.point import evaluate_point
 
 RTOL = 1e-5  # float32 model against float64 hand numbers (as tests/test_roofline.py)
 

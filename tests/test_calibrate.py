@@ -20,8 +20,8 @@ import xarray as xr
 from hydra import compose
 from omegaconf import OmegaConf
 
-from sweep import calibrate_io, calibration
-from sweep.calibrate_io import read_bench, read_steps
+from sweep.cli import calibrate_io
+from sweep.cli.calibrate_io import read_bench, read_steps
 from sweep.config.schema import (
     Calibration,
     CalibrationProfile,
@@ -29,6 +29,7 @@ from sweep.config.schema import (
     Hardware,
     Model,
 )
+from sweep.grid import calibration
 
 DATA = Path(__file__).parent / "data"
 BENCH = DATA / "vllm_bench_h100_qwen3_8b.json"
@@ -126,8 +127,8 @@ def test_decode_only_data_keeps_mfu(hydra_ctx, tmp_path):
     """No compute-bound step: mfu is not identified and keeps the hardware's;
     one tensor-parallel size: the overhead is not told from the weights' time,
     which mbu takes whole."""
-    from sweep.calibrate import fit_job
-    from sweep.calibrate_cli import prepare
+    from sweep.cli.calibrate import prepare
+    from sweep.search.calibrate import fit_job
 
     csv = tmp_path / "decode.csv"
     _measured_steps(csv, noise=0.0, decode_only=True)
@@ -300,9 +301,9 @@ def test_choice_rules():
 def test_roofline_is_the_bound(hydra_ctx):
     """``calibration=roofline`` (the default, and the seed's) leaves the grid's
     point functions exactly as they are."""
-    from sweep import grid
     from sweep.config.resolve import grid_options
-    from sweep.point import grid_point
+    from sweep.grid import job as grid
+    from sweep.model.point import grid_point
 
     for args in ([], ["experiment=seed"]):
         base, options = grid_options("grid", ["hardware=h100_sxm", "model=qwen3_8b",
@@ -338,7 +339,7 @@ def test_auto_in_sweep_grid(tmp_path):
     assert line.startswith("calibration=auto (engine vllm): h100_sxm: qwen3_8b mbu ")
     assert line.endswith("mi300x: no vllm profile, hardware's own constants (mbu 1, "
                          "mfu 1, overhead 0 ms)")
-    auto = OmegaConf.load(Path(calibration.__file__).parents[1] / "conf"
+    auto = OmegaConf.load(Path(calibration.__file__).parents[2] / "conf"
                           / "calibration" / "auto.yaml")
     (p,) = [p for p in auto.profiles if (p.hardware, p.model, p.engine)
             == ("h100_sxm", "qwen3_8b", "vllm")]
@@ -353,7 +354,7 @@ def test_auto_in_sweep_grid(tmp_path):
 
 
 def test_optimize_candidates_take_profiles(hydra_ctx):
-    from sweep import optimize
+    from sweep.search import optimize
 
     base, hardware, models = optimize.options("optimize", [
         "calibration=auto", "calibration.engine=trtllm", "search.hardware=[h100_sxm]",
@@ -374,10 +375,10 @@ def test_simulator_matches_reference_when_calibrated():
     import jax
     from reference_scheduler import simulate_reference
 
-    from sweep.arrivals import Requests
-    from sweep.batching import CONTINUOUS
-    from sweep.params import REJECT, HardwareParams, ModelParams
-    from sweep.simulate import simulate_requests
+    from sweep.latency.arrivals import Requests
+    from sweep.latency.simulate import simulate_requests
+    from sweep.model.batching import CONTINUOUS
+    from sweep.model.params import REJECT, HardwareParams, ModelParams
 
     rng = np.random.default_rng(3)
     n = 40

@@ -23,7 +23,8 @@ from helpers import (
 )
 
 import sweep
-from sweep import grid, outputs
+from sweep.cube import outputs
+from sweep.grid import job as grid
 
 pytestmark = pytest.mark.slow  # every test here runs the console script
 

@@ -1,4 +1,4 @@
-"""The cube contract (``sweep.contract``): SPEC.md's names, units pint parses,
+"""The cube contract (``sweep.cube.contract``): SPEC.md's names, units pint parses,
 axes by name end to end, and the attributes of the cubes users build."""
 
 from __future__ import annotations
@@ -13,14 +13,17 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from helpers import hydra_context
 
 import sweep
-from sweep import batching as policies
-from sweep import contract, grid, precision
 from sweep.config.resolve import grid_options
-from sweep.evaluate import Named, iterate_blocks
-from sweep.params import GridPoint
-from sweep.point import evaluate_point
+from sweep.cube import contract
+from sweep.grid import job as grid
+from sweep.grid.evaluate import Named, iterate_blocks
+from sweep.model import batching as policies
+from sweep.model import precision
+from sweep.model.params import GridPoint
+from sweep.model.point import evaluate_point
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,11 +124,7 @@ def test_named_passes_arguments_by_name_and_refuses_a_wrong_count():
 @pytest.fixture(scope="module")
 def square_job():
     """Concurrency and token budget of the same length (2 x 2), two long prompts."""
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_module("sweep.conf", version_base="1.3"):
+    with hydra_context():
         app, options = grid_options("grid", [
             "grid=small", "hardware=h100_sxm", "model=qwen3_8b",
             "grid.tensor_parallel=[1,2]", "grid.concurrency=[8,64]",
@@ -133,7 +132,6 @@ def square_job():
             "grid.long_prompt_tokens=[2048,8192]",
             "grid.batching=[static,continuous]", "latency=surrogate",
             "workload=seed_chat"])
-    GlobalHydra.instance().clear()
     job = grid.prepare(app, options)
     part = job.parts[0]
     cube = {}
@@ -145,7 +143,7 @@ def square_job():
 
 
 def test_point_functions_take_every_input_by_name(square_job):
-    from sweep.p99 import SimulatePoint
+    from sweep.latency.p99 import SimulatePoint
 
     job, _ = square_job
     assert [p.name for p in job.parts] == [contract.ROOFLINE, contract.P99]

@@ -28,7 +28,7 @@ from sweep.config.schema import (
     Workload,
 )
 from sweep.data import REGISTRY, DataError, PublicTrace, fetch, status
-from sweep.workload import load_trace, resolve_trace_path, workload_tables
+from sweep.latency.workload import load_trace, resolve_trace_path, workload_tables
 
 CONV = "azure_llm_2023_conv.csv"
 # a proxy on a closed local port: any download fails at once, online or not

@@ -1,7 +1,7 @@
 """Fuzzing ``sweep-grid``'s numeric fields and axes: each draw runs or is refused
 with one line and exit code 2, never a traceback, never a partial output.
 
-Most draws go through the preflight in-process (``sweep.cli.check``,
+Most draws go through the preflight in-process (``sweep.cli.grid.check``,
 the function the console script calls before compiling anything); a few go
 through the installed console script end to end.
 """
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import sweep
-from sweep import contract
-from sweep.cli import check as grid_check
+from sweep.cli.grid import check as grid_check
 from sweep.config.schema import ConfigError
+from sweep.cube import contract
 
 TINY = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
         "grid.tensor_parallel=[1]", "grid.concurrency=[8]", "grid.token_budget=[512]",

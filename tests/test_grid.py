@@ -9,10 +9,10 @@ from helpers import grid_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sweep import batching, roofline
-from sweep.evaluate import blocking, evaluate_region, iterate_blocks
-from sweep.params import GridPoint
-from sweep.point import DIMS, evaluate_point
+from sweep.grid.evaluate import blocking, evaluate_region, iterate_blocks
+from sweep.model import batching, roofline
+from sweep.model.params import GridPoint
+from sweep.model.point import DIMS, evaluate_point
 
 SMALL = [
     "grid=small", "grid.hardware=[h100_sxm,l40s]", "grid.model=[qwen3_8b,mixtral_8x7b]",
@@ -60,7 +60,7 @@ def test_vmap_equals_python_loop_over_points(job, cube):
     got, _ = cube
     take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)  # noqa: E731
     rng = np.random.default_rng(0)
-    from sweep.cost import static_slot_utilization
+    from sweep.model.cost import static_slot_utilization
 
     for flat in rng.choice(job.points, size=12, replace=False):
         idx = np.unravel_index(flat, part.plan.shape)

@@ -2,7 +2,7 @@
 long axes parsed quickly.
 
 Refusals are checked in-process through the preflight the console scripts
-run (``sweep.cli.check``, ``sweep.optimize_cli.check``) and, for the
+run (``sweep.cli.grid.check``, ``sweep.cli.optimize.check``) and, for the
 issue's own examples, through the installed scripts.
 """
 
@@ -18,11 +18,11 @@ import yaml
 from helpers import OPTIMIZE_QUICK, compose_app, grid_inputs, run_script
 
 import sweep
-from sweep import plan
-from sweep.cli import check as grid_check
+from sweep.cli.grid import check as grid_check
+from sweep.cli.optimize import check as optimize_check
 from sweep.config.resolve import grid_options, restore, stash_lists
 from sweep.config.schema import ConfigError
-from sweep.optimize_cli import check as optimize_check
+from sweep.grid import plan
 
 TINY = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
         "grid.tensor_parallel=[1]", "grid.concurrency=[8]", "grid.token_budget=[512]",

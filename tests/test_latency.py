@@ -15,20 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sweep import _numerics as nm
-from sweep import status
-from sweep.arrivals import sample_requests
 from sweep.config.convert import hardware_params, model_params
-from sweep.latency import (
+from sweep.cube import status
+from sweep.cube.status import KV_INFEASIBLE, OK, SATURATED
+from sweep.latency.arrivals import sample_requests
+from sweep.latency.simulate import simulate
+from sweep.latency.surrogate import (
     BAND_EDGES,
     _erlang_c,
     latency_workload,
     surrogate,
 )
-from sweep.params import stack
-from sweep.simulate import simulate
-from sweep.status import KV_INFEASIBLE, OK, SATURATED
-from sweep.workload import WorkloadTables, workload_tables
+from sweep.latency.workload import WorkloadTables, workload_tables
+from sweep.model import _numerics as nm
+from sweep.model.params import stack
 
 LONG_PROMPT = 100_000  # tokens: the "long" workload's only prompt
 
@@ -55,7 +55,7 @@ def setup():
 def heavy_tail_tables() -> WorkloadTables:
     """Lognormal prompts with cv 2 (mean 4,000, clipped at 128k), the seed's outputs."""
     from sweep.config.schema import LengthDist, LengthKind
-    from sweep.workload import length_table
+    from sweep.latency.workload import length_table
 
     pv, pp = length_table(LengthDist(kind=LengthKind.lognormal, mean_tokens=4000.0,
                                      sigma=math.sqrt(math.log(5.0)),
@@ -418,7 +418,7 @@ def test_status_flags_are_one_cf_enumeration():
         "saturated", "kv_infeasible"]
     assert status.describe(status.OK) == "ok"
     # the simulator's codes are the shared bits
-    from sweep import simulate as sim
+    from sweep.latency import simulate as sim
 
     assert (sim.STATUS_RAN_OUT, sim.STATUS_OVERSIZE, sim.STATUS_SLOTS) == (
         status.RAN_OUT, status.OVERSIZE, status.SLOTS_SHORT)

@@ -14,8 +14,10 @@ from pathlib import Path
 import sweep
 
 PACKAGE = Path(sweep.__file__).parent
-PHYSICS = ("sweep.params", "sweep.precision", "sweep.roofline", "sweep.cost",
-           "sweep.batching", "sweep.point", "sweep.evaluate", "sweep.pareto")
+PHYSICS = ("sweep.model.params", "sweep.model.precision", "sweep.model.roofline",
+           "sweep.model.cost",
+           "sweep.model.batching", "sweep.model.point", "sweep.grid.evaluate",
+           "sweep.search.pareto")
 
 
 def test_physics_layer_imports_neither_hydra_nor_omegaconf():

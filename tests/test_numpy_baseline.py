@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from helpers import grid_job, numpy_baseline
 
-from sweep import grid
-from sweep.evaluate import Part, iterate_blocks
+from sweep.grid import job as grid
+from sweep.grid.evaluate import Part, iterate_blocks
 
 numpy_model = numpy_baseline()
 

@@ -17,7 +17,8 @@ import yaml
 from helpers import OPTIMIZE_QUICK, run_script
 
 import sweep
-from sweep import outputs, pareto
+from sweep.cube import outputs
+from sweep.search import pareto
 
 run = partial(run_script, "sweep-optimize")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sweep
-from sweep.workload import resolve_trace_path
+from sweep.latency.workload import resolve_trace_path
 
 P99 = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s",
        "e2e_p99_s", "achieved_output_tokens_per_s", "goodput_req_per_s", "slo_met")

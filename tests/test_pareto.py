@@ -1,4 +1,4 @@
-"""The one Pareto filter (``sweep.pareto.front``): hand-checked fronts in
+"""The one Pareto filter (``sweep.search.pareto.front``): hand-checked fronts in
 every sense, and the definition checked pairwise on random points."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sweep.pareto import front
+from sweep.search.pareto import front
 
 # cost (minimised) and throughput (maximised), by hand: (1, 2) and (3, 5) are
 # beaten by nothing; (2, 2) is beaten by (1, 2); (3, 5) twice is kept once;

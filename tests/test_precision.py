@@ -1,4 +1,4 @@
-"""Precision as an axis (``sweep.precision``): weight and KV bytes with their
+"""Precision as an axis (``sweep.model.precision``): weight and KV bytes with their
 group scales, each weight dtype's tensor-core rate, and the refusal of a
 dtype a GPU lacks.
 
@@ -98,7 +98,7 @@ def test_a_dtype_the_gpu_lacks_is_refused_before_any_work(tmp_path):
 
 
 def test_a_model_dtype_the_gpu_lacks_is_refused(hydra_ctx):
-    from sweep.cli import check
+    from sweep.cli.grid import check
 
     with pytest.raises(ConfigError) as e:
         check("grid", ["hardware=a100_80gb_sxm", "model=qwen3_8b",
@@ -120,7 +120,7 @@ def test_a_model_dtype_the_gpu_lacks_is_refused(hydra_ctx):
     (["model.kv_dtype=int4"], "model[qwen3_8b].kv_dtype = 'int4': allowed: bf16, fp8"),
 ])
 def test_unknown_dtypes_are_refused_in_one_line(hydra_ctx, args, message):
-    from sweep.cli import check
+    from sweep.cli.grid import check
 
     with pytest.raises(ConfigError) as e:
         check("grid", ["hardware=h100_sxm", "model=qwen3_8b", *args])
@@ -128,7 +128,7 @@ def test_unknown_dtypes_are_refused_in_one_line(hydra_ctx, args, message):
 
 
 def test_optimize_excludes_or_refuses_what_the_gpus_lack(hydra_ctx):
-    from sweep import optimize
+    from sweep.search import optimize
 
     base, hardware, models = optimize.options("optimize", [
         "search.hardware=[a100_80gb_sxm]", "model=qwen3_8b", "model.weight_dtype=fp8"])
@@ -168,8 +168,8 @@ def test_own_keeps_the_model_and_bf16_is_the_bound_bitwise(hydra_ctx):
     every quantised dtype the H100 runs (not fp4) is at least as fast as bf16."""
     from hydra import compose
 
-    from sweep import precision, roofline
     from sweep.config.convert import hardware_params, model_params
+    from sweep.model import precision, roofline
 
     cfg = OmegaConf.to_object(compose("grid", ["hardware=h100_sxm",
                                                  "model=qwen3_8b"]))

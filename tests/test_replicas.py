@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from helpers import optimize_inputs
 
-from sweep import optimize
-from sweep.arrivals import Requests, route, split
-from sweep.batching import CONTINUOUS
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing
-from sweep.simulate import itl_percentiles, simulate_requests
+from sweep.latency.arrivals import Requests, route, split
+from sweep.latency.simulate import itl_percentiles, simulate_requests
+from sweep.model.batching import CONTINUOUS
+from sweep.search import optimize
 
 OVERRIDES = ["hardware=h100_sxm", "model=qwen3_8b", "workload=azure_conv_2023",
              "workload.arrival_rate_per_s=12", "search.tensor_parallel=[1]",

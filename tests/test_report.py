@@ -11,7 +11,7 @@ import xarray as xr
 from helpers import check_png, report
 
 import sweep
-from sweep import plots
+from sweep.report import plots
 
 
 def fail(argv, capsys) -> str:
@@ -63,7 +63,7 @@ def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
 
 def test_summary_row_is_the_cheapest_feasible_point(default_report, cube_path):  # noqa: F811
     ds = sweep.open_cube(cube_path).load()
-    limits = sweep.accessor.cube_slo(ds)
+    limits = sweep.cube.accessor.cube_slo(ds)
     fixed = ds.sweep.feasible(**limits).sel(batching="continuous")
     cost = fixed["cost_per_mtok_out_usd"].sel(hardware="l40s").values
     md = (default_report / "report.md").read_text()

@@ -13,7 +13,8 @@ import pytest
 import xarray as xr
 from helpers import assert_cube_matches_baseline, grid_job
 
-from sweep import grid, outputs, results
+from sweep.cube import outputs, results
+from sweep.grid import job as grid
 
 ARGS = ["grid=small", "hardware=h100_sxm", "grid.model=[qwen3_8b,llama3_1_8b]",
         "grid.chunk_points=12"]
@@ -235,7 +236,7 @@ def test_a_partial_store_the_tool_did_not_write_is_refused(job, tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from sweep import outputs
+from sweep.cube import outputs
 with outputs.lock(Path(sys.argv[1]), "abc"):
     print("held", flush=True)
     time.sleep(300)

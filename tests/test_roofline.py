@@ -21,11 +21,11 @@ from helpers import (
     step,
 )
 
-from sweep import cost, roofline
-from sweep.batching import CONTINUOUS, REQUEST, STATIC
 from sweep.config.convert import hardware_params, model_params
-from sweep.params import GridPoint, WorkloadParams
-from sweep.point import evaluate_point
+from sweep.model import cost, roofline
+from sweep.model.batching import CONTINUOUS, REQUEST, STATIC
+from sweep.model.params import GridPoint, WorkloadParams
+from sweep.model.point import evaluate_point
 
 # float32 model vs float64 hand numbers: 1e-5 covers float32 rounding of
 # sums of ~1e10-sized terms with margin

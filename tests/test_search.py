@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from helpers import compose_app
 
-from sweep import search
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Search
-from sweep.latency import latency_workload, surrogate
-from sweep.params import stack
-from sweep.status import OK
-from sweep.workload import workload_tables
+from sweep.cube.status import OK
+from sweep.latency.surrogate import latency_workload, surrogate
+from sweep.latency.workload import workload_tables
+from sweep.model.params import stack
+from sweep.search import descent
 
-SETTINGS = search.Settings.of(Search(steps=60, concurrency_min=1, concurrency_max=64,
+SETTINGS = descent.Settings.of(Search(steps=60, concurrency_min=1, concurrency_max=64,
                                      token_budget_min=256, token_budget_max=4096,
                                      levels_per_octave=1, replicas_max=16))
 TP = (1.0, 2.0)
@@ -45,7 +45,7 @@ def _candidates(scenario, rates, tps=TP):
     hw, model, lw, _ = scenario
     n = len(tps)
     f32 = jnp.float32
-    return search.Candidates(
+    return descent.Candidates(
         hw=stack([hw] * n), model=stack([model] * n),
         workload=jax.tree.map(lambda x: jnp.stack([x] * n), lw),
         tp=jnp.asarray(tps, f32), arrival_rate_per_s=jnp.asarray(rates, f32),
@@ -54,15 +54,15 @@ def _candidates(scenario, rates, tps=TP):
 
 def test_lattice_values():
     # round(2**(k/4)) for k = 0..8, and the top value never exceeds the bound
-    np.testing.assert_array_equal(search.lattice(1, 4, 4),
+    np.testing.assert_array_equal(descent.lattice(1, 4, 4),
                                   [1, 1, 1, 2, 2, 2, 3, 3, 4])
-    np.testing.assert_array_equal(search.lattice(256, 5000, 1),
+    np.testing.assert_array_equal(descent.lattice(256, 5000, 1),
                                   [256, 512, 1024, 2048, 4096])
 
 
 def test_restarts_cover_every_stratum_of_each_axis(key):
     restarts = 4
-    theta = np.asarray(search.initial_theta(key, SETTINGS, 3, restarts), np.float64)
+    theta = np.asarray(descent.initial_theta(key, SETTINGS, 3, restarts), np.float64)
     lower, upper = SETTINGS.lower, SETTINGS.upper
     assert np.all(theta >= lower - 1e-5) and np.all(theta <= upper + 1e-5)
     # Latin hypercube: per candidate and axis, one restart in each quarter
@@ -75,8 +75,8 @@ def test_restarts_cover_every_stratum_of_each_axis(key):
 def test_search_finds_the_enumerated_optimum(scenario, key):
     _, _, _, usd = scenario
     cands = _candidates(scenario, [RATE, RATE])
-    init = search.initial_theta(key, SETTINGS, len(TP), RESTARTS)
-    res = search.search(cands, init, SETTINGS)
+    init = descent.initial_theta(key, SETTINGS, len(TP), RESTARTS)
+    res = descent.search(cands, init, SETTINGS)
     assert res.feasible.any()
     gpus = np.asarray(TP)[:, None, None] * res.replicas
     found = np.where(res.feasible, gpus, np.inf).min()
@@ -117,7 +117,7 @@ def test_gradients_finite_at_zero_load_and_saturation(scenario):
     lo, hi = SETTINGS.lower, SETTINGS.upper
     corners = np.array([lo, hi, [lo[0], hi[1], lo[2]], [hi[0], lo[1], hi[2]]])
     init = np.broadcast_to(corners, (len(TP), RESTARTS, 3))
-    res = search.search(cands, init, SETTINGS)
+    res = descent.search(cands, init, SETTINGS)
     assert (res.nonfinite_steps == 0).all()
     assert np.isfinite(res.max_abs_grad).all()
     assert np.isfinite(res.objective).all()
@@ -129,16 +129,16 @@ def test_gradients_finite_at_zero_load_and_saturation(scenario):
 
 def test_settings_are_the_search_config_frozen():
     config = Search(steps=60, tensor_parallel=[1, 2], optimizer_options={"b2": 0.8})
-    s = search.Settings.of(config)
+    s = descent.Settings.of(config)
     # read as the config reads, with the config's defaults for the rest
     assert (s.steps, s.learning_rate, s.replicas_max) == (60, 0.1, 256)
     assert s.optimizer_options == (("b2", 0.8),)
     assert s.tensor_parallel == (1, 2)
     # a hashable value: equal configs are equal settings (one compiled search)
-    again = search.Settings.of(Search(steps=60, tensor_parallel=[1, 2],
+    again = descent.Settings.of(Search(steps=60, tensor_parallel=[1, 2],
                                       optimizer_options={"b2": 0.8}))
     assert again == s and hash(again) == hash(s)
-    assert search.Settings.of(Search(steps=61, tensor_parallel=[1, 2],
+    assert descent.Settings.of(Search(steps=61, tensor_parallel=[1, 2],
                                      optimizer_options={"b2": 0.8})) != s
     # a later change to the config does not reach the settings
     config.steps = 7

@@ -18,14 +18,11 @@ import pytest
 from helpers import grid_inputs
 from reference_scheduler import simulate_reference, step_time_s
 
-from sweep import roofline
-from sweep import simulate as sim
-from sweep.arrivals import Requests, sample_requests
-from sweep.batching import CONTINUOUS, REQUEST, STATIC
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import ArrivalKind
-from sweep.params import REJECT, TRUNCATE, HardwareParams, ModelParams
-from sweep.simulate import (
+from sweep.latency import simulate as sim
+from sweep.latency.arrivals import Requests, sample_requests
+from sweep.latency.simulate import (
     ITL_MANTISSA_BITS,
     STATUS_SLOTS,
     itl_percentiles,
@@ -33,7 +30,15 @@ from sweep.simulate import (
     simulate_requests,
     summarize,
 )
-from sweep.workload import WorkloadTables, context_limit, load_trace, workload_tables
+from sweep.latency.workload import (
+    WorkloadTables,
+    context_limit,
+    load_trace,
+    workload_tables,
+)
+from sweep.model import roofline
+from sweep.model.batching import CONTINUOUS, REQUEST, STATIC
+from sweep.model.params import REJECT, TRUNCATE, HardwareParams, ModelParams
 
 R = 40  # requests per case (one jit shape)
 SLOTS = 8
@@ -158,7 +163,7 @@ def floors_s(hw, model, tp, prompts):
 
 
 def itl_bound_s(hw, model, tp, budget, value_s):
-    """The histogram's bound (``sweep.simulate`` docstring) at ``value_s``.
+    """The histogram's bound (``sweep.latency.simulate`` docstring) at ``value_s``.
 
     One bin (``2**-ITL_MANTISSA_BITS`` of the value) plus half the largest
     step-to-step increment a run can have: at most ``budget`` sequences'

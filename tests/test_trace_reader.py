@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from helpers import run_script
 
-from sweep.arrivals import replay_requests, sample_requests
 from sweep.config.schema import (
     ArrivalKind,
     ConfigError,
@@ -24,7 +23,8 @@ from sweep.config.schema import (
     Trace,
     Workload,
 )
-from sweep.workload import load_trace, served_tables, workload_tables
+from sweep.latency.arrivals import replay_requests, sample_requests
+from sweep.latency.workload import load_trace, served_tables, workload_tables
 
 
 def trace_workload(path, fmt="csv", unit="s", arrival=ArrivalKind.trace,

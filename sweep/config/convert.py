@@ -1,17 +1,17 @@
 """Validated configs to the parameter pytrees the models receive.
 
 The one place where a Hydra schema (``sweep.config.schema``) becomes a
-``sweep.params`` pytree of float leaves in SI units, so that the physics layer
-(``sweep.params``, ``sweep.roofline``, ...) never imports the config layer.
+``sweep.model.params`` pytree of float leaves in SI units, so that the physics layer
+(``sweep.model.params``, ``sweep.model.roofline``, ...) never imports the config layer.
 """
 
 from __future__ import annotations
 
 import math
 
-from sweep import precision
 from sweep.config.schema import Hardware, Model
-from sweep.params import HardwareParams, ModelParams
+from sweep.model import precision
+from sweep.model.params import HardwareParams, ModelParams
 
 
 def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwareParams:

@@ -15,8 +15,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from sweep import contract, precision
+from sweep.cube import contract
 from sweep.errors import ConfigError
+from sweep.model import precision
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
@@ -165,7 +166,7 @@ class Model:
     weight_dtype: str = field(
         default="bf16",
         metadata={"help": f"{', '.join(precision.WEIGHT_DTYPES)} (group scales "
-                  "counted in the bytes: sweep.precision)"})
+                  "counted in the bytes: sweep.model.precision)"})
     kv_dtype: str = field(
         default="bf16", metadata={"help": ", ".join(precision.KV_DTYPES)})
     max_context_tokens: int = field(
@@ -404,7 +405,7 @@ class Grid:
     )
 
     def __post_init__(self) -> None:
-        # the numeric axes of the cube (sweep.contract), each a list of floats
+        # the numeric axes of the cube (sweep.cube.contract), each a list of floats
         self.axes = {}
         for a in contract.AXES:
             spec = getattr(self, a.name) if a.kind != contract.LABEL else None
@@ -694,7 +695,7 @@ class OptimizeApp:
 
 @dataclass
 class CalibrateFit:
-    """``sweep-calibrate``'s optax fit of ``sweep.calibrate.CONSTANTS``."""
+    """``sweep-calibrate``'s optax fit of ``sweep.search.calibrate.CONSTANTS``."""
 
     steps: int = field(default=1000, metadata={"help": "Adam steps (lax.scan)"})
     learning_rate: float = 0.1
@@ -718,7 +719,7 @@ class CalibrateApp:
     """Top config of ``sweep-calibrate``: it fits one hardware x model x
     engine at a time to measured step latencies (CSV) and ``vllm bench
     serve`` results (JSON) and writes a ``calibration/<name>.yaml`` config
-    (``sweep.calibrate_cli``)."""
+    (``sweep.cli.calibrate``)."""
 
     hardware: Hardware = MISSING
     model: Model = MISSING

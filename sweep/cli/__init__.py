@@ -1,0 +1,1 @@
+"""The console scripts and what they share."""

@@ -1,0 +1,164 @@
+"""What the console scripts (``sweep-grid``, ``sweep-optimize``,
+``sweep-calibrate``) share.
+
+Each command first composes and validates its config outside Hydra's run
+(``preflight``: bad input gets one line and exit code 2, with no run
+directory and no compilation), then hands the command line to
+``@hydra.main``, which creates the run directory and runs the job on the
+preflight's config.
+
+Between the two, ``place_run`` checks the output path (``sweep.cube.outputs``)
+and adds the Hydra settings that place the run: with ``out=``, no run
+directory at all; without, a sweep continues the unfinished run of the same
+config under ``outputs/`` in its own directory. In the job, ``check_output``
+checks the path again (and claims it under ``-m``), ``overrides`` gives the
+command line back, and ``fail`` is the one-line exit.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import re
+import sys
+from functools import partial
+from pathlib import Path
+
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf, open_dict
+
+from sweep.config.resolve import config_yaml, stash_lists
+from sweep.config.store import register_configs, resolve_lists_to_nodes
+from sweep.cube import outputs
+from sweep.cube.outputs import OutputError
+from sweep.errors import ConfigError
+
+CONFIG_MODULE = "sweep.conf"
+"""The package holding the shipped configs (``@hydra.main``'s ``pkg://`` path)."""
+register_configs()
+
+
+def fail(command: str, e: ConfigError) -> None:
+    """One line ``<command>: error: <e>`` on stderr, then exit code 2."""
+    print(f"{command}: error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def preflight(command: str, app: str, argv: list[str], check):
+    """Composes and checks the config before Hydra creates a run directory.
+
+    Skipped when Hydra's own flags are given (``--help``, ``--cfg``, ``-m``):
+    those are Hydra's to handle.
+
+    Returns:
+      What ``check`` returned, or None when skipped.
+    """
+    if any(a.startswith("-") for a in argv):
+        return None
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            return check(app, argv)
+    except ConfigError as e:
+        fail(command, e)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def start(command: str, app: str, check, *, kind: str | None, default_name: str,
+          resume: bool):
+    """Readies ``sys.argv`` for the command's ``@hydra.main``.
+
+    Long axis lists are stashed (Hydra's grammar is quadratic in a list's
+    length), the config is checked (``preflight``) and the run is placed
+    (``place_run``), all before Hydra creates a run directory.
+
+    Returns:
+      What ``check`` returned, or None when Hydra's own flags skip it.
+    """
+    argv = stash_lists(sys.argv[1:])
+    if "--resolve" in argv:  # Hydra then resolves the config in place
+        resolve_lists_to_nodes()
+    checked = preflight(command, app, argv, check)
+    sys.argv[1:] = argv + (preflight(command, app, argv, partial(
+        place_run, command=command, kind=kind, default_name=default_name,
+        resume=resume)) or [])
+    return checked
+
+
+# with out=, Hydra writes nothing: no run directory, no .hydra/, no log file
+# (the output's attributes carry the config and the overrides)
+_NO_RUN_DIR = ("hydra.run.dir=.", "hydra.output_subdir=null",
+               "hydra/job_logging=stdout")
+
+
+def _quote(value: str) -> str:
+    """``value`` as a quoted Hydra override value."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def place_run(app: str, argv: list[str], *, command: str, kind: str | None,
+              default_name: str, resume: bool) -> list[str]:
+    """Checks ``out=`` and returns the Hydra overrides that place the run.
+
+    With ``out=``: the path is checked for an output of ``kind``
+    (``sweep.cube.outputs.check_target``; ``kind`` None: the command's
+    ``check`` has checked it) and Hydra writes nothing. Without, when
+    ``resume``: the latest unfinished ``default_name`` of the same config
+    under the outputs root (the run directory's pattern, ``outputs/*/*``) is
+    continued in its own run directory, and a line says which. The user's own
+    ``hydra.*`` settings win.
+    """
+    cfg = compose(config_name=app, overrides=argv, return_hydra_config=True)
+    given = {o.split("=")[0].lstrip("+~") for o in argv}
+    if cfg.out:
+        if kind is not None:
+            outputs.check_target(Path(cfg.out).expanduser(), f"out={cfg.out}", kind)
+        return [o for o in _NO_RUN_DIR if o.split("=")[0] not in given]
+    if not resume or "hydra.run.dir" in given:
+        return []
+    from sweep.cube import results
+    from sweep.grid import job as grid
+    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+    folders = "*".join(glob.escape(p) for p in re.split(r"\$\{[^}]*\}", run_dir))
+    with open_dict(cfg):
+        del cfg["hydra"]  # what the job's config is (``@hydra.main`` drops it)
+    state = results.find_unfinished(folders, default_name,
+                                    grid.config_digest(config_yaml(cfg)))
+    if state is None:
+        return []
+    print(f"{command}: resuming the unfinished sweep in {state.out} "
+          f"({len(state.done)} of {state.blocks} blocks done)", file=sys.stderr)
+    return [f"hydra.run.dir={_quote(str(state.out.parent))}"]
+
+
+def check_output(command: str, out: Path, label: str, kind: str) -> None:
+    """In the job: the output path is the tool's to write, and (under ``-m``)
+    this job's alone; else one line and exit code 2."""
+    try:
+        outputs.check_target(out, label, kind)
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            outputs.claim(out, Path(hc.sweep.dir), hc.job.num, label)
+    except OutputError as e:
+        fail(command, e)
+
+
+def overrides() -> list[str]:
+    """The command line's overrides, with the search path (a ``hydra.`` key)."""
+    overrides = HydraConfig.get().overrides
+    searchpath = [o for o in overrides.hydra if o.startswith("hydra.searchpath=")]
+    return [*searchpath, *overrides.task]
+
+
+def quiet_backend_probe() -> None:
+    """Keeps JAX's probing for absent accelerators out of the output.
+
+    JAX logs at INFO each backend it fails to find (``Unable to initialize
+    backend 'tpu'``) and Hydra prints INFO; only that logger is raised to
+    WARNING, so JAX's warnings and errors, and a platform the user asked for
+    with ``JAX_PLATFORMS`` that fails, still show.
+    """
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)

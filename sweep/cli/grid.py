@@ -1,0 +1,115 @@
+"""``sweep-grid``: evaluate a grid of deployments, write ``cube.zarr``.
+
+As every console script (``sweep.cli.commands``), the command first composes and
+validates its config outside Hydra's run (bad input: one line, exit code 2,
+no run directory, no compilation), then hands the command line to
+``@hydra.main``, which creates the run directory (or, without ``out=``,
+continues the unfinished run of the same config) and runs the job on the
+preflight's config. Before the first block, ``sweep-grid`` prints its plan
+(``sweep.grid.plan``); while it runs, its progress (``sweep.grid.progress``); at the
+end, the cheapest feasible point per scenario (``sweep.cube.summary``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from rich.console import Console
+
+from sweep.cli.commands import (
+    CONFIG_MODULE,
+    check_output,
+    fail,
+    overrides,
+    quiet_backend_probe,
+    start,
+)
+from sweep.config.resolve import config_yaml, grid_options, restore
+from sweep.cube import outputs
+from sweep.cube.outputs import OutputError
+from sweep.cube.summary import summary_table
+from sweep.errors import ConfigError
+from sweep.grid import calibration
+from sweep.grid.plan import grid_plan
+from sweep.grid.progress import BlockProgress
+
+
+def check(app: str, argv: list[str]):
+    """The preflight: compose and check, but stack and sample nothing.
+
+    Returns:
+      The validated base config and the grid's options (``grid_options``).
+
+    Raises:
+      ConfigError: one line naming the field, its value and what is allowed.
+    """
+    from sweep.grid import job as grid
+
+    base, options = grid_options(app, argv)
+    grid.check(base, options)
+    return base, options
+
+
+# what the preflight composed from the same command line (Hydra's own
+# settings aside, which do not change it); None when Hydra flags skip it
+_preflight_options = None
+
+
+@hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="grid",
+            version_base="1.3")
+def _grid_app(cfg: DictConfig) -> None:
+    import jax
+
+    from sweep.cube import results
+    from sweep.grid import job as grid
+    quiet_backend_probe()
+    console = Console(stderr=True)
+    try:
+        base, options = _preflight_options or grid_options("grid", overrides())
+        job = grid.prepare(base, options)
+    except ConfigError as e:
+        fail("sweep-grid", e)
+    out = Path(job.app.out).expanduser() if job.app.out else Path(
+        HydraConfig.get().runtime.output_dir) / "cube.zarr"
+    check_output("sweep-grid", out, f"out={job.app.out}" if job.app.out else str(out),
+                  "cube")
+    yaml_text = config_yaml(cfg)
+    attrs = results.provenance(yaml_text, job.app.seed, restore(overrides()),
+                               options)
+    attrs.update(calibration.attrs(base.calibration, job.calibration))
+    if calibration.calibrated(job.calibration):
+        console.print(calibration.line(base.calibration, job.calibration),
+                      markup=False, highlight=False, soft_wrap=True)
+    plan = grid_plan(base, options)
+    progress = BlockProgress(console, "sweep-grid",
+                             [(p.name, len(p.plan)) for p in job.parts])
+    try:
+        with outputs.lock(out, grid.fingerprint(yaml_text, job)):
+            console.print(f"sweep-grid: {plan.line(jax.default_backend())} -> {out}",
+                          markup=False, highlight=False, soft_wrap=True)
+            try:
+                ds = grid.run(job, out, attrs, yaml_text, progress=progress)
+            finally:
+                progress.close()
+    except OutputError as e:
+        fail("sweep-grid", e)
+    table, notes = summary_table(ds)
+    # a table is unreadable squeezed to 80 columns when stdout is a pipe
+    Console(width=max(Console().width, 200)).print(table)
+    for note in notes:
+        console.print(note, markup=False)
+    console.print("USD/1M out: at full load (every slot busy); replicas: for the "
+                  "row's traffic; effective_cost_per_mtok_out_usd in the cube "
+                  "prices the traffic")
+    console.print(f"cube written to {out}")
+
+
+def grid_main() -> None:
+    """``sweep-grid [hydra overrides]``: evaluate a grid, write ``cube.zarr``."""
+    global _preflight_options
+    _preflight_options = start("sweep-grid", "grid", check, kind="cube",
+                               default_name="cube.zarr", resume=True)
+    _grid_app()

@@ -1,0 +1,181 @@
+"""``sweep-optimize``: the cheapest deployment within a p99 SLO, and its flags.
+
+As every console script (``sweep.cli.commands``): the config is composed and
+checked before
+Hydra creates a run directory (bad input: one line, exit code 2), then
+``@hydra.main`` runs the job (``sweep.search.optimize``). An SLO that nothing meets
+prints one line naming the binding constraint and exits with code 3; the
+dataset is not written then.
+
+Compiled programs are kept in JAX's persistent compilation cache (the
+``JAX_COMPILATION_CACHE_DIR`` environment variable, or
+``$XDG_CACHE_HOME/llm-serving-sweep/jax``, default ``~/.cache/...``): the
+search and the simulator take tens of seconds to compile on a small CPU, and
+a second run with the same shapes skips that.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from sweep.cli.commands import (
+    CONFIG_MODULE,
+    check_output,
+    fail,
+    overrides,
+    quiet_backend_probe,
+    start,
+)
+from sweep.config.resolve import config_yaml, restore
+from sweep.cube import outputs
+from sweep.errors import ConfigError
+from sweep.grid import calibration
+from sweep.grid.plan import optimize_plan
+
+COMMAND = "sweep-optimize"
+INFEASIBLE_EXIT = 3
+
+
+def check(app: str, argv: list[str]):
+    """The preflight: compose, check and prepare the job (no JAX work).
+
+    Raises:
+      ConfigError: one line naming the field, its value and what is allowed.
+    """
+    from sweep.search import optimize
+
+    base, hardware, models = optimize.options(app, argv)
+    return optimize.prepare(base, hardware, models)
+
+
+# the job ``main``'s preflight prepared from the same command line (Hydra's
+# own settings aside, which do not change it); None when Hydra flags skip it
+_preflight_job = None
+
+
+def _ms(x: float) -> str:
+    return "-" if x != x else f"{x * 1e3:,.1f}"
+
+
+def _pair(metrics, name: str) -> str:
+    if metrics is None:
+        return "not simulated"
+    return f"{_ms(metrics[name + '_p50_s'])} / {_ms(metrics[name + '_p99_s'])}"
+
+
+def result_table(job, out) -> Table:
+    """The chosen configuration first, then the other candidates by cost."""
+    from sweep.search.optimize import met
+
+    slo = job.app.slo
+    table = Table(title=f"cheapest deployment of {job.app.workload.name} at "
+                  f"{job.app.workload.arrival_rate_per_s:g} req/s within p99 TTFT "
+                  f"{slo.ttft_p99_s:g} s, p99 ITL {slo.itl_p99_s * 1e3:g} ms")
+    models = len({c.model.name for c in job.candidates}) > 1
+    cols = ["", "hardware", *(["model"] if models else []), "TP", "replicas",
+            "max seqs", "max batched tok", "USD/1M out", "USD/month",
+            "TTFT p50/p99 ms: surrogate | sim", "ITL p50/p99 ms: surrogate | sim",
+            "slack TTFT | ITL ms"]
+    for col in cols:
+        left = col in ("", "hardware", "model")
+        table.add_column(col, justify="left" if left else "right", no_wrap=True)
+    answers = [a for a in out.answers if a is not None]
+    others = sorted((a for a in answers if a.key != out.chosen.key),
+                    key=lambda a: a.cost_per_mtok_out_usd)
+    for rank, a in enumerate([out.chosen, *others[:5]]):
+        cand = job.candidates[a.candidate]
+        sur, sim = a.surrogate, a.simulated
+        src = sim if sim is not None else sur
+        mark = "chosen" if rank == 0 else f"#{rank + 1}"
+        if sim is not None and rank > 0:
+            mark += " ok" if met(job, sim) else " missed"
+        table.add_row(
+            mark, cand.hardware.name, *([cand.model.name] if models else []),
+            str(cand.tp), str(a.replicas), str(a.concurrency), str(a.token_budget),
+            f"{a.cost_per_mtok_out_usd:.3f}", f"{a.cost_per_month_usd:,.0f}",
+            f"{_pair(sur, 'ttft')} | {_pair(sim, 'ttft')}",
+            f"{_pair(sur, 'itl')} | {_pair(sim, 'itl')}",
+            f"{_ms(slo.ttft_p99_s - src['ttft_p99_s'])} | "
+            f"{_ms(slo.itl_p99_s - src['itl_p99_s'])}",
+        )
+    return table
+
+
+def _enable_compilation_cache() -> None:
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:
+        return
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(base, "llm-serving-sweep", "jax"))
+
+
+@hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="optimize",
+            version_base="1.3")
+def _optimize_app(cfg: DictConfig) -> None:
+    import jax
+
+    from sweep.cube import results
+    from sweep.search import optimize
+    quiet_backend_probe()
+    err = Console(stderr=True)
+    try:
+        job = _preflight_job or check("optimize", overrides())
+    except ConfigError as e:
+        fail(COMMAND, e)
+    out = Path(job.app.out).expanduser() if job.app.out else Path(
+        HydraConfig.get().runtime.output_dir) / "optimize.zarr"
+    check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
+                  "optimize")
+    plan = optimize_plan(job.app, len(job.candidates), job.settings)
+    hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
+    models = list({c.model.name: c.model for c in job.candidates}.values())
+    choices = calibration.choose(job.app.calibration, hardware, models)
+    if calibration.calibrated(choices):
+        err.print(calibration.line(job.app.calibration, choices), markup=False,
+                  highlight=False, soft_wrap=True)
+    err.print(f"{COMMAND}: {job.app.workload.name} at "
+              f"{job.app.workload.arrival_rate_per_s:g} req/s; "
+              f"{len(job.excluded)} candidate(s) excluded (do not fit); "
+              f"{plan.line(jax.default_backend())}",
+              markup=False, highlight=False, soft_wrap=True)
+    try:
+        with outputs.lock(out):  # held from before the search to the write
+            outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
+            attrs = results.provenance(config_yaml(cfg), job.app.seed,
+                                       restore(overrides()), job.specs)
+            attrs.update(calibration.attrs(job.app.calibration, choices))
+            optimize.write(optimize.to_dataset(job, outcome, attrs), out)
+    except optimize.Infeasible as e:
+        print(f"{COMMAND}: {e}", file=sys.stderr)
+        sys.exit(INFEASIBLE_EXIT)
+    except outputs.OutputError as e:
+        fail(COMMAND, e)
+    # a table is unreadable squeezed to 80 columns when stdout is a pipe
+    console = Console(width=max(Console().width, 200))
+    console.print(result_table(job, outcome))
+    chosen = outcome.chosen
+    console.print(f"vLLM flags: {optimize.vllm_flags(job, chosen)}", markup=False)
+    console.print(f"{outcome.rounds} round(s), {outcome.evaluations:,} surrogate "
+                  f"evaluations ({outcome.search_s:.1f} s), {outcome.simulations} "
+                  f"simulated configurations ({outcome.simulate_s:.1f} s)")
+    err.print(f"dataset written to {out}")
+
+
+def main() -> None:
+    """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
+    global _preflight_job
+    _preflight_job = start(COMMAND, "optimize", check, kind="optimize",
+                           default_name="optimize.zarr", resume=False)
+    _enable_compilation_cache()
+    _optimize_app()

@@ -1,0 +1,381 @@
+"""``ds.sweep``: feasibility, cheapest points, Pareto fronts and serving flags.
+
+An ``xarray`` accessor (registered on import of ``sweep``) for the cubes the
+sweep entry points write. It never recomputes a metric: it masks, reduces and
+reads the cube's own variables.
+
+* ``feasible`` keeps the points whose KV cache fits (``kv_fits``), whose token
+  budget is at least the concurrency (vLLM refuses
+  ``max_num_batched_tokens < max_num_seqs``, vllm/config/scheduler.py
+  ``SchedulerConfig._verify_args``; continuous batching only) and, when
+  limits are given, whose p99 TTFT and ITL meet them. A cube of the roofline
+  sweep has no p99 variables; there the decode step time ``step_s`` stands in
+  for the p99 ITL and the time of one whole-prompt prefill step
+  (``mean_prompt_tokens / prefill_tokens_per_s``) for the p99 TTFT. Both are
+  lower bounds (no queueing, no prefill interference), so the proxy is
+  optimistic; the criterion actually applied, proxies named, is returned in
+  the mask's and the dataset's ``feasible`` attribute.
+* ``cheapest`` is an argmin that skips NaN (points that do not fit or are
+  masked); ``pareto`` is the usual non-dominated filter (``sweep.search.pareto``;
+  both axes maximised unless told otherwise);
+  ``to_serving_flags`` maps one point to vLLM's engine arguments
+  (https://docs.vllm.ai/en/latest/configuration/engine_args.html).
+* On a p99 cube (``latency=simulate|surrogate``) the latency variables live
+  on the latency axes (with ``arrival_rate_per_s``, without the context,
+  long-prompt and traffic axes); the mask spans the union of both, so a
+  point's feasibility depends on every axis either depends on.
+* On the dataset of ``sweep-optimize`` (dims ``candidate``, ``config``) the
+  points are the candidates: ``feasible`` keeps those with an answer meeting
+  their targets and applies limits to their p99s (simulated where verified,
+  surrogate otherwise); ``cheapest("candidate")`` and ``pareto`` work as on
+  a cube; ``to_serving_flags(candidate=i)`` gives a candidate's flags.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+import yaml
+
+from sweep.cube import contract
+from sweep.model import batching
+from sweep.search import pareto
+
+SLO_FIELDS = contract.SLO
+"""The limits an SLO option sets (``conf/slo``), each bounding the metric of its
+name."""
+
+SCENARIO_DIMS = contract.role(contract.SCENARIO)
+"""Axes that describe the situation (what the traffic looks like) rather than
+a choice of the deployment: analyses fix them instead of optimising over them."""
+CONFIG_DIMS = contract.role(contract.CONFIG)
+"""Axes an operator chooses for one hardware x model."""
+MASK_VARIABLES = ("kv_fits", *SLO_FIELDS, "step_s", "prefill_tokens_per_s",
+                  "mean_prompt_tokens")
+"""What ``feasible_mask`` reads: the KV check, the SLO metrics or their proxies."""
+
+
+def is_optimize(ds: xr.Dataset) -> bool:
+    """Whether ``ds`` is the dataset of ``sweep-optimize`` (not a grid cube)."""
+    return "candidate" in ds.dims or "config" in ds.dims
+
+
+class ServingFlags(NamedTuple):
+    """vLLM engine arguments of one cube point."""
+
+    flags: dict[str, int | float]  # flag -> value, e.g. {"--max-num-seqs": 64}
+    cli: str  # the same flags as one command-line string
+    replicas: int | None  # replicas the cube's traffic needs, when it has them
+
+    def __str__(self) -> str:
+        return self.cli
+
+
+def load_slo(name: str) -> dict[str, float]:
+    """The p99 limits of the shipped SLO option ``conf/slo/<name>.yaml``.
+
+    Returns:
+      ``{"ttft_p99_s": ..., "itl_p99_s": ...}`` (the fields the file sets).
+
+    Raises:
+      ValueError: no such option (the message lists the shipped ones).
+    """
+    base = importlib.resources.files("sweep.conf").joinpath("slo")
+    path = base.joinpath(f"{name}.yaml")
+    if not path.is_file():
+        shipped = sorted(p.name.removesuffix(".yaml") for p in base.iterdir()
+                         if p.name.endswith(".yaml")) if base.is_dir() else []
+        raise ValueError(f"slo={name!r}: no conf/slo/{name}.yaml; shipped options: "
+                         f"{', '.join(shipped) or 'none'}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    return {k: float(raw[k]) for k in SLO_FIELDS if raw.get(k) is not None}
+
+
+def config_value(ds: xr.Dataset, key: str):
+    """The first value of ``key`` found (depth first) in the cube's ``config_yaml``."""
+    def find(node):
+        if isinstance(node, dict):
+            if key in node:
+                return node[key]
+            for v in node.values():
+                found = find(v)
+                if found is not None:
+                    return found
+        return None
+
+    text = ds.attrs.get("config_yaml")
+    return find(yaml.safe_load(text)) if text else None
+
+
+def cube_slo(ds: xr.Dataset) -> dict[str, float]:
+    """The p99 limits of the SLO the cube was swept with (its config's ``slo``)."""
+    text = ds.attrs.get("config_yaml")
+    slo = (yaml.safe_load(text) or {}).get("slo") if text else None
+    if not isinstance(slo, dict):
+        return {}
+    return {k: float(slo[k]) for k in SLO_FIELDS if slo.get(k) is not None}
+
+
+def _pick(ds: xr.Dataset, dims: Sequence[str], pos: np.ndarray, has: np.ndarray,
+          keep: list[str]) -> xr.Dataset:
+    """The points at flat positions ``pos`` (over ``dims``) of every ``keep`` cell.
+
+    Cells without a point (``has`` False) get NaN / False / "" everywhere.
+    """
+    idx = np.unravel_index(pos, [ds.sizes[d] for d in dims])
+    out = ds.isel({d: xr.DataArray(i, dims=keep) for d, i in zip(dims, idx)})
+    found = xr.DataArray(has, dims=keep)
+    for name, var in ds.data_vars.items():
+        if set(var.dims) & set(dims):
+            out[name] = _blank(out[name], found).assign_attrs(var.attrs)
+    for d in dims:
+        coord = out[d].variable.to_base_variable()
+        out = out.drop_vars(d)
+        out[f"best_{d}"] = _blank(xr.DataArray(coord), found).assign_attrs(
+            {**ds[d].attrs, "long_name": f"best {ds[d].attrs.get('long_name', d)}"})
+    return out
+
+
+def _blank(da: xr.DataArray, found: xr.DataArray) -> xr.DataArray:
+    kind = da.dtype.kind
+    if kind == "b":
+        return da & found
+    if kind in "US":
+        return da.where(found, "")
+    return da.astype(np.float64 if kind in "iu" else da.dtype).where(found)
+
+
+@xr.register_dataset_accessor("sweep")
+class SweepAccessor:
+    """Analysis helpers on a result cube: ``ds.sweep.<method>``."""
+
+    def __init__(self, ds: xr.Dataset):
+        self._ds = ds
+
+    def _require(self, *names: str) -> None:
+        missing = [n for n in names if n not in self._ds.variables]
+        if missing:
+            raise ValueError(f"the cube has no {', '.join(missing)}")
+
+    def _latency(self, name: str) -> tuple[xr.DataArray, str]:
+        """The cube's p99 variable ``name``, or its documented lower-bound proxy."""
+        ds = self._ds
+        if name in ds:
+            return ds[name], name
+        if name == "itl_p99_s" and "step_s" in ds:
+            return ds["step_s"], "step_s (decode step as ITL proxy: no itl_p99_s)"
+        if name == "ttft_p99_s" and {"prefill_tokens_per_s",
+                                     "mean_prompt_tokens"} <= set(ds.variables):
+            return (ds["mean_prompt_tokens"] / ds["prefill_tokens_per_s"],
+                    "mean_prompt_tokens / prefill_tokens_per_s (one-step prefill "
+                    "as TTFT proxy: no ttft_p99_s)")
+        raise ValueError(f"the cube has no {name} and nothing to bound it with")
+
+    def feasible_mask(self, slo: str | None = None, *, ttft_p99_s: float | None = None,
+                      itl_p99_s: float | None = None) -> xr.DataArray:
+        """Boolean mask of the points that fit and meet the limits.
+
+        Args:
+          slo: name of a shipped SLO option (``conf/slo/<slo>.yaml``).
+          ttft_p99_s: p99 time-to-first-token limit in seconds (overrides ``slo``).
+          itl_p99_s: p99 inter-token latency limit in seconds (overrides ``slo``).
+
+        Returns:
+          A bool DataArray over the cube's dims; its ``feasible`` attribute
+          states the criterion applied, naming any proxy used.
+        """
+        limits = load_slo(slo) if slo is not None else {}
+        for name, value in (("ttft_p99_s", ttft_p99_s), ("itl_p99_s", itl_p99_s)):
+            if value is not None:
+                limits[name] = float(value)
+        for name, limit in limits.items():
+            if not (np.isfinite(limit) and limit > 0):
+                raise ValueError(f"{name} = {limit:g}: must be a finite number > 0")
+        if is_optimize(self._ds):
+            return self._candidate_mask(limits)
+        self._require("kv_fits")
+        ds = self._ds
+        mask = ds["kv_fits"].astype(bool)
+        criteria = ["kv_fits"]
+        if {"token_budget", "concurrency"} <= set(ds.dims):
+            # vLLM refuses max_num_batched_tokens < max_num_seqs: every running
+            # sequence needs one token of each step's budget
+            ok = ds["token_budget"] >= ds["concurrency"]
+            if "batching" in ds.dims:
+                ok = ok | ~ds["batching"].isin(batching.CONTINUOUS_NAMES)
+            mask = mask & ok
+            criteria.append("token_budget >= concurrency")
+        for name, limit in limits.items():
+            value, what = self._latency(name)
+            mask = mask & (value <= limit)
+            criteria.append(f"{what} <= {limit:g} s")
+        # over the union of the criteria's dims (a p99 cube's latency variables
+        # add arrival_rate_per_s, its KV check context_tokens), in cube order
+        mask = mask.transpose(*[d for d in ds.dims if d in mask.dims])
+        return mask.rename("feasible").assign_attrs(
+            feasible=" & ".join(criteria), long_name="feasible", units="1")
+
+    def _candidate_mask(self, limits: dict[str, float]) -> xr.DataArray:
+        """``feasible_mask`` of a ``sweep-optimize`` dataset, over its candidates.
+
+        A candidate is feasible when the search found it an answer meeting its
+        surrogate targets, and each limit holds for its p99, simulated where
+        the candidate was verified and from the surrogate otherwise.
+        """
+        ds = self._ds
+        self._require("meets_targets", "verified")
+        mask = ds["meets_targets"].astype(bool)
+        criteria = ["meets_targets"]
+        for name, limit in limits.items():
+            self._require(f"simulated_{name}", f"surrogate_{name}")
+            value = xr.where(ds["verified"], ds[f"simulated_{name}"],
+                             ds[f"surrogate_{name}"])
+            mask = mask & (value <= limit)
+            criteria.append(f"{name} (simulated where verified, else surrogate) <= "
+                            f"{limit:g} s")
+        return mask.rename("feasible").assign_attrs(
+            feasible=" & ".join(criteria), long_name="feasible", units="1")
+
+    def feasible(self, slo: str | None = None, *, ttft_p99_s: float | None = None,
+                 itl_p99_s: float | None = None) -> xr.Dataset:
+        """The cube with every point that fails the limits masked out.
+
+        Float variables of a deployment point (those over any of
+        ``CONFIG_DIMS``) become NaN at infeasible points (so that ``cheapest``
+        and ``pareto`` skip them), spread over the mask's dims where they lack
+        some: on a p99 cube the cost gains ``arrival_rate_per_s``, since
+        whether a point meets the SLO depends on the rate. The mask itself is
+        added as the bool variable ``feasible``. Arguments as in
+        ``feasible_mask``; with none, only ``kv_fits`` is applied.
+        """
+        mask = self.feasible_mask(slo, ttft_p99_s=ttft_p99_s, itl_p99_s=itl_p99_s)
+        out = self._ds.copy()
+        point_dims = {"candidate"} if is_optimize(self._ds) else set(CONFIG_DIMS)
+        for name, var in self._ds.data_vars.items():
+            if var.dtype.kind == "f" and set(var.dims) & point_dims:
+                masked = var.where(mask)
+                dims = [d for d in self._ds.dims if d in masked.dims]
+                out[name] = masked.transpose(*dims).assign_attrs(var.attrs)
+        out["feasible"] = mask
+        out.attrs["feasible"] = mask.attrs["feasible"]
+        return out
+
+    def cheapest(self, over: str | Sequence[str],
+                 metric: str = "cost_per_mtok_out_usd") -> xr.Dataset:
+        """The point of least ``metric`` over the dims ``over``, per remaining dims.
+
+        NaN points (not fitting, or masked by ``feasible``) are skipped; a cell
+        with no point left is NaN (``best_<dim>`` NaN, or "" for names).
+
+        Args:
+          over: the dims to optimise over, e.g. ``["tensor_parallel", "concurrency"]``.
+          metric: the variable to minimise.
+
+        Returns:
+          A Dataset over the remaining dims holding every variable at the best
+          point, and ``best_<dim>`` (the argmin coordinate) for each dim of ``over``.
+        """
+        ds = self._ds
+        over = [over] if isinstance(over, str) else list(over)
+        self._require(metric)
+        m = ds[metric]
+        unknown = [d for d in over if d not in m.dims]
+        if unknown:
+            raise ValueError(f"cheapest: {metric} has no dim {', '.join(unknown)}; "
+                             f"dims: {', '.join(m.dims)}")
+        keep = [d for d in m.dims if d not in over]
+        values = np.asarray(m.transpose(*keep, *over).values, dtype=np.float64)
+        flat = values.reshape(values.shape[:len(keep)] + (-1,))
+        has = ~np.all(np.isnan(flat), axis=-1)
+        # rows with no point would make nanargmin raise: give them zeros
+        pos = np.nanargmin(np.where(has[..., None], flat, 0.0), axis=-1)
+        out = _pick(ds, over, pos, has, keep)
+        out.attrs["cheapest"] = f"least {metric} over {', '.join(over)}"
+        return out
+
+    def pareto(self, x: str, y: str, *, by: str | Sequence[str] | None = None,
+               maximize: tuple[bool, bool] = (True, True)) -> pd.DataFrame:
+        """Non-dominated points of ``x`` and ``y`` (``sweep.search.pareto.front``).
+
+        A point is dropped when another is at least as good on both and better
+        on one; by default larger is better on both (throughputs). Points with
+        identical ``(x, y)`` are kept once (the first in cube order); NaN
+        points are skipped.
+
+        Args:
+          x, y: variable names, e.g. ``"output_tokens_per_s"``, ``"user_tokens_per_s"``.
+          by: dims to compute a separate front for (e.g. ``"hardware"``).
+          maximize: per variable, whether larger is better; ``(False, False)``
+            for cost against latency.
+
+        Returns:
+          One row per front point: the point's coordinates and ``x``, ``y``,
+          sorted by ``by`` then ``x``.
+        """
+        self._require(x, y)
+        by = [] if by is None else [by] if isinstance(by, str) else list(by)
+        df = self._ds[[x, y]].reset_coords(drop=True).to_dataframe().reset_index()
+        df = df.dropna(subset=[x, y])
+        groups = df.groupby(by, sort=False) if by else [(None, df)]
+        fronts = [g[pareto.front(g[x].to_numpy(), g[y].to_numpy(), maximize=maximize)]
+                  for _, g in groups]
+        front = pd.concat(fronts) if fronts else df.iloc[:0]
+        return front.sort_values([*by, x], kind="stable").reset_index(drop=True)
+
+    def to_serving_flags(self, **sel) -> ServingFlags:
+        """vLLM engine arguments for the one point ``sel`` selects.
+
+        Args:
+          **sel: coordinate values (as for ``Dataset.sel``); every dim of more
+            than one value must be selected.
+
+        Returns:
+          ``ServingFlags``: ``--tensor-parallel-size``, ``--max-num-seqs``,
+          ``--max-num-batched-tokens`` (when the cube has those dims) and
+          ``--gpu-memory-utilization`` (from the run's config), with the
+          replicas the traffic needs when the cube has them.
+        """
+        ds = self._ds
+        if is_optimize(ds):  # one candidate's answer: its variables only
+            ds = ds[[v for v in ds.data_vars if ds[v].dims == ("candidate",)]]
+        pt = ds.sel(sel)
+        open_dims = [d for d, n in pt.sizes.items() if n > 1]
+        if open_dims:
+            raise ValueError("to_serving_flags needs one point; also select "
+                             + ", ".join(f"{d} (one of {list(pt[d].values)})"
+                                         for d in open_dims))
+        pt = pt.squeeze(drop=False).compute()
+        if "batching" in pt.coords and not batching.policy(
+                str(pt["batching"].values)).continuous:
+            raise ValueError(f"batching={pt['batching'].values}: vLLM serves with "
+                             "continuous batching; select batching='continuous'")
+        if "meets_targets" in pt and not bool(pt["meets_targets"]):
+            raise ValueError(f"the candidate {sel} has no configuration meeting its "
+                             "targets (meets_targets False)")
+        if "kv_fits" in pt and not bool(pt["kv_fits"]):
+            raise ValueError(f"the point {sel} does not fit in memory (kv_fits False)")
+        if {"token_budget", "concurrency"} <= set(pt.variables) and float(
+                pt["token_budget"]) < float(pt["concurrency"]):
+            raise ValueError(f"token_budget {int(pt['token_budget'])} < concurrency "
+                             f"{int(pt['concurrency'])}: vLLM needs "
+                             "max_num_batched_tokens >= max_num_seqs")
+        flags: dict[str, int | float] = {}
+        for axis in contract.AXES:
+            if axis.flag and axis.name in pt.variables and np.isfinite(
+                    float(pt[axis.name])):
+                flags[axis.flag] = int(pt[axis.name])
+        util = config_value(self._ds, "gpu_memory_utilization")
+        if util is not None:
+            flags["--gpu-memory-utilization"] = float(util)
+        replicas = None
+        if "replicas" in pt and np.isfinite(float(pt["replicas"])):
+            replicas = int(pt["replicas"])
+        cli = " ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                       for k, v in flags.items())
+        return ServingFlags(flags, cli, replicas)
+

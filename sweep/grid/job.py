@@ -1,0 +1,294 @@
+"""A grid sweep job: validated configs -> stacked inputs + coords -> a cube.
+
+A cube is made of *parts*, each a point function evaluated over the product of
+some of the cube's axes: the roofline metrics over ``point.DIMS``, and (with
+``latency=simulate|surrogate``) the p99 metrics over ``p99.DIMS`` (both
+``sweep.cube.contract.dims``); point functions take their inputs by axis name.
+``prepare`` does everything that can fail on bad input (trace loading, the
+cross-group checks) without compiling anything; ``run`` evaluates the missing
+blocks of every part, writes them, and returns the finished cube.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import xarray as xr
+
+from sweep.config.convert import hardware_params, model_params
+from sweep.config.schema import (
+    ConfigError,
+    GridApp,
+    Hardware,
+    LatencyMethod,
+    Model,
+    check_tensor_parallel,
+)
+from sweep.cube import contract, outputs, results
+from sweep.grid import calibration
+from sweep.grid.evaluate import Part, blocking, iterate_blocks
+from sweep.grid.plan import grid_plan
+from sweep.latency import p99
+from sweep.latency.workload import WorkloadTables, workload_tables
+from sweep.model import batching, precision
+from sweep.model.cost import static_slot_utilization
+from sweep.model.params import WorkloadParams, stack
+from sweep.model.point import grid_point
+from sweep.model.roofline import weight_bytes
+
+
+@dataclass
+class GridJob:
+    """Everything a sweep needs, checked, before any compilation."""
+
+    app: GridApp
+    coords: dict[str, np.ndarray]
+    parts: list[Part]
+    extra: dict[str, xr.DataArray]
+    # the constants each hardware x model runs with (``sweep.grid.calibration``)
+    calibration: list[list[calibration.Choice]]
+
+    @property
+    def points(self) -> int:
+        return math.prod(self.parts[0].plan.shape)
+
+
+def _at(m: Model, name: str, value: str) -> Model:
+    """``m`` at one value of a precision axis (``own``: as it is)."""
+    return m if value == "own" else dataclasses.replace(m, **{name: value})
+
+
+def _dtype_index(value: str, names: tuple[str, ...]) -> int:
+    return precision.OWN if value == "own" else names.index(value)
+
+
+def _at_dtypes(app: GridApp, m: Model) -> list[Model]:
+    """``m`` at every weight x KV precision of the grid."""
+    return [_at(_at(m, "weight_dtype", w), "kv_dtype", kv)
+            for w in (app.grid.weight_dtype or ["own"])
+            for kv in (app.grid.kv_dtype or ["own"])]
+
+
+def _check_precision(app: GridApp, hardware: list[Hardware],
+                     models: list[Model]) -> None:
+    """Every weight precision swept runs on every hardware's tensor cores."""
+    for h in hardware:
+        for m in models:
+            for w in app.grid.weight_dtype or [m.weight_dtype]:
+                if precision.supported(h, w):
+                    continue
+                key = (f"grid.weight_dtype = {list(app.grid.weight_dtype)}"
+                       if app.grid.weight_dtype else f"model[{m.name}].weight_dtype = "
+                       f"{w}")
+                raise ConfigError(
+                    f"{key}: hardware[{h.name}] has no {w} tensor cores "
+                    f"(hardware.{precision.rate_field(w)} = 0); allowed on "
+                    f"{h.name}: {', '.join(precision.allowed(h))}")
+
+
+def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> None:
+    """A model that fits nowhere in the grid, even at concurrency 1 and its
+    smallest precision, is an error."""
+    util = app.grid.gpu_memory_utilization
+    tp_max = max(app.grid.axes["tensor_parallel"])
+    ctx = min(app.grid.axes["context_tokens"])
+    best = max(hardware, key=lambda h: h.memory_bytes)
+    for m in models:
+        need = min(float(weight_bytes(model_params(v))) + ctx * 2 * v.layers
+                   * v.kv_heads * v.head_dim * v.kv_dtype_bytes
+                   for v in _at_dtypes(app, m))
+        have = best.memory_bytes * util * tp_max
+        if need > have:
+            raise ConfigError(
+                f"model[{m.name}]: weights + KV of one {ctx:g}-token sequence need "
+                f"{need / 1e9:.1f} GB, more than any grid.tensor_parallel x hardware "
+                f"offers (largest {tp_max:g} x {best.name} x {util:g} = "
+                f"{have / 1e9:.1f} GB); allowed: add larger tensor_parallel values "
+                "or hardware with more memory"
+            )
+
+
+def _check_context(app: GridApp, models: list[Model]) -> None:
+    """A grid context beyond a model's ``max_context_tokens`` cannot be served."""
+    for axis in ("context_tokens", "long_prompt_tokens"):
+        values = app.grid.axes[axis]
+        for m in models:
+            if m.max_context_tokens and max(values) > m.max_context_tokens:
+                raise ConfigError(
+                    f"grid.{axis} = {[int(v) for v in values]}: {max(values):,.0f} "
+                    f"tokens exceed model[{m.name}].max_context_tokens = "
+                    f"{m.max_context_tokens:,}; allowed: values <= "
+                    f"{m.max_context_tokens:,} (or leave that model out)")
+
+
+def _static_utilization(tables: list[WorkloadTables], concurrency) -> np.ndarray:
+    """``E[out] / E[max of B outputs]`` per workload x concurrency (a small table)."""
+    batch = jnp.asarray(concurrency, jnp.float32)
+    rows = []
+    for t in tables:
+        values = jnp.asarray(t.output_values, jnp.float32)
+        probs = jnp.asarray(t.output_probs, jnp.float32)
+        rows.append(jax.vmap(lambda b, v=values, p=probs: static_slot_utilization(
+            v, p, b))(batch))
+    return np.asarray(jnp.stack(rows))
+
+
+def _padded(tables: list[WorkloadTables]) -> list[WorkloadParams]:
+    """Output-length tables padded to one length (zero-probability repeats)."""
+    k = max(len(t.output_values) for t in tables)
+    out = []
+    for t in tables:
+        pad = k - len(t.output_values)
+        out.append(WorkloadParams(
+            t.mean_prompt_tokens, t.mean_output_tokens,
+            np.concatenate([t.output_values, np.full(pad, t.output_values[-1])]),
+            np.concatenate([t.output_probs, np.zeros(pad)])))
+    return out
+
+
+def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
+    """Every check of a sweep's input, with no JAX work; returns the length tables.
+
+    Tensor-parallel sizes against each model's heads and each hardware's
+    node, the model fitting somewhere, distinct options, the workloads'
+    traces and tables, and the plan's peak memory against the budget.
+
+    Raises:
+      ConfigError: one line naming the field, its value and what is allowed.
+    """
+    check_tensor_parallel("grid.tensor_parallel", app.grid.axes["tensor_parallel"],
+                          options["hardware"], options["model"])
+    _check_precision(app, options["hardware"], options["model"])
+    _check_context(app, options["model"])
+    _check_fits(app, options["hardware"], options["model"])
+    for d, names in (("hardware", [h.name for h in options["hardware"]]),
+                     ("model", [m.name for m in options["model"]]),
+                     ("workload", [w.name for w in options["workload"]]),
+                     ("batching", [b.value for b in app.grid.batching])):
+        if len(set(names)) != len(names):
+            raise ConfigError(f"grid.{d} = {names}: values must be distinct")
+    tables = [workload_tables(w, app.data_dir) for w in options["workload"]]
+    grid_plan(app, options).check_memory()
+    return tables
+
+
+def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
+    """Builds stacked inputs and coordinates; raises ``ConfigError`` on bad input."""
+    hardware: list[Hardware] = options["hardware"]
+    models: list[Model] = options["model"]
+    workloads = options["workload"]
+    tables = check(app, options)
+    axes = app.grid.axes
+    policies = [b.value for b in app.grid.batching]
+    dtypes = {d: app.grid.precision(d, models) for d in ("weight_dtype", "kv_dtype")}
+    labels = {"hardware": [h.name for h in hardware], "model": [m.name for m in models],
+              "workload": [w.name for w in workloads], "batching": policies,
+              **dtypes}
+    roofline_dims = contract.dims(contract.ROOFLINE)
+    coords = {}
+    for d in roofline_dims:
+        kind = contract.AXIS[d].kind
+        coords[d] = np.array(labels[d]) if kind == contract.LABEL else (
+            np.asarray(axes[d]).astype(np.int64) if kind == contract.INTEGER
+            else np.asarray(axes[d]))
+    # what the point functions receive along each axis, by name
+    inputs = {
+        "hardware": stack([hardware_params(h, app.grid.gpu_memory_utilization)
+                           for h in hardware]),
+        "model": stack([model_params(m) for m in models]),
+        "workload": stack(_padded(tables)),
+        "batching": np.array([batching.index(b) for b in policies], np.int32),
+        "weight_dtype": np.array([_dtype_index(v, precision.WEIGHT_DTYPES)
+                                  for v in dtypes["weight_dtype"]], np.int32),
+        "kv_dtype": np.array([_dtype_index(v, precision.KV_DTYPES)
+                              for v in dtypes["kv_dtype"]], np.int32),
+        **{d: np.asarray(axes[d], np.float32) for d in roofline_dims
+           if d not in labels},
+    }
+    util = _static_utilization(tables, axes["concurrency"])
+    shape = tuple(len(coords[d]) for d in roofline_dims)
+    parts = [Part(contract.ROOFLINE, grid_point,
+                  {d: inputs[d] for d in roofline_dims},
+                  blocking(shape, app.grid.chunk_points),
+                  lookups={"static_utilization": (util, ("workload", "concurrency"))})]
+    if app.latency.method != LatencyMethod.none:
+        part, rate_coord = p99.part(app, workloads, tables, models, inputs, coords)
+        coords["arrival_rate_per_s"] = rate_coord
+        parts.append(part)
+    choices = calibration.choose(app.calibration, hardware, models)
+    calibration.attach(parts, choices)
+    per_value = {
+        "usd_per_gpu_hour": [h.usd_per_gpu_hour for h in hardware],
+        "weight_bytes": [[float(weight_bytes(model_params(_at(m, "weight_dtype", w))))
+                          for w in dtypes["weight_dtype"]] for m in models],
+        "kv_bytes_per_token": [[2.0 * m.layers * m.kv_heads * m.head_dim
+                                * _at(m, "kv_dtype", kv).kv_dtype_bytes
+                                for kv in dtypes["kv_dtype"]] for m in models],
+        "mean_prompt_tokens": [t.mean_prompt_tokens for t in tables],
+        "mean_output_tokens": [t.mean_output_tokens for t in tables],
+    }
+    extra = {}
+    for name, values in per_value.items():
+        m = contract.METRIC[name]
+        extra[name] = xr.DataArray(np.asarray(values, m.dtype), dims=m.over,
+                                   attrs=m.attrs())
+    return GridJob(app, coords, parts, extra, choices)
+
+
+def config_digest(config_yaml: str) -> str:
+    """Identifies a config alone: how a rerun without ``out=`` finds its cube."""
+    return hashlib.sha256(config_yaml.encode()).hexdigest()[:16]
+
+
+def fingerprint(config_yaml: str, job: GridJob) -> str:
+    """Identifies a sweep for resuming: same config, coordinates and blocking,
+    same blocks. (The config's text alone does not fix the coordinates: the
+    numeric axes are sorted, a search path's options may change.)"""
+    h = hashlib.sha256((config_yaml + repr([(p.name, p.plan) for p in job.parts]))
+                       .encode())
+    for name, values in job.coords.items():
+        h.update(f"{name}:{values.dtype}:".encode())
+        h.update(np.ascontiguousarray(values).tobytes())
+    return h.hexdigest()[:16]
+
+
+def run(job: GridJob, out, attrs: dict, config_yaml: str,
+        progress=None) -> xr.Dataset:
+    """Evaluates and writes every missing block; returns the opened cube.
+
+    Args:
+      out: the cube's path; an existing cube there is replaced at the end.
+      progress: optional callable ``(done_blocks, total_blocks)``.
+
+    Raises:
+      OutputError: ``out`` is not the tool's to write, or another process is
+        writing it; raised before any evaluation.
+    """
+    out = Path(out)
+    outputs.check_target(out, str(out))
+    fp = fingerprint(config_yaml, job)
+    total = sum(len(p.plan) for p in job.parts)
+    with outputs.lock(out, fp):
+        ds = results.template(job.coords, job.parts, attrs, job.extra)
+        state = results.start_store(out, ds, fp, config_digest(config_yaml), total)
+        if progress:
+            progress(len(state.done), total)
+        for part in job.parts:
+            skip = {int(k.split(":")[1]) for k in state.done
+                    if k.startswith(part.name + ":")}
+            for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
+                                                    part.tables, part.table_dims,
+                                                    skip):
+                results.write_block(out, part.dims, region, values, state,
+                                    f"{part.name}:{b}")
+                if progress:
+                    progress(len(state.done), total)
+        results.finish_store(out)
+    return results.open_cube(out)

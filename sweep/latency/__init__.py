@@ -1,0 +1,2 @@
+"""Latency under arrivals: workloads, request streams, the simulator and the
+surrogate."""

@@ -1,0 +1,184 @@
+"""Request streams for the serving simulator: arrival times and lengths.
+
+Arrivals are a Poisson process at ``arrival_rate_per_s`` (independent
+exponential gaps, the usual open-loop load model of serving benchmarks such as
+vLLM's ``benchmark_serving.py --request-rate``), or a trace's own timestamps
+stretched so that their mean rate equals the target rate (its burstiness is
+kept). Lengths are either
+
+* sampled (``workload.replay=sampled``, ``sample_requests``): prompt and
+  output drawn independently from the workload's tables
+  (``sweep.latency.workload.WorkloadTables``), so a discrete mixture, a binned
+  lognormal and a trace's empirical distribution are sampled alike; or
+* replayed (``workload.replay=exact``, ``replay_requests``): the trace's rows
+  in recorded order with their recorded (prompt, output) pairs, its first
+  request at time 0.
+
+Both are jittable and vmappable over keys and rates; the tables and the number
+of requests are constants. ``route`` and ``split`` share one stream among
+replicas as a load balancer does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sweep.config.schema import ArrivalKind, Replay, Routing, Workload
+from sweep.latency.workload import WorkloadTables
+
+
+class Requests(NamedTuple):
+    """A request stream sorted by arrival (every leaf shape ``(R,)``, float32)."""
+
+    arrival_s: jax.Array  # arrival time, seconds from the start of the run
+    prompt_tokens: jax.Array  # prompt length, tokens (>= 1)
+    output_tokens: jax.Array  # output length, tokens, first token included (>= 1)
+
+
+def _trace_arrivals_s(trace_arrival_s: np.ndarray, num_requests: int) -> np.ndarray:
+    """``num_requests`` offsets from a trace, repeating it when it is shorter.
+
+    A repeat starts one mean gap after the previous copy ends, so the mean rate
+    of the result is the trace's mean rate. (``workload_tables`` refuses a
+    trace with fewer than two distinct timestamps before this is reached.)
+    """
+    t = np.asarray(trace_arrival_s, dtype=np.float64)
+    t = t - t[0]
+    if len(t) < 2 or t[-1] <= 0.0:
+        raise ValueError("trace_arrival_s needs >= 2 increasing timestamps")
+    period = t[-1] * len(t) / (len(t) - 1)
+    copies = -(-num_requests // len(t))
+    out = (t[None, :] + period * np.arange(copies)[:, None]).ravel()
+    return out[:num_requests]
+
+
+def sample_requests(key, workload_tables: WorkloadTables, num_requests: int,
+                    arrival_rate_per_s, trace_arrival_s=None) -> Requests:
+    """Samples ``num_requests`` requests (the first one arrives after one gap).
+
+    Args:
+      key: PRNG key.
+      workload_tables: length tables (constants).
+      num_requests: static.
+      arrival_rate_per_s: mean arrival rate (traced scalar).
+      trace_arrival_s: optional trace timestamps (host array, seconds); when
+        given, arrivals are the trace's offsets (repeated if the trace is
+        shorter) scaled by ``trace_rate / arrival_rate_per_s``, where
+        ``trace_rate = (n - 1) / span`` is the trace's own mean rate.
+
+    Returns:
+      ``Requests`` with float32 leaves of shape ``(num_requests,)``.
+    """
+    k_gap, k_prompt, k_output = jax.random.split(key, 3)
+    rate = jnp.asarray(arrival_rate_per_s, jnp.float32)
+    if trace_arrival_s is None:
+        gaps = jax.random.exponential(k_gap, (num_requests,), jnp.float32)
+        arrival = jnp.cumsum(gaps) / rate
+    else:
+        offsets = _trace_arrivals_s(trace_arrival_s, num_requests)
+        t = np.asarray(trace_arrival_s, dtype=np.float64)
+        trace_rate = (len(t) - 1) / (t[-1] - t[0])
+        # the first request arrives one mean gap after the start, as with Poisson
+        arrival = jnp.asarray(offsets + 1.0 / trace_rate, jnp.float32) * (
+            trace_rate / rate)
+
+    def draw(k, values, probs):
+        v = jnp.asarray(values, jnp.float32)
+        p = jnp.asarray(probs, jnp.float32)
+        return jnp.maximum(jax.random.choice(k, v, (num_requests,), p=p), 1.0)
+
+    return Requests(
+        arrival_s=arrival,
+        prompt_tokens=draw(k_prompt, workload_tables.prompt_values,
+                           workload_tables.prompt_probs),
+        output_tokens=draw(k_output, workload_tables.output_values,
+                           workload_tables.output_probs),
+    )
+
+
+def replay_requests(key, workload_tables: WorkloadTables, num_requests: int,
+                    arrival_rate_per_s, trace_arrivals: bool) -> Requests:
+    """The trace's first ``num_requests`` rows in recorded order (exact replay).
+
+    Each request keeps its recorded (prompt, output) pair
+    (``WorkloadTables.pairs``); a shorter trace repeats from its first row.
+
+    Args:
+      key: PRNG key (Poisson arrivals only).
+      workload_tables: with ``pairs`` (constants).
+      num_requests: static.
+      arrival_rate_per_s: mean arrival rate (traced scalar).
+      trace_arrivals: arrivals at the recorded offsets
+        ``(t_i - t_0) * trace_rate / arrival_rate_per_s`` (the first at 0,
+        ``trace_rate = (n - 1) / span`` over the rows replayed), repeated as
+        in ``sample_requests``; otherwise Poisson, as there.
+    """
+    pairs = workload_tables.pairs
+    rows = np.arange(num_requests) % len(pairs)
+    rate = jnp.asarray(arrival_rate_per_s, jnp.float32)
+    if trace_arrivals:
+        t = workload_tables.pair_arrival_s
+        offsets = _trace_arrivals_s(t, num_requests)
+        # in units of the trace's mean gap, then at the target rate
+        arrival = jnp.asarray(offsets * ((len(t) - 1) / (t[-1] - t[0])),
+                              jnp.float32) / rate
+    else:
+        gaps = jax.random.exponential(key, (num_requests,), jnp.float32)
+        arrival = jnp.cumsum(gaps) / rate
+    return Requests(arrival_s=arrival,
+                    prompt_tokens=jnp.asarray(pairs[rows, 0], jnp.float32),
+                    output_tokens=jnp.asarray(pairs[rows, 1], jnp.float32))
+
+
+def workload_requests(key, workload: Workload, workload_tables: WorkloadTables,
+                      num_requests: int, arrival_rate_per_s) -> Requests:
+    """A workload's stream: its ``replay`` and ``arrival`` settings applied."""
+    trace = workload.arrival == ArrivalKind.trace
+    if workload.replay == Replay.exact:
+        return replay_requests(key, workload_tables, num_requests,
+                               arrival_rate_per_s, trace)
+    return sample_requests(key, workload_tables, num_requests, arrival_rate_per_s,
+                           workload_tables.trace_arrival_s if trace else None)
+
+
+def route(num_requests: int, replicas: int, routing: Routing, key) -> np.ndarray:
+    """The replica of each request (in arrival order), as a load balancer picks.
+
+    ``round_robin``: request ``i`` goes to replica ``i mod replicas``;
+    ``random``: each to a uniformly random replica, independently (``key``).
+    """
+    if routing == Routing.round_robin:
+        return np.arange(num_requests) % replicas
+    return np.asarray(jax.random.randint(jax.random.fold_in(key, replicas),
+                                         (num_requests,), 0, replicas))
+
+
+def split(requests: Requests, replica: np.ndarray, replicas: int,
+          length: int) -> tuple[Requests, np.ndarray]:
+    """One stream as ``replicas`` sub-streams of a fixed length (host arrays).
+
+    Args:
+      requests: the stream, in arrival order.
+      replica: each request's replica (``route``).
+      length: static sub-stream length, at least the largest replica's count.
+
+    Returns:
+      ``(sub_streams, mine)``: leaves of shape ``(replicas, length)``, the
+      requests of replica ``r`` first in arrival order; ``mine`` is False on
+      the padding after them, which the simulator never serves.
+    """
+    replica = np.asarray(replica)
+    counts = np.bincount(replica, minlength=replicas)
+    if counts.max(initial=0) > length:
+        raise ValueError(f"length {length} < the largest replica's {counts.max()}")
+    order = np.argsort(replica, kind="stable")
+    position = np.arange(len(replica)) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = np.zeros((replicas, length), np.int64)
+    mine = np.zeros((replicas, length), bool)
+    index[replica[order], position] = order
+    mine[replica[order], position] = True
+    return jax.tree.map(lambda x: np.asarray(x)[index], requests), mine

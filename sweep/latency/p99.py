@@ -1,0 +1,179 @@
+"""The p99 part of a grid cube: simulator or surrogate over the latency axes.
+
+p99 latency depends on the hardware, model, workload, tensor parallelism,
+concurrency, token budget, batching mode and arrival rate, not on the
+roofline-only axes (context, long prompt, traffic): its variables live on
+``DIMS`` only, and xarray broadcasts them against the rest of the cube.
+
+* ``latency=simulate``: ``sweep.latency.simulate`` runs every configuration over
+  ``latency.num_requests`` requests. Streams are sampled once per workload x
+  rate from the run's seed; every configuration of a workload sees the same
+  requests (common random numbers), the same arrivals compressed for a higher
+  rate, so configurations and rates are compared on equal terms.
+  With ``workload.replay=exact`` the stream is the trace's rows in recorded
+  order (``sweep.latency.arrivals.replay_requests``).
+* ``latency=surrogate``: ``sweep.latency.surrogate.surrogate``, closed forms for
+  continuous batching; static and request-at-a-time points are NaN there.
+
+Context limit: a request whose prompt + output exceeds the model's
+``max_context_tokens`` is rejected (``workload.overlong=reject``) or has its
+prompt cut (``truncate``), per model (``sweep.latency.workload.context_limit``). The
+simulator does it request by request; for the surrogate, the workload's
+length tables are conditioned on the requests the model serves
+(``sweep.latency.workload.served_tables``) and the arrival rate is the served one.
+``rejected_fraction`` is the share rejected.
+
+``slo_met`` compares p99 TTFT and ITL with the ``slo`` group and the rejected
+fraction with ``slo.max_rejected_fraction``; each variable's ``method``
+attribute says which model produced it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sweep.config.schema import (
+    GridApp,
+    LatencyMethod,
+    Model,
+    Overlong,
+    Replay,
+    Workload,
+)
+from sweep.cube import contract
+from sweep.grid.evaluate import Part, blocking
+from sweep.latency.arrivals import workload_requests
+from sweep.latency.simulate import simulate
+from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
+from sweep.latency.workload import WorkloadTables, served_tables
+from sweep.model import precision, roofline
+from sweep.model.batching import is_continuous
+from sweep.model.params import OVERLONG, stack
+
+DIMS = contract.dims(contract.P99)
+"""The latency axes, in the cube's order."""
+
+
+def _summary(r, slo, kv_ok, ok_status):
+    """The cube's p99 variables from a latency model's outputs ``r`` (keys:
+    ``Metric.key``); ``slo`` = (p99 TTFT, p99 ITL, rejected fraction)."""
+    met = ((r["ttft_p99_s"] <= slo[0]) & (r["itl_p99_s"] <= slo[1])
+           & (r["rejected_fraction"] <= slo[2]))
+    out = {m.name: jnp.where(kv_ok, r[m.key], jnp.nan)
+           for m in contract.metrics(contract.P99) if m.dtype == "float32"}
+    out["slo_met"] = met & kv_ok
+    out["latency_status"] = jnp.asarray(ok_status, jnp.int32)
+    return out
+
+
+@dataclass(frozen=True)
+class SimulatePoint:
+    """One configuration through the simulator (hashable: a static jit argument).
+
+    Its ``workload`` input is the workload's ``overlong`` rule (an index into
+    ``OVERLONG``); its requests come from the ``requests`` table.
+    """
+
+    max_slots: int
+
+    def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
+                 token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
+                 requests, slo):
+        del arrival_rate_per_s  # the requests arrive at it already
+        model = precision.apply(model, weight_dtype, kv_dtype)
+        r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
+                     requests, batching, slo[0], slo[1], workload,
+                     max_slots=self.max_slots)._asdict()
+        kv_ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
+        return _summary(r, slo, kv_ok, r["status"])
+
+
+def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
+                    token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
+                    served, rejected, slo):
+    """One configuration through the surrogate (continuous batching only).
+
+    ``served`` describes the requests this model serves of the workload,
+    ``rejected`` the share it rejects; the served ones arrive at
+    ``arrival_rate_per_s * (1 - rejected)``. The ``workload`` axis's own
+    input is unused (the tables carry the workload).
+    """
+    del workload
+    model = precision.apply(model, weight_dtype, kv_dtype)
+    r = dict(surrogate(hardware, model, served, tensor_parallel, concurrency,
+                       token_budget, arrival_rate_per_s * (1.0 - rejected), slo[0],
+                       slo[1]))
+    r["rejected_fraction"] = rejected
+    ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
+          & is_continuous(batching) & (rejected < 1.0))
+    return _summary(r, slo, ok, r["status"])
+
+
+def served_workload(tables: WorkloadTables, workload: Workload,
+                    model: Model) -> tuple[LatencyWorkload, float]:
+    """The surrogate's summary of the requests ``model`` serves, and the share
+    it rejects (``sweep.latency.workload.served_tables``).
+
+    Under exact replay the summary takes the trace's recorded (prompt, output)
+    pairs (their joint law); sampled streams draw the lengths independently.
+    """
+    exact = workload.replay == Replay.exact
+    served, rejected = served_tables(
+        tables, float(model.max_context_tokens),
+        workload.overlong == Overlong.truncate, exact)
+    return latency_workload(served, pairs=served.pairs if exact else None), rejected
+
+
+def _rates(app: GridApp, workloads) -> np.ndarray:
+    if "arrival_rate_per_s" in app.grid.axes:
+        return np.asarray(app.grid.axes["arrival_rate_per_s"])
+    return np.unique([w.arrival_rate_per_s for w in workloads])
+
+
+def part(app: GridApp, workloads, tables, models, inputs, coords):
+    """The p99 ``Part`` of a grid job and the arrival-rate coordinate.
+
+    Args:
+      inputs: the roofline part's inputs by axis name (hardware, model and
+        the serving settings are shared).
+      coords: the roofline axes' coordinates.
+    """
+    rates = _rates(app, workloads)
+    slo = np.array([app.slo.ttft_p99_s, app.slo.itl_p99_s,
+                    app.slo.max_rejected_fraction], np.float32)
+    sizes = {d: len(coords[d]) for d in DIMS[:-1]} | {"arrival_rate_per_s": len(rates)}
+    plan = blocking(tuple(sizes[d] for d in DIMS), app.latency.chunk_configs)
+    shared = {d: inputs[d] for d in DIMS if d in inputs and d != "workload"}
+    rate_input = rates.astype(np.float32)
+    method = app.latency.method
+    if method == LatencyMethod.simulate:
+        keys = jax.random.split(jax.random.key(app.seed), len(workloads))
+        streams = [[workload_requests(k, w, t, app.latency.num_requests, r)
+                    for r in rates] for w, t, k in zip(workloads, tables, keys)]
+        requests = jax.tree.map(lambda *x: jnp.stack(x),
+                                *[jax.tree.map(lambda *x: jnp.stack(x), *s)
+                                  for s in streams])
+        fn = SimulatePoint(int(max(app.grid.axes["concurrency"])))
+        overlong = np.array([OVERLONG.index(w.overlong.value) for w in workloads],
+                            np.int32)
+        lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
+                   "slo": (slo, ())}
+        workload_input = overlong
+    else:
+        served = [[served_workload(t, w, m) for w, t in zip(workloads, tables)]
+                  for m in models]
+        fn = surrogate_point
+        lookups = {
+            "served": (stack([stack([lw for lw, _ in row]) for row in served]),
+                       ("model", "workload")),
+            "rejected": (np.array([[r for _, r in row] for row in served], np.float32),
+                         ("model", "workload")),
+            "slo": (slo, ())}
+        workload_input = np.zeros(len(workloads), np.float32)
+    return Part(contract.P99, fn, {**shared, "workload": workload_input,
+                                   "arrival_rate_per_s": rate_input}, plan,
+                lookups=lookups, attrs={"method": method.value}), rates

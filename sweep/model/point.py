@@ -1,0 +1,78 @@
+"""Every grid-sweep metric of one grid point, from the roofline and cost rules.
+
+One pure function of scalar pytrees; ``sweep.grid.evaluate`` vmaps it over the
+cube's axes (``grid_point`` takes one keyword argument per axis). Points whose
+KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
+get NaN for every other metric (SPEC: infeasible is data, not an exception).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from sweep.cube import contract
+from sweep.model import batching, cost, precision, roofline
+from sweep.model.params import GridPoint, WorkloadParams
+
+DIMS = contract.dims(contract.ROOFLINE)
+"""The roofline cube's axes, in order."""
+
+
+def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilization):
+    """Metrics of one point (a dict of scalars; names carry units).
+
+    Args:
+      static_utilization: ``E[out] / E[max of concurrency outputs]`` for this
+        workload and concurrency, computed once per (workload, concurrency);
+        the batching policy (``sweep.model.batching``) decides what it costs.
+    """
+    model = precision.apply(model, pt.weight_dtype, pt.kv_dtype)
+    tp = pt.tensor_parallel
+    running = batching.running(pt.batching, pt.concurrency)
+    step = roofline.decode_step_s(hw, model, tp, running, pt.context_tokens)
+    utilization = batching.slot_utilization(pt.batching, static_utilization)
+    output_rate = running / step * utilization
+    prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens)
+    prefill_rate = wl.mean_prompt_tokens / prefill
+    long_s, long_steps, long_worst = roofline.chunked_prefill(
+        hw, model, tp, running, pt.context_tokens, pt.long_prompt_tokens,
+        pt.token_budget,
+    )
+    # chunked prefill only exists under continuous batching
+    chunked = batching.is_continuous(pt.batching)
+    replicas = cost.replicas_for_traffic(output_rate, pt.traffic_tokens_per_day)
+    fits = roofline.kv_fits(hw, model, tp, running, pt.context_tokens)
+    metrics = {
+        "step_s": step,
+        "user_tokens_per_s": 1.0 / step,
+        "output_tokens_per_s": output_rate,
+        "slot_utilization": utilization,
+        "cost_per_mtok_out_usd": cost.cost_per_mtok_usd(
+            hw.usd_per_gpu_hour, tp, output_rate
+        ),
+        "prefill_tokens_per_s": prefill_rate,
+        "cost_per_mtok_in_usd": cost.cost_per_mtok_usd(
+            hw.usd_per_gpu_hour, tp, prefill_rate
+        ),
+        "long_prefill_s": jnp.where(chunked, long_s, jnp.nan),
+        "long_prefill_steps": jnp.where(chunked, long_steps, jnp.nan),
+        "long_prefill_worst_itl_s": jnp.where(chunked, long_worst, jnp.nan),
+        "replicas": replicas,
+        "effective_cost_per_mtok_out_usd": cost.effective_cost_per_mtok_usd(
+            hw.usd_per_gpu_hour, tp, replicas, pt.traffic_tokens_per_day
+        ),
+    }
+    metrics = {k: jnp.where(fits, v, jnp.nan) for k, v in metrics.items()}
+    metrics["kv_fits"] = fits
+    metrics["max_concurrency_fit"] = roofline.max_concurrency_fit(
+        hw, model, tp, pt.context_tokens
+    )
+    return metrics
+
+
+def grid_point(*, hardware, model, workload: WorkloadParams, static_utilization,
+               **settings):
+    """``evaluate_point`` with one keyword argument per cube axis (``DIMS``):
+    the serving settings are the ``GridPoint`` fields, by name."""
+    return evaluate_point(hardware, model, workload, GridPoint(**settings),
+                          static_utilization)

@@ -1,0 +1,322 @@
+"""The roofline execution model: how long one scheduler step takes.
+
+Every function here is written for one grid point (scalar leaves) and is
+``vmap``-ped from outside. The rules are the SPEC's "execution model":
+
+* a step moves ``weights + KV already cached that the step attends to`` bytes
+  and does ``2 * active_params * tokens + attention`` FLOPs, where one new
+  token attending to ``k`` keys costs ``4 * layers * q_heads * head_dim * k``
+  (QK^T and PV, 2 FLOP per multiply-add);
+* its time is ``max(bytes / (bandwidth * mbu), flops / (peak * mfu))`` plus a
+  fixed overhead. Calibrated to measured engines (``sweep.grid.calibration``),
+  the KV cache streams at its own ``kv_mbu`` and every sequence in the step
+  adds ``sequence_overhead_s``: the step's effective ``mbu`` is then a smooth
+  function of its batch and context (1 and 0 by default: the bound).
+
+Tensor parallelism over ``tp`` GPUs splits weights, KV cache and FLOPs evenly
+and adds two ring all-reduces of the step's activations per layer (after
+attention and after the MLP, as in Megatron-LM, Shoeybi et al. 2019,
+arXiv:1909.08053), each moving ``2 (tp - 1) / tp`` times the activation bytes
+over the interconnect. Communication is not overlapped with compute.
+
+A mixture of experts reads its shared weights every step and each routed
+expert when at least one token of the step is sent to it; with ``k`` of ``E``
+experts per token chosen uniformly, ``t`` tokens touch a fraction
+``1 - (1 - k/E)^t`` of the experts (the standard balls-into-bins estimate).
+
+A run of steps whose KV read and attention keys grow linearly with the step
+(a long prompt's chunks; the simulator's runs between scheduling events) has
+its memory and compute times on two lines (``step_lines``); the larger of
+the two changes at most once, at their crossing (``split_at_crossing``), so
+the run's duration is two arithmetic series (``run_s``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sweep.model.params import HardwareParams, ModelParams
+
+ACTIVATION_BYTES = 2.0
+"""Bytes per activation element in all-reduces (bf16 activations)."""
+ALLREDUCES_PER_LAYER = 2.0
+
+
+def weight_bytes(model: ModelParams):
+    """All weights resident on the replica, bytes."""
+    return (model.shared_params + model.expert_params) * model.weight_dtype_bytes
+
+
+def kv_bytes_per_token(model: ModelParams):
+    """K and V for every layer and KV head, bytes per cached token."""
+    return 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_dtype_bytes
+
+
+def kv_read_bytes_per_token(hw: HardwareParams, model: ModelParams):
+    """KV bytes a step's memory time counts per cached token read: the cache
+    streams at ``kv_mbu``, the weights at ``mbu``."""
+    return kv_bytes_per_token(model) * hw.mbu / hw.kv_mbu
+
+
+def linear_flops_per_token(hw: HardwareParams, model: ModelParams):
+    """FLOPs of one token through the linear layers, counted at the BF16 rate.
+
+    ``2 * active_params``, scaled by ``peak_flops_per_s`` over the rate of the
+    model's weight dtype (``sweep.model.precision``: FP8 or FP4 tensor cores for
+    fp8 or fp4 weights), so that one division by the BF16 rate times them
+    all; the scale is exactly 1 for BF16 compute.
+    """
+    rate = jnp.where(model.weight_compute == 1.0, hw.fp8_flops_per_s,
+                     jnp.where(model.weight_compute == 2.0, hw.fp4_flops_per_s,
+                               hw.peak_flops_per_s))
+    return 2.0 * model.active_params * (hw.peak_flops_per_s / rate)
+
+
+def attention_flops_per_key(model: ModelParams):
+    """FLOPs for one new token attending to one key (QK^T and PV)."""
+    return 4.0 * model.layers * model.q_heads * model.head_dim
+
+
+def weight_bytes_read(model: ModelParams, new_tokens):
+    """Weight bytes a step with ``new_tokens`` tokens reads from memory."""
+    f = model.experts_per_token_fraction
+    # double where: a dense model (f = 1) must not put log(0) in the gradient
+    routed = f < 1.0
+    safe_f = jnp.where(routed, f, 0.5)
+    touched = jnp.where(routed, -jnp.expm1(new_tokens * jnp.log1p(-safe_f)), 1.0)
+    return (model.shared_params + model.expert_params * touched) * (
+        model.weight_dtype_bytes
+    )
+
+
+def allreduce_s(hw: HardwareParams, model: ModelParams, tp, new_tokens):
+    """Time of the step's tensor-parallel all-reduces; 0 at ``tp = 1``."""
+    moved = (
+        2.0 * (tp - 1.0) / tp * new_tokens * model.hidden_size * ACTIVATION_BYTES
+    )
+    return ALLREDUCES_PER_LAYER * model.layers * moved / hw.interconnect_bytes_per_s
+
+
+def fixed_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, sequences):
+    """The part of a step that neither bandwidth nor FLOPs bound: all-reduces,
+    the step's overhead and each sequence's (``sequence_overhead_s``)."""
+    return (allreduce_s(hw, model, tp, new_tokens) + hw.step_overhead_s
+            + hw.sequence_overhead_s * sequences)
+
+
+def effective_bandwidth_bytes_per_s(hw: HardwareParams):
+    """Memory bandwidth one GPU achieves: peak x ``mbu`` (a TP group: ``tp`` x)."""
+    return hw.memory_bandwidth_bytes_per_s * hw.mbu
+
+
+def effective_flops_per_s(hw: HardwareParams):
+    """FLOP rate one GPU achieves: peak x ``mfu`` (a TP group: ``tp`` x)."""
+    return hw.peak_flops_per_s * hw.mfu
+
+
+def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
+           attention_keys, sequences=0.0):
+    """One step's wall time, seconds.
+
+    Args:
+      tp: GPUs in the tensor-parallel group.
+      new_tokens: tokens the step computes (decodes plus prefill chunk tokens).
+      kv_read_tokens: cached tokens whose KV the step reads (summed over sequences).
+      attention_keys: keys attended to, summed over all new tokens.
+      sequences: sequences in the step (decodes plus prompts chunked).
+    """
+    bytes_moved = weight_bytes_read(model, new_tokens) + kv_read_tokens * (
+        kv_read_bytes_per_token(hw, model)
+    )
+    flops = (
+        linear_flops_per_token(hw, model) * new_tokens
+        + attention_flops_per_key(model) * attention_keys
+    )
+    memory_s = bytes_moved / tp / effective_bandwidth_bytes_per_s(hw)
+    compute_s = flops / tp / effective_flops_per_s(hw)
+    return (
+        jnp.maximum(memory_s, compute_s)
+        + allreduce_s(hw, model, tp, new_tokens)
+        + hw.step_overhead_s
+        + hw.sequence_overhead_s * sequences
+    )
+
+
+def decode_step_s(hw, model, tp, sequences, context_tokens):
+    """Decode-only step of ``sequences`` running sequences at mean context."""
+    cached = sequences * context_tokens
+    return step_s(hw, model, tp, sequences, cached, cached, sequences)
+
+
+def chunk_attention_keys(chunk_tokens, cached_tokens):
+    """Keys a causal chunk of ``m`` new tokens after ``p`` cached ones attends to."""
+    return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1.0) / 2.0
+
+
+def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
+                 chunk_cached_tokens):
+    """A step of ``decodes`` decodes (summed context) plus one prefill chunk.
+
+    Args:
+      decode_context_tokens: context summed over the decoding sequences.
+      chunk_tokens: new prompt tokens in the chunk.
+      chunk_cached_tokens: prompt tokens of that request prefilled before.
+    """
+    return step_s(
+        hw,
+        model,
+        tp,
+        decodes + chunk_tokens,
+        decode_context_tokens + chunk_cached_tokens,
+        decode_context_tokens + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+        decodes + jnp.where(chunk_tokens > 0, 1.0, 0.0),
+    )
+
+
+def prefill_step_s(hw, model, tp, prompt_tokens):
+    """A whole prompt prefilled in one step with nothing cached."""
+    return mixed_step_s(hw, model, tp, 0.0, 0.0, prompt_tokens, 0.0)
+
+
+class StepLines(NamedTuple):
+    """Step times along a run: ``max(memory_s + memory_slope_s x, compute_s +
+    compute_slope_s x) + fixed_s`` at ``x`` (a step index, or a cached prefix)."""
+
+    memory_s: jax.Array
+    memory_slope_s: jax.Array
+    compute_s: jax.Array
+    compute_slope_s: jax.Array
+    fixed_s: jax.Array
+
+    def at(self, x):
+        """The step time at ``x``."""
+        return jnp.maximum(self.memory_s + self.memory_slope_s * x,
+                           self.compute_s + self.compute_slope_s * x) + self.fixed_s
+
+
+def step_lines(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
+               kv_read_slope, attention_keys, attention_keys_slope,
+               sequences=0.0) -> StepLines:
+    """``step_s`` of steps with ``new_tokens`` each (of ``sequences``
+    sequences) whose KV read and attention keys grow linearly in ``x``:
+    ``kv_read_tokens + kv_read_slope x`` and ``attention_keys +
+    attention_keys_slope x``."""
+    kvb = kv_read_bytes_per_token(hw, model)
+    fpk = attention_flops_per_key(model)
+    bandwidth = effective_bandwidth_bytes_per_s(hw)
+    flop_rate = effective_flops_per_s(hw)
+    return StepLines(
+        (weight_bytes_read(model, new_tokens) + kv_read_tokens * kvb) / tp / bandwidth,
+        kv_read_slope * kvb / tp / bandwidth,
+        (linear_flops_per_token(hw, model) * new_tokens + fpk * attention_keys) / tp
+        / flop_rate,
+        fpk * attention_keys_slope / tp / flop_rate,
+        fixed_s(hw, model, tp, new_tokens, sequences),
+    )
+
+
+def crossing(lines: StepLines):
+    """Where the memory and compute lines meet (``0 / 1`` when parallel)."""
+    d0 = lines.memory_s - lines.compute_s
+    ds = lines.memory_slope_s - lines.compute_slope_s
+    return -d0 / jnp.where(ds == 0.0, 1.0, ds)
+
+
+def split_at_crossing(lines: StepLines, steps):
+    """Splits steps ``0 .. steps - 1`` where the larger of the two lines changes.
+
+    Returns ``(j, (a, s), (b, r))``: step ``i < j`` lasts ``a + s i``, a later
+    one ``b + r i`` (plus ``fixed_s``); ``j`` is a float in ``[0, steps]``.
+    """
+    d0 = lines.memory_s - lines.compute_s
+    ds = lines.memory_slope_s - lines.compute_slope_s
+    x = crossing(lines)
+    h = jnp.asarray(steps, x.dtype)
+    # memory is the larger from ceil(x) on (ds > 0) or up to floor(x) (ds < 0)
+    j = jnp.where(ds > 0, jnp.clip(jnp.ceil(x), 0.0, h),
+                  jnp.where(ds < 0, jnp.clip(jnp.floor(x) + 1.0, 0.0, h), 0.0))
+    def line(memory):
+        return (jnp.where(memory, lines.memory_s, lines.compute_s),
+                jnp.where(memory, lines.memory_slope_s, lines.compute_slope_s))
+
+    return j, line(ds < 0), line((ds > 0) | ((ds == 0) & (d0 >= 0)))
+
+
+def sum_linear(lo, hi, a, s):
+    """``sum_{i=lo}^{hi-1} (a + s i)`` for ``lo <= hi`` (float)."""
+    n = hi - lo
+    return n * a + s * n * (hi + lo - 1.0) / 2.0
+
+
+def run_s(lines: StepLines, split, steps):
+    """Duration of the first ``steps`` steps (float) of a run, in closed form;
+    ``split`` is ``split_at_crossing(lines, ...)``."""
+    j, (a, s), (b, r) = split
+    k = jnp.minimum(j, steps)
+    return sum_linear(0.0, k, a, s) + sum_linear(k, steps, b, r) + steps * lines.fixed_s
+
+
+def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
+                    token_budget):
+    """A long prompt prefilled in ``token_budget`` chunks beside running decodes.
+
+    Chunk ``i`` (``i < k = floor(P / b)``) has ``b`` tokens after ``i b`` cached
+    ones; a last chunk of ``P - k b`` tokens follows when that is non-zero. Both
+    the memory and the compute time of full chunks grow linearly in ``i``, so
+    the sum of their maximum splits at one crossing index and is summed in
+    closed form, with no loop over chunks.
+
+    Returns:
+      ``(total_s, steps, worst_step_s)``: the prompt's prefill time, the number
+      of steps, and the longest of those steps (the worst ITL the decoding
+      users see).
+    """
+    b = token_budget
+    full = jnp.floor(prompt_tokens / b)
+    rest = prompt_tokens - full * b
+    ctx = decodes * context_tokens
+    kvb = kv_read_bytes_per_token(hw, model)
+    new = decodes + b
+    mem_bw = tp * effective_bandwidth_bytes_per_s(hw)
+    flop_rate = tp * effective_flops_per_s(hw)
+    fpk = attention_flops_per_key(model)
+    # step i of the full chunks: step_lines(.., ctx, b, ctx + b (b + 1) / 2,
+    # b b), written out: it divides by the group's rates once and takes the
+    # compute slope as (fpk b) b, and the grid's and the surrogate's figures
+    # and gradients are bitwise tied to this order (XLA turns a division by a
+    # broadcast into a reciprocal multiply and fuses multiply-adds within a
+    # fusion, so the same formula rounds differently in another order)
+    lines = StepLines(
+        (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
+        b * kvb / mem_bw,
+        (linear_flops_per_token(hw, model) * new + fpk * (ctx + b * (b + 1.0) / 2.0))
+        / flop_rate,
+        fpk * b * b / flop_rate,
+        fixed_s(hw, model, tp, new, decodes + 1.0),
+    )
+    full_sum = run_s(lines, split_at_crossing(lines, full), full)
+    last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
+    partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, full * b)
+    partial = jnp.where(rest > 0, partial, 0.0)
+    steps = full + jnp.where(rest > 0, 1.0, 0.0)
+    return full_sum + partial, steps, jnp.maximum(last_full, partial)
+
+
+def kv_capacity_tokens(hw, model, tp):
+    """Tokens of KV cache that fit beside the weights on the TP group."""
+    usable = hw.memory_bytes * hw.gpu_memory_utilization * tp
+    return (usable - weight_bytes(model)) / kv_bytes_per_token(model)
+
+
+def kv_fits(hw, model, tp, sequences, context_tokens):
+    """Whether ``sequences`` sequences at ``context_tokens`` fit in memory."""
+    return sequences * context_tokens <= kv_capacity_tokens(hw, model, tp)
+
+
+def max_concurrency_fit(hw, model, tp, context_tokens):
+    """Largest number of sequences at ``context_tokens`` that fit (0 if none)."""
+    fit = jnp.floor(kv_capacity_tokens(hw, model, tp) / context_tokens)
+    return jnp.maximum(fit, 0.0)

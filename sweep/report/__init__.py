@@ -1,0 +1,1 @@
+"""Charts and the markdown report of a cube."""

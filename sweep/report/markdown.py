@@ -1,0 +1,371 @@
+"""PNG charts and a markdown report of a result cube (``sweep-report``, whose
+console script is ``sweep.cli.report``).
+
+The report (``report.md`` and one PNG per chart of ``sweep.report.plots.CHARTS``)
+goes to ``<cube>.report/`` beside the cube (``c.zarr`` -> ``c.report/``), so
+two cubes in one folder never share one, or to ``--out``. It is written into
+a temporary folder beside the target and moved into place only when
+complete, so an older report is replaced whole or not at all; the folder it
+replaces must be a report of this tool (its ``sweep.cube.outputs.REPORT_MARKER``) or
+empty, and one ``sweep-report`` at a time writes it (``sweep.cube.outputs``). A
+path that is not a cube, a damaged cube (a chunk missing or unreadable), a
+cube without the variables every report needs, or an output folder the tool
+must not replace is refused with one line and exit code 2; a chart whose own
+variables are missing is skipped and the report says which and why.
+
+The dataset ``sweep-optimize`` writes (``optimize.zarr``: dims ``candidate``,
+``config``, ``verification``) gets its own report the same way: the chosen
+deployment and its vLLM flags, the candidates, the verification rounds, the
+run's log and the charts of ``sweep.report.plots.OPTIMIZE_CHARTS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+from sweep.cube.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, is_optimize, load_slo
+from sweep.cube.results import DamagedCube, check_chunks, open_cube
+from sweep.report import plots
+
+# what the summary table and every chart's reduction rely on
+CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_per_s",
+                  "user_tokens_per_s")
+CORE_DIMS = ("concurrency",)
+PROVENANCE = ("sweep_version", "created_utc", "git_sha", "jax_version", "jax_backend",
+              "x64", "seed", "hydra_overrides", "calibration", "calibration_engine")
+
+# the optimize report's tables (``sweep.search.optimize.to_dataset``): (name, header,
+# format); seconds are shown in ms
+CHOSEN_COLUMNS = (
+    ("chosen_hardware", "hardware", "{}"), ("chosen_model", "model", "{}"),
+    ("chosen_tensor_parallel", "TP", "{:g}"), ("chosen_replicas", "replicas", "{:g}"),
+    ("chosen_concurrency", "max_num_seqs", "{:g}"),
+    ("chosen_token_budget", "max_num_batched_tokens", "{:g}"),
+    ("chosen_cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
+    ("chosen_cost_per_month_usd", "USD / month", "{:,.0f}"))
+CANDIDATE_COLUMNS = (
+    ("cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
+    ("replicas", "replicas", "{:g}"), ("concurrency", "max_num_seqs", "{:g}"),
+    ("token_budget", "max_num_batched_tokens", "{:g}"),
+    ("surrogate_ttft_p99_s", "TTFT p99 surrogate (ms)", "{:.1f}"),
+    ("simulated_ttft_p99_s", "TTFT p99 simulated (ms)", "{:.1f}"),
+    ("surrogate_itl_p99_s", "ITL p99 surrogate (ms)", "{:.2f}"),
+    ("simulated_itl_p99_s", "ITL p99 simulated (ms)", "{:.2f}"),
+    ("ttft_slack_s", "TTFT slack (ms)", "{:.1f}"),
+    ("itl_slack_s", "ITL slack (ms)", "{:.2f}"))
+VERIFICATION_COLUMNS = (
+    ("verification_replicas", "replicas", "{:g}"),
+    ("verification_concurrency", "max_num_seqs", "{:g}"),
+    ("verification_token_budget", "max_num_batched_tokens", "{:g}"),
+    ("verification_ttft_target_s", "TTFT target (ms)", "{:.1f}"),
+    ("verification_surrogate_ttft_p99_s", "TTFT p99 surrogate (ms)", "{:.1f}"),
+    ("verification_simulated_ttft_p99_s", "TTFT p99 simulated (ms)", "{:.1f}"),
+    ("verification_itl_target_s", "ITL target (ms)", "{:.2f}"),
+    ("verification_surrogate_itl_p99_s", "ITL p99 surrogate (ms)", "{:.2f}"),
+    ("verification_simulated_itl_p99_s", "ITL p99 simulated (ms)", "{:.2f}"))
+# what every optimize report relies on
+OPTIMIZE_VARIABLES = ("hardware", "model", "tensor_parallel", "chosen", "verified",
+                      "slo_met_simulated", "config_cost_per_mtok_out_usd",
+                      "verification_round", "verification_candidate",
+                      "verification_slo_met",
+                      *(c[0] for c in CANDIDATE_COLUMNS + VERIFICATION_COLUMNS))
+OPTIMIZE_DIMS = ("candidate", "config", "verification")
+OPTIMIZE_ATTRS = (*(c[0] for c in CHOSEN_COLUMNS), "vllm_flags", "slo_ttft_p99_s",
+                  "slo_itl_p99_s")
+GRID_OPTIONS = ("slo", "ttft_p99_s", "itl_p99_s", "hardware", "model")
+
+
+class ReportError(ValueError):
+    """Bad input to the report: one line for the user."""
+
+
+def load(path: Path) -> xr.Dataset:
+    """Opens and loads the cube; a leading hardware/model dim is added if absent.
+
+    The dataset of ``sweep-optimize`` is checked for what its report needs and
+    returned as it is.
+    """
+    try:
+        ds = open_cube(path)
+    except DamagedCube as e:
+        raise ReportError(str(e)) from e
+    except Exception as e:  # whatever the store's reader says, the path is no cube
+        raise ReportError(f"{path} is not a result cube "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+    try:
+        ds = ds.load()
+    except Exception as e:  # a chunk changed in place fails only when decoded
+        try:
+            check_chunks(path, decode=True)
+        except DamagedCube as damaged:
+            raise ReportError(str(damaged)) from e
+        raise
+    if is_optimize(ds):
+        require(path, ds, "optimize dataset", OPTIMIZE_VARIABLES, OPTIMIZE_DIMS,
+                OPTIMIZE_ATTRS)
+        if not ds["chosen"].values.any():
+            raise ReportError(f"{path}: no candidate of the optimize dataset is "
+                              "marked chosen")
+        return ds
+    require(path, ds, "cube", CORE_VARIABLES, CORE_DIMS)
+    for d in ("hardware", "model"):
+        if d not in ds.dims:
+            value = str(ds[d].values) if d in ds.coords else "-"
+            ds = ds.drop_vars(d, errors="ignore").expand_dims({d: [value]})
+    return ds
+
+
+def require(path: Path, ds: xr.Dataset, what: str, variables, dims,
+            attrs=()) -> None:
+    """Refuses ``ds`` when it lacks any of these variables, dims or attributes."""
+    lacking = plots.lacking(ds, variables, dims) + [
+        f"attribute {a}" for a in attrs if a not in ds.attrs]
+    if lacking:
+        raise ReportError(f"{path}: the {what} lacks {', '.join(lacking)} "
+                          "(needed by every report)")
+
+
+def slo_limits(ds: xr.Dataset, args: argparse.Namespace) -> tuple[dict, str]:
+    """The p99 limits to apply: the command line's, else the cube config's SLO."""
+    limits, source = {}, "command line"
+    try:
+        if args.slo:
+            limits = load_slo(args.slo)
+        for name in SLO_FIELDS:
+            if getattr(args, name) is not None:
+                limits[name] = getattr(args, name)
+        if not limits:
+            source = "the cube's config"
+            limits = cube_slo(ds)
+        ds.sweep.feasible_mask(**limits)  # checks the limits against the cube
+    except ValueError as e:
+        raise ReportError(f"{source}: {e}") from e
+    return limits, source if limits else "none"
+
+
+def summary(ds: xr.Dataset, limits: dict) -> tuple[str, xr.Dataset]:
+    """Markdown table of the cheapest feasible point per hardware x model."""
+    fixed, _ = plots.scenario(ds.sweep.feasible(**limits))
+    over = [d for d in CONFIG_DIMS if d in fixed.dims]
+    best = fixed.sweep.cheapest(over) if over else fixed
+    tp = best["best_tensor_parallel"] if "best_tensor_parallel" in best else 1
+    best = best.assign({plots.PER_GPU: plots.per_gpu(best["output_tokens_per_s"], tp)})
+    best = best.transpose("hardware", "model", ...)
+    cols = [("hardware", None, "{}"), ("model", None, "{}")]
+    cols += [(f"best_{d}", d, "{:g}" if d != "batching" else "{}") for d in over]
+    cols += [("step_s", "ITL (ms)", "{:.2f}")]
+    cols += [(v, f"{v.split('_')[0].upper()} p99 (ms)", "{:.1f}")
+             for v in ("ttft_p99_s", "itl_p99_s") if v in best]
+    cols += [("user_tokens_per_s", "tokens/s/user", "{:,.0f}"),
+             (plots.PER_GPU, "tokens/s/GPU", "{:,.0f}"),
+             ("cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}")]
+    optional = (("cost_per_mtok_in_usd", "USD / 1M in", "{:.3f}"),
+                ("replicas", "replicas", "{:g}"))
+    cols += [(v, h, f) for v, h, f in optional if v in best]
+    rows = []
+    for h in best["hardware"].values:
+        for m in best["model"].values:
+            pt = best.sel(hardware=h, model=m)
+            cost = float(pt["cost_per_mtok_out_usd"])
+            cells = []
+            for var, _, fmt in cols:
+                if var in ("hardware", "model"):
+                    cells.append(str(pt[var].values))
+                    continue
+                cells.append(cell(pt[var].values.item(), fmt, var))
+            rows.append((np.inf if np.isnan(cost) else cost, cells))
+    rows.sort(key=lambda r: r[0])
+    head = [c[1] or c[0] for c in cols]
+    return "\n".join(md_table(head, [cells for _, cells in rows])), best
+
+
+def cell(val, fmt: str, var: str = "") -> str:
+    """One table cell: NaN or empty as a dash; a time ``var`` (``*_s``) in ms."""
+    scale = 1e3 if var.endswith("_s") and not var.endswith("per_s") else 1
+    ok = isinstance(val, str) or np.isfinite(val)
+    return fmt.format(val * scale if scale != 1 else val) if ok and val != "" else "—"
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """The lines of a markdown table."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(cells) + " |" for cells in rows)]
+
+
+def focus(best: xr.Dataset, args: argparse.Namespace) -> tuple[str, str]:
+    """The hardware x model the single-panel charts show."""
+    cost = best["cost_per_mtok_out_usd"].transpose("hardware", "model").values
+    if np.isfinite(cost).any():
+        i, j = np.unravel_index(np.nanargmin(cost), cost.shape)
+    else:
+        i, j = 0, 0
+    h = args.hardware or str(best["hardware"].values[i])
+    m = args.model or str(best["model"].values[j])
+    for name, value in (("hardware", h), ("model", m)):
+        if value not in best[name].values:
+            raise ReportError(f"--{name} {value}: not in the cube; one of "
+                              f"{', '.join(map(str, best[name].values))}")
+    return h, m
+
+
+def serving_line(ds: xr.Dataset, best: xr.Dataset, h: str, m: str) -> str:
+    """vLLM flags of the best point of ``h`` x ``m`` (a markdown line)."""
+    pt = best.sel(hardware=h, model=m)
+    if not np.isfinite(float(pt["cost_per_mtok_out_usd"])):
+        return f"No point of {h} x {m} is feasible."
+    sel = {"hardware": h, "model": m}
+    for d in ds.dims:
+        if f"best_{d}" in pt:
+            sel[d] = pt[f"best_{d}"].values.item()
+        elif d not in sel and d in pt.coords:
+            sel[d] = pt[d].values.item()
+    try:
+        flags = ds.sweep.to_serving_flags(**sel)
+    except ValueError as e:
+        return f"No vLLM flags for the best point of {h} x {m}: {e}."
+    replicas = f", x {flags.replicas} replica(s)" if flags.replicas else ""
+    return f"vLLM flags for the cheapest point of {h} x {m}: `{flags.cli}`{replicas}"
+
+
+def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    """Writes charts and ``report.md`` into ``out`` (which must be new and empty).
+
+    Returns:
+      The file names of the charts drawn.
+    """
+    ds = load(path)
+    if is_optimize(ds):
+        return write_optimize_report(ds, path, out, args)
+    limits, limits_from = slo_limits(ds, args)
+    table, best = summary(ds, limits)
+    h, m = focus(best, args)
+    drawn, skipped, sections = draw_charts(plots.CHARTS, "cube", out, ds, h, m,
+                                           limits)
+    _, notes = plots.scenario(ds)
+    criterion = ds.sweep.feasible_mask(**limits).attrs["feasible"]
+    dims = []
+    for d in ds.dims:
+        values = [plots.format_value(v) for v in ds[d].values]
+        shown = ", ".join(values if len(values) <= 8 else values[:3] + ["…"]
+                          + values[-2:])
+        dims.append([d, shown])
+    md = [f"# Sweep report: {path.name}", "",
+          f"Cube `{path}`: {int(np.prod(list(ds.sizes.values()))):,} points.", "",
+          *md_table(["dim", "values"], dims), "", *provenance(ds)]
+    md += ["", "## How the cube is reduced", "",
+           f"- fixed: {'; '.join(notes) or 'nothing'}",
+           "- deployment choices not on a chart's axes: the cheapest point (USD per "
+           "1M output tokens) among those that fit; ties go to the first value",
+           f"- feasible means: {criterion}"
+           + (f" (p99 limits from {limits_from})" if limits else ""),
+           f"- single-panel charts show {h} x {m} (the cheapest feasible pair"
+           f"{', as asked' if args.hardware or args.model else ''})", "",
+           "## Cheapest feasible configuration per hardware x model", "", table, "",
+           serving_line(ds, best, h, m), "", "## Charts", "", *sections]
+    if skipped:
+        md += ["## Skipped charts", "", *skipped, ""]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return drawn
+
+
+def draw_charts(charts, what: str, out: Path, ds: xr.Dataset, *args
+                ) -> tuple[list[str], list[str], list[str]]:
+    """Draws into ``out`` each chart whose variables ``ds`` has.
+
+    Args:
+      what: the dataset, as the skipped charts' lines name it.
+      args: the charts' arguments after ``ds``.
+
+    Returns:
+      The files drawn, a line per chart skipped, a report section per chart drawn.
+    """
+    drawn, skipped, sections = [], [], []
+    for chart in charts:
+        lacking = plots.missing(ds, chart)
+        if lacking:
+            skipped.append(f"- {chart.title}: the {what} lacks {', '.join(lacking)}")
+            continue
+        fig = chart.draw(ds, *args)
+        fig.savefig(out / chart.file, dpi=130)
+        drawn.append(chart.file)
+        sections.append(f"### {chart.title}\n\n![{chart.title}]({chart.file})\n\n"
+                        f"{chart.caption}\n")
+    return drawn, skipped, sections
+
+
+def provenance(ds: xr.Dataset) -> list[str]:
+    """The report's provenance section: the run's attributes and its config."""
+    md = ["## Provenance", "", *md_table(
+        ["attribute", "value"],
+        [[k, f"`{ds.attrs[k]}`"] for k in PROVENANCE if k in ds.attrs])]
+    if "config_yaml" in ds.attrs:
+        md += ["", "<details><summary>resolved config</summary>", "", "```yaml",
+               ds.attrs["config_yaml"].rstrip(), "```", "", "</details>"]
+    return md
+
+
+def write_optimize_report(ds: xr.Dataset, path: Path, out: Path,
+                          args: argparse.Namespace) -> list[str]:
+    """Writes the charts and ``report.md`` of a ``sweep-optimize`` dataset."""
+    grid_only = [f"--{n.replace('_', '-')}" for n in GRID_OPTIONS
+                 if getattr(args, n) is not None]
+    if grid_only:
+        raise ReportError(f"{path} is an optimize dataset; {', '.join(grid_only)}: "
+                          "for grid cubes only")
+    drawn, skipped, sections = draw_charts(plots.OPTIMIZE_CHARTS, "dataset", out, ds)
+    a = ds.attrs
+    excluded = a.get("excluded_candidates", "")
+    md = [f"# Optimize report: {path.name}", "",
+          f"Dataset `{path}` of `sweep-optimize`: {ds.sizes['candidate']} "
+          f"candidate(s), {ds.sizes['config']:,} configuration(s) of the last "
+          f"search meeting their targets, {ds.sizes['verification']} simulated; "
+          f"{plots.slo_note(ds)}.", "",
+          "## Chosen deployment", "", *chosen_table(ds), "",
+          f"vLLM flags: `{a['vllm_flags']}`", "",
+          "## Candidates", "",
+          "Each candidate's cheapest configuration meeting its surrogate targets "
+          "in the last search (the chosen candidate's: the chosen deployment); "
+          "slack = SLO - p99, simulated where simulated, else surrogate.", "",
+          *candidate_table(ds), "",
+          *([f"Excluded (do not fit): {excluded}.", ""] if excluded else []),
+          "## Verification rounds", "", *verification_table(ds), "",
+          "## Run log", "", "```", a.get("log", "").rstrip(), "```", "",
+          *provenance(ds), "", "## Charts", "", *sections]
+    if skipped:
+        md += ["## Skipped charts", "", *skipped, ""]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return drawn
+
+
+def chosen_table(ds: xr.Dataset) -> list[str]:
+    """The chosen deployment (the dataset's ``chosen_*`` attributes)."""
+    return md_table([c[1] for c in CHOSEN_COLUMNS],
+                    [[cell(ds.attrs[k], fmt) for k, _, fmt in CHOSEN_COLUMNS]])
+
+
+def _cells(ds: xr.Dataset, cols, i: int) -> list[str]:
+    return [cell(ds[v].values[i], fmt, v) for v, _, fmt in cols]
+
+
+def candidate_table(ds: xr.Dataset) -> list[str]:
+    """The candidates, cheapest first, each with its status."""
+    labels, status = plots.candidate_labels(ds), plots.candidate_status(ds)
+    return md_table(["candidate", "status", *(c[1] for c in CANDIDATE_COLUMNS)],
+                    [[labels[i], status[i], *_cells(ds, CANDIDATE_COLUMNS, i)]
+                     for i in plots.candidate_order(ds)])
+
+
+def verification_table(ds: xr.Dataset) -> list[str]:
+    """Each simulation in order: round, configuration, targets, p99s, verdict."""
+    labels = plots.candidate_labels(ds)
+    rows = [[f"{ds['verification_round'].values[i]:g}",
+             labels[int(ds["verification_candidate"].values[i])],
+             *_cells(ds, VERIFICATION_COLUMNS, i),
+             "yes" if ds["verification_slo_met"].values[i] else "no"]
+            for i in range(ds.sizes["verification"])]
+    return md_table(["round", "candidate", *(c[1] for c in VERIFICATION_COLUMNS),
+                     "SLO met"], rows)

@@ -1,0 +1,752 @@
+"""The ``sweep-optimize`` job: cheapest deployment within a p99 SLO, verified.
+
+1. **Candidates.** Every hardware x model x tensor parallelism of the search
+   space whose weights and one average request's KV fit in
+   ``gpu_memory_utilization`` of the replica's memory (others are listed as
+   excluded). They are stacked, padded to a multiple of ``descent.PAD`` (fewer
+   distinct shapes to compile), with per-candidate surrogate targets that
+   start at the SLO.
+2. **Search** (``sweep.search.descent``): one compiled call optimises every candidate
+   x restart and returns, per lattice neighbour of each answer, the fewest
+   replicas meeting the targets under the surrogate. A candidate's answer is
+   its cheapest such configuration (ties: the most slack). If none meets the
+   SLO anywhere, the SLO is infeasible (``Infeasible``, exit code 3): the
+   message names the binding constraint and the best p99 reached.
+3. **Verification.** The ``verify_top`` cheapest answers not simulated yet
+   run through the simulator (``sweep.latency.simulate``). Their replicas are fed as
+   a load balancer feeds them: one stream at the workload's full rate (one
+   PRNG stream for every configuration: common random numbers), of which a
+   configuration of ``R`` replicas takes the first ``min(verify_requests * R,
+   verify_requests_max)`` requests, split over the ``R`` replicas by
+   ``search.routing`` (``sweep.latency.arrivals.route``/``split``); every replica of
+   every configuration is one row of one ``jit(vmap)`` call, and the p99s
+   are over all of a configuration's requests (``sweep.latency.simulate.pool``),
+   never over one replica fed a stream slowed ``R`` times. A candidate whose
+   simulated p99 misses an SLO gets its surrogate target for that metric scaled by
+   ``slo / simulated * surrogate / target * tighten_margin`` (the simulator's
+   excess, assumed proportional), and the search runs again; rounds stop when
+   the cheapest answer is confirmed, or after ``rounds``.
+4. **Result.** The cheapest confirmed configuration, runner-ups, every
+   round's verifications, and the Pareto fronts of cost against p99 ITL and
+   p99 TTFT over all integer configurations the last search evaluated, as an
+   ``xarray.Dataset`` (``to_dataset``) written to zarr (``write``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import xarray as xr
+
+from sweep.config.convert import hardware_params, model_params
+from sweep.config.schema import (
+    ConfigError,
+    Hardware,
+    Model,
+    OptimizeApp,
+    check_tensor_parallel,
+)
+from sweep.cube import contract, outputs, status
+from sweep.grid import calibration
+from sweep.grid.plan import optimize_plan
+from sweep.latency.arrivals import Requests, route, split, workload_requests
+from sweep.latency.p99 import served_workload
+from sweep.latency.simulate import pool, simulate_requests, summarize
+from sweep.latency.surrogate import LatencyWorkload
+from sweep.latency.workload import WorkloadTables, workload_tables
+from sweep.model import precision, roofline
+from sweep.model.batching import CONTINUOUS
+from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
+from sweep.model.params import OVERLONG, stack
+from sweep.search import descent, pareto
+
+
+class Infeasible(Exception):
+    """No configuration meets the SLO; the message names the binding constraint."""
+
+
+@dataclass
+class Candidate:
+    hardware: Hardware
+    model: Model
+    tp: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.hardware.name} x {self.model.name} x TP {self.tp}"
+
+
+@dataclass
+class OptimizeJob:
+    """Everything the search needs, checked, before any compilation."""
+
+    app: OptimizeApp
+    candidates: list[Candidate]
+    excluded: list[str]
+    tables: WorkloadTables
+    # per model name: the surrogate's summary of the requests it serves, and
+    # the share it rejects (context limit)
+    served: dict[str, tuple[LatencyWorkload, float]]
+    settings: descent.Settings
+    # the validated configs searched, per axis (provenance of the dataset)
+    specs: dict[str, list] = field(default_factory=dict)
+
+
+def prepare(app: OptimizeApp, hardware: list[Hardware],
+            models: list[Model]) -> OptimizeJob:
+    """Checks the search space and loads the workload; raises ``ConfigError``."""
+    s = app.search
+    settings = descent.Settings.of(s)
+    try:
+        descent.make_optimizer(settings)
+    except (AttributeError, TypeError) as e:
+        raise ConfigError(
+            f"search.optimizer = {s.optimizer!r} with options "
+            f"{dict(s.optimizer_options)}: not an optax optimizer alias with these "
+            f"options ({e})") from None
+    check_tensor_parallel("search.tensor_parallel", s.tp_values, hardware, models)
+    tables = workload_tables(app.workload, app.data_dir)
+    served = {m.name: served_workload(tables, app.workload, m) for m in models}
+    limit = app.slo.max_rejected_fraction
+    too_long = [m for m in models if served[m.name][1] > limit]
+    if len(too_long) == len(models):
+        least = min(too_long, key=lambda m: served[m.name][1])
+        raise ConfigError(
+            f"slo.max_rejected_fraction = {limit:g}: every model searched rejects "
+            f"more of the workload's requests (prompt + output above "
+            f"max_context_tokens); the fewest: {least.name} "
+            f"({served[least.name][1]:.4g} at {least.max_context_tokens:,} tokens); "
+            f"allowed: slo.max_rejected_fraction >= {served[least.name][1]:.4g}, "
+            "workload.overlong=truncate, or a model with a longer context")
+    request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
+    for m in models:
+        w = m.weight_dtype
+        if not any(precision.supported(h, w) for h in hardware):
+            runs = [d for d in precision.WEIGHT_DTYPES
+                    if any(precision.supported(h, d) for h in hardware)]
+            raise ConfigError(
+                f"model[{m.name}].weight_dtype = {w}: no hardware searched has {w} "
+                f"tensor cores (hardware.{precision.rate_field(w)} = 0 on "
+                f"{', '.join(h.name for h in hardware)}); allowed: "
+                f"{', '.join(runs)}, or hardware with them")
+    keep, excluded = [], []
+    chosen = calibration.choose(app.calibration, hardware, models)
+    for h, row in zip(hardware, chosen):
+        hp = hardware_params(h, s.gpu_memory_utilization)
+        for m, choice in zip(models, row):
+            mp = model_params(m)
+            if not precision.supported(h, m.weight_dtype):
+                excluded.append(
+                    f"{h.name} x {m.name}: no {m.weight_dtype} tensor cores "
+                    f"(hardware.{precision.rate_field(m.weight_dtype)} = 0)")
+                continue
+            if m in too_long:
+                excluded.append(
+                    f"{h.name} x {m.name}: rejects {served[m.name][1]:.2%} of the "
+                    f"requests (max_context_tokens {m.max_context_tokens:,}), more "
+                    f"than slo.max_rejected_fraction = {limit:g}")
+                continue
+            for tp in s.tp_values:
+                cap = float(roofline.kv_capacity_tokens(hp, mp, float(tp)))
+                c = Candidate(calibration.hardware_for(h, choice), m, int(tp))
+                if cap >= request_kv:
+                    keep.append(c)
+                else:
+                    excluded.append(f"{c.label}: weights + one average request's KV "
+                                    "exceed the GPU memory")
+    if not keep:
+        raise ConfigError(
+            f"search: no hardware x model x tensor_parallel of the search space fits "
+            f"one average request ({request_kv:,.0f} KV tokens) beside the weights; "
+            f"allowed: larger search.tensor_parallel "
+            f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
+    job = OptimizeJob(app, keep, excluded, tables, served, settings,
+                      {"hardware": hardware, "model": models,
+                       "workload": [app.workload]})
+    optimize_plan(app, len(keep), job.settings).check_memory()
+    return job
+
+
+def options(app_name: str, overrides: list[str]):
+    """The validated app config and the hardware and model options to search.
+
+    ``search.hardware`` when listed; else the ``hardware`` named on the command
+    line; else every shipped option. ``search.model`` when listed; else the
+    chosen ``model``. Each option is composed with the other overrides.
+    """
+    from sweep.config.resolve import grid_options
+
+    base, out = grid_options(app_name, overrides, section="search",
+                             groups=("hardware", "model"), every=("hardware",))
+    return base, out["hardware"], out["model"]
+
+
+def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candidates:
+    cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % descent.PAD)
+    util = job.app.search.gpu_memory_utilization
+    n = len(cands)
+    f32 = jnp.float32
+    served = [job.served[c.model.name] for c in cands]
+    rate = job.app.workload.arrival_rate_per_s
+    return descent.Candidates(
+        hw=stack([hardware_params(c.hardware, util) for c in cands]),
+        model=stack([model_params(c.model) for c in cands]),
+        workload=stack([lw for lw, _ in served]),
+        tp=jnp.asarray([c.tp for c in cands], f32),
+        # rejected requests never reach the replicas
+        arrival_rate_per_s=jnp.asarray([rate * (1.0 - r) for _, r in served], f32),
+        ttft_target_s=jnp.asarray(np.resize(ttft_target_s, n), f32),
+        itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
+    )
+
+
+@dataclass
+class Config:
+    """One integer configuration of one candidate, with its surrogate numbers."""
+
+    candidate: int
+    concurrency: int
+    token_budget: int
+    replicas: int
+    surrogate: dict[str, float]
+    cost_per_mtok_out_usd: float
+    cost_per_month_usd: float
+    simulated: dict[str, float] | None = None
+    round: int = 0
+
+    @property
+    def key(self) -> tuple[int, int, int, int]:
+        return (self.candidate, self.concurrency, self.token_budget, self.replicas)
+
+
+@dataclass
+class Verification:
+    round: int
+    config: Config
+    ttft_target_s: float
+    itl_target_s: float
+    met: bool
+    action: str
+
+
+@dataclass
+class Outcome:
+    """What ``run`` found (NumPy and plain Python only)."""
+
+    chosen: Config | None
+    answers: list[Config | None]  # per candidate, the last search's answer
+    verifications: list[Verification]
+    last: descent.SearchResult
+    ttft_target_s: np.ndarray
+    itl_target_s: np.ndarray
+    rounds: int
+    evaluations: int
+    simulations: int
+    search_s: float
+    simulate_s: float
+    log: list[str] = field(default_factory=list)
+
+
+def _costs(job: OptimizeJob, replicas) -> tuple[np.ndarray, np.ndarray]:
+    """USD per 1M output tokens and per month; ``replicas`` has leading axis C."""
+    r = np.asarray(replicas, float)
+    shape = (-1,) + (1,) * (r.ndim - 1)
+    gpus = r * np.array([c.tp for c in job.candidates], float).reshape(shape)
+    usd = np.array([c.hardware.usd_per_gpu_hour for c in job.candidates]).reshape(shape)
+    tokens_per_s = job.app.workload.arrival_rate_per_s * job.tables.mean_output_tokens
+    return cost_per_mtok_usd(usd, gpus, tokens_per_s), usd * gpus * HOURS_PER_MONTH
+
+
+def _answers(job: OptimizeJob, res: descent.SearchResult, ttft_t, itl_t,
+             rnd: int) -> list[Config | None]:
+    """Each candidate's cheapest feasible configuration (ties: most slack)."""
+    n = len(job.candidates)
+    per_mtok, per_month = _costs(job, res.replicas[:n])
+    worst = np.maximum(res.metrics["ttft_p99_s"][:n] / ttft_t[:n, None, None],
+                       res.metrics["itl_p99_s"][:n] / itl_t[:n, None, None])
+    out = []
+    for c in range(n):
+        ok = res.feasible[c]
+        if not ok.any():
+            out.append(None)
+            continue
+        score = np.where(ok, per_mtok[c] * (1.0 + 1e-6 * np.nan_to_num(worst[c])),
+                         np.inf)
+        r, k = np.unravel_index(np.argmin(score), score.shape)
+        out.append(Config(
+            candidate=c, concurrency=int(res.concurrency[c, r, k]),
+            token_budget=int(res.token_budget[c, r, k]),
+            replicas=int(res.replicas[c, r, k]),
+            surrogate={m: float(res.metrics[m][c, r, k]) for m in descent.METRICS},
+            cost_per_mtok_out_usd=float(per_mtok[c, r, k]),
+            cost_per_month_usd=float(per_month[c, r, k]), round=rnd))
+    return out
+
+
+def _surrogate_infeasible(job: OptimizeJob, res: descent.SearchResult) -> str:
+    """The message of an SLO no candidate meets under the surrogate."""
+    slo = job.app.slo
+    n = len(job.candidates)
+    ttft, itl = res.reach["ttft_p99_s"][:n], res.reach["itl_p99_s"][:n]
+    r_max = job.settings.replicas_max
+
+    def where(flat: int) -> str:
+        c, r, k = np.unravel_index(flat, ttft.shape)
+        cand = job.candidates[c]
+        return (f"{cand.label}, max_num_seqs {int(res.concurrency[c, r, k])}, "
+                f"max_num_batched_tokens {int(res.token_budget[c, r, k])}, "
+                f"{r_max} replicas")
+
+    util = res.reach["utilization"][:n]
+    if np.isfinite(util).any() and np.nanmin(util) >= 1.0:
+        i = int(np.nanargmin(util))
+        u = float(util.flat[i])
+        per_replica = job.app.workload.arrival_rate_per_s / r_max
+        return (f"infeasible at search.replicas_max = {r_max}: each of {r_max} "
+                f"replicas would receive {per_replica:.4g} req/s, {u:.3g}x what the "
+                f"least loaded configuration serves ({where(i)}); allowed: "
+                f"search.replicas_max >= {math.ceil(r_max * u):,} (about the "
+                "replicas that keep each below capacity; the SLO needs more), or a "
+                "lower workload.arrival_rate_per_s")
+    i_itl = int(np.nanargmin(np.where(np.isfinite(itl), itl, np.nan)))
+    i_ttft = int(np.nanargmin(np.where(np.isfinite(ttft), ttft, np.nan)))
+    best_itl, best_ttft = float(itl.flat[i_itl]), float(ttft.flat[i_ttft])
+    if best_itl > slo.itl_p99_s:
+        return (f"infeasible SLO: binding constraint slo.itl_p99_s = {slo.itl_p99_s:g}"
+                f" s; the best p99 ITL reached on the candidate hardware is "
+                f"{best_itl:.4g} s ({where(i_itl)}); allowed: slo.itl_p99_s >= "
+                f"{best_itl:.4g}, or faster hardware / more tensor parallelism")
+    if best_ttft > slo.ttft_p99_s:
+        return (f"infeasible SLO: binding constraint slo.ttft_p99_s = "
+                f"{slo.ttft_p99_s:g} s; the best p99 TTFT reached on the candidate "
+                f"hardware is {best_ttft:.4g} s ({where(i_ttft)}); allowed: "
+                f"slo.ttft_p99_s >= {best_ttft:.4g}, or faster hardware / more "
+                "tensor parallelism")
+    return (f"infeasible SLO: slo.ttft_p99_s = {slo.ttft_p99_s:g} s and "
+            f"slo.itl_p99_s = {slo.itl_p99_s:g} s are each reachable but not "
+            f"together: the lowest p99 ITL ({best_itl:.4g} s) comes with p99 TTFT "
+            f"{float(ttft.flat[i_itl]):.4g} s ({where(i_itl)}); the lowest p99 TTFT "
+            f"({best_ttft:.4g} s) with p99 ITL {float(itl.flat[i_ttft]):.4g} s; "
+            "allowed: relax either limit")
+
+
+@functools.partial(jax.jit, static_argnames=("max_slots",))
+def _simulate_replicas(hw, model, tp, concurrency, token_budget, requests, mine, owner,
+                       configs, ttft_slo_s, itl_slo_s, overlong, *, max_slots: int):
+    """Every row (one replica's share of a stream), pooled per configuration.
+
+    Args:
+      hw, model, tp, concurrency, token_budget, requests, mine: per row
+        (leading axis K).
+      owner: int ``(K,)``, each row's configuration (-1: padding).
+      configs: int ``(W,)``, ``arange(W)``.
+    """
+    def one(hw, model, tp, c, b, req, mine):
+        return simulate_requests(hw, model, tp, c, b, req, CONTINUOUS, ttft_slo_s,
+                                 itl_slo_s, overlong, mine, max_slots=max_slots)
+
+    rows = jax.vmap(one)(hw, model, tp, concurrency, token_budget, requests, mine)
+    return jax.vmap(lambda c: summarize(pool(rows, owner == c)))(configs)
+
+
+def verification_requests(job: OptimizeJob, replicas: int) -> int:
+    """Requests simulated for a configuration of ``replicas`` replicas."""
+    s = job.app.search
+    return min(s.verify_requests * replicas, s.verify_requests_max)
+
+
+def verification_stream(job: OptimizeJob, key) -> Requests:
+    """The verification stream: ``verify_requests_max`` requests at the
+    workload's full rate (host arrays); a configuration takes a prefix."""
+    app = job.app
+    return jax.tree.map(np.asarray, workload_requests(
+        jax.random.fold_in(key, 0), app.workload, job.tables,
+        app.search.verify_requests_max, app.workload.arrival_rate_per_s))
+
+
+def simulate_configs(job: OptimizeJob, configs: list[Config], key,
+                     width: int) -> list[dict[str, float]]:
+    """Simulates each configuration's replicas behind a load balancer.
+
+    Configuration ``c`` takes the first ``verify_requests(job, R_c)`` requests
+    of one stream at the workload's full rate and splits them over its
+    ``R_c`` replicas by ``search.routing``. The rows (``sum R_c``, padded to
+    a power of two) and the sub-stream length (rounded up to 64) are the
+    compiled shapes.
+
+    Args:
+      key: PRNG key of the request stream and the routing (the same for
+        every configuration).
+      width: static number of configurations per call (>= ``len(configs)``).
+
+    Returns:
+      Per configuration, its ``SimResult`` fields over all of its requests,
+      with ``requests`` (simulated) added.
+    """
+    app, s = job.app, job.app.search
+    stream = verification_stream(job, key)
+    routes = [route(verification_requests(job, c.replicas), c.replicas, s.routing,
+                    jax.random.fold_in(key, 1)) for c in configs]
+    longest = max(int(np.bincount(r).max()) for r in routes)
+    length = -(-longest // 64) * 64
+    subs, mines, owner, row_config = [], [], [], []
+    for i, (c, r) in enumerate(zip(configs, routes)):
+        sub, mine = split(jax.tree.map(lambda x, n=len(r): x[:n], stream), r,
+                          c.replicas, length)
+        subs.append(sub)
+        mines.append(mine)
+        owner += [i] * c.replicas
+        row_config += [c] * c.replicas
+    rows = max(width, 1 << (len(owner) - 1).bit_length())
+    pad = rows - len(owner)
+    requests = jax.tree.map(
+        lambda *x: np.concatenate([*x, np.repeat(x[0][:1], pad, 0)]), *subs)
+    mine = np.concatenate([*mines, np.zeros((pad, length), bool)])
+    owner += [-1] * pad
+    row_config += [configs[0]] * pad
+    cands = [job.candidates[c.candidate] for c in row_config]
+    util = s.gpu_memory_utilization
+    max_conc = max(c.concurrency for c in configs)
+    max_slots = max(64, 1 << (max_conc - 1).bit_length())
+    f32 = jnp.float32
+    out = _simulate_replicas(
+        stack([hardware_params(c.hardware, util) for c in cands]),
+        stack([model_params(c.model) for c in cands]),
+        jnp.asarray([c.tp for c in cands], f32),
+        jnp.asarray([c.concurrency for c in row_config], f32),
+        jnp.asarray([c.token_budget for c in row_config], f32),
+        jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
+        jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32),
+        jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
+        jnp.int32(OVERLONG.index(app.workload.overlong.value)), max_slots=max_slots)
+    out = jax.tree.map(np.asarray, out._asdict())
+    return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
+            for i, r in enumerate(routes)]
+
+
+def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
+    """Whether simulated p99s are within the SLO (and the simulation finished)."""
+    slo = job.app.slo
+    return (int(sim["status"]) & status.INVALID == 0
+            and sim["ttft_p99_s"] <= slo.ttft_p99_s
+            and sim["itl_p99_s"] <= slo.itl_p99_s
+            and sim["rejected_fraction"] <= slo.max_rejected_fraction)
+
+
+def run(job: OptimizeJob, log=print) -> Outcome:
+    """Search, verify and tighten; raises ``Infeasible`` when nothing meets the SLO.
+
+    Args:
+      log: called with one line per step worth reporting.
+    """
+    app, s = job.app, job.app.search
+    n = len(job.candidates)
+    ttft_t = np.full(n, app.slo.ttft_p99_s)
+    itl_t = np.full(n, app.slo.itl_p99_s)
+    key_init, key_sim = jax.random.split(jax.random.key(app.seed))
+    init = descent.initial_theta(key_init, job.settings,
+                                n + (-n % descent.PAD), s.restarts)
+    cache: dict[tuple, Config] = {}
+    verifications: list[Verification] = []
+    lines: list[str] = []
+    evaluations, search_s, simulate_s = 0, 0.0, 0.0
+
+    def say(line: str) -> None:
+        lines.append(line)
+        log(line)
+
+    for rnd in range(1, s.rounds + 1):
+        t0 = time.perf_counter()
+        res = descent.search(_candidates(job, ttft_t, itl_t), init, job.settings)
+        search_s += time.perf_counter() - t0
+        evaluations += res.evaluations
+        answers = [cache.get(a.key, a) if a is not None else None
+                   for a in _answers(job, res, ttft_t, itl_t, rnd)]
+        order = sorted((a for a in answers if a is not None),
+                       key=lambda a: a.cost_per_mtok_out_usd)
+        took = time.perf_counter() - t0
+        say(f"round {rnd}: searched {n} candidates x {s.restarts} restarts "
+            f"({res.evaluations:,} surrogate evaluations, {took:.1f} s); "
+            f"{len(order)} meet the surrogate targets")
+        if not order:
+            if rnd == 1:
+                raise Infeasible(_surrogate_infeasible(job, res))
+            break
+        todo = [a for a in order[:s.verify_top] if a.key not in cache]
+        if todo:
+            t0 = time.perf_counter()
+            sims = simulate_configs(job, todo, key_sim, s.verify_top)
+            simulate_s += time.perf_counter() - t0
+            for a, sim in zip(todo, sims):
+                a.simulated = sim
+                cache[a.key] = a
+                ok = met(job, sim)
+                c = a.candidate
+                targets = float(ttft_t[c]), float(itl_t[c])
+                action = "confirmed" if ok else _tighten(job, a, ttft_t, itl_t)
+                verifications.append(Verification(rnd, a, *targets, ok, action))
+                rejected = (f", {sim['rejected_fraction']:.2%} rejected"
+                            if sim["rejected_fraction"] > 0 else "")
+                say(f"  simulated {job.candidates[c].label}, "
+                    f"{replicas_text(a.replicas)}, max_num_seqs {a.concurrency}, "
+                    f"max_num_batched_tokens {a.token_budget}: p99 TTFT "
+                    f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
+                    f"over {sim['requests']:,} requests{rejected} -> {action}")
+        best = cache.get(order[0].key)
+        if best is not None and met(job, best.simulated):
+            break
+    confirmed = [c for c in cache.values() if met(job, c.simulated)]
+    chosen = min(confirmed, key=lambda c: c.cost_per_mtok_out_usd, default=None)
+    if chosen is None:
+        raise Infeasible(_simulated_infeasible(job, list(cache.values()), rnd))
+    # a candidate's row shows the chosen configuration, even from an earlier round
+    answers[chosen.candidate] = chosen
+    return Outcome(chosen, answers, verifications, res, ttft_t, itl_t, rnd,
+                   evaluations, len(cache), search_s, simulate_s, lines)
+
+
+def _tighten(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
+    """Lowers the candidate's surrogate targets by the simulator's excess."""
+    slo, margin = job.app.slo, job.app.search.tighten_margin
+    sim, c = a.simulated, a.candidate
+    done = []
+    for name, target, limit in (("ttft", ttft_t, slo.ttft_p99_s),
+                                ("itl", itl_t, slo.itl_p99_s)):
+        simulated = sim[f"{name}_p99_s"]
+        if not np.isfinite(simulated) or simulated > limit:
+            ratio = (limit / simulated if np.isfinite(simulated) else margin)
+            surrogate = a.surrogate[f"{name}_p99_s"]
+            target[c] = min(target[c], surrogate * ratio) * margin
+            done.append(f"{name.upper()} target -> {target[c]:.4g} s")
+    rejected = sim["rejected_fraction"]
+    if not rejected <= slo.max_rejected_fraction:
+        done.append(f"rejected {rejected:.2%} > slo.max_rejected_fraction")
+    return "missed; " + ", ".join(done)
+
+
+def _simulated_infeasible(job: OptimizeJob, tried: list[Config], rounds: int) -> str:
+    slo = job.app.slo
+    ttft = min(tried, key=lambda c: c.simulated["ttft_p99_s"])
+    itl = min(tried, key=lambda c: c.simulated["itl_p99_s"])
+    miss_itl = itl.simulated["itl_p99_s"] > slo.itl_p99_s
+    binding, best = (("slo.itl_p99_s", itl) if miss_itl or not np.isfinite(
+        itl.simulated["itl_p99_s"]) else ("slo.ttft_p99_s", ttft))
+    metric = binding.split(".")[1]
+    return (f"infeasible SLO: binding constraint {binding} = {getattr(slo, metric):g} "
+            f"s; the simulator missed it on every verified configuration after "
+            f"{rounds} round(s); best simulated p99 {best.simulated[metric]:.4g} s "
+            f"({job.candidates[best.candidate].label}, {replicas_text(best.replicas)}, "
+            f"max_num_seqs {best.concurrency}, max_num_batched_tokens "
+            f"{best.token_budget}); allowed: a looser limit, more search.rounds or "
+            "search.replicas_max")
+
+
+def replicas_text(n: int) -> str:
+    """``"1 replica"``, ``"3 replicas"``."""
+    return f"{n} replica{'' if n == 1 else 's'}"
+
+
+def vllm_flags(job: OptimizeJob, c: Config) -> str:
+    """The serving flags of a configuration (vLLM's names), replicas included."""
+    util = job.app.search.gpu_memory_utilization
+    return (f"--tensor-parallel-size {job.candidates[c.candidate].tp} "
+            f"--max-num-seqs {c.concurrency} --max-num-batched-tokens "
+            f"{c.token_budget} --gpu-memory-utilization {util:g}  "
+            f"(x {replicas_text(c.replicas)})")
+
+
+
+
+def _var(dims, data, name: str, prefix: str = "", source: str = ""):
+    """A variable with the attributes of ``name``'s declaration
+    (``sweep.cube.contract``), its long name prefixed; ``source``: the latency
+    model it comes from (the ``method`` attribute, as in a cube)."""
+    attrs = contract.attrs(name)
+    attrs["long_name"] = prefix + attrs["long_name"]
+    if source:
+        attrs["method"] = source
+    return (dims, np.asarray(data), attrs)
+
+
+def _candidate_vars(job: OptimizeJob, out: Outcome) -> dict:
+    """Over ``candidate``: each candidate's answer of the last search (NaN
+    where it meets the targets nowhere), with the simulator's numbers where
+    verified."""
+    cd = ("candidate",)
+    ans = out.answers
+
+    def col(get, default=np.nan):
+        return np.array([get(a) if a is not None else default for a in ans])
+
+    def sim(a, m):
+        return a.simulated[m] if a.simulated is not None else np.nan
+
+    data = {
+        "usd_per_gpu_hour": _var(cd, [c.hardware.usd_per_gpu_hour
+                                      for c in job.candidates], "usd_per_gpu_hour"),
+        "meets_targets": _var(cd, col(lambda a: True, False), "meets_targets"),
+        **{name: _var(cd, col(lambda a, name=name: getattr(a, name)), name)
+           for name in ("concurrency", "token_budget", "replicas",
+                        "cost_per_mtok_out_usd", "cost_per_month_usd")},
+        "ttft_target_s": _var(cd, out.ttft_target_s, "ttft_target_s"),
+        "itl_target_s": _var(cd, out.itl_target_s, "itl_target_s"),
+        "verified": _var(cd, col(lambda a: a.simulated is not None, False),
+                         "verified"),
+        "slo_met_simulated": _var(cd, col(lambda a: a.simulated is not None
+                                          and met(job, a.simulated), False),
+                                  "slo_met_simulated"),
+    }
+    for m in contract.LATENCY:
+        data[f"surrogate_{m}"] = _var(cd, col(lambda a, m=m: a.surrogate[m]), m,
+                                      "surrogate ", "surrogate")
+        data[f"simulated_{m}"] = _var(cd, col(lambda a, m=m: sim(a, m)), m,
+                                      "simulated ", "simulate")
+    data["simulated_rejected_fraction"] = _var(
+        cd, col(lambda a: sim(a, "rejected_fraction")), "rejected_fraction",
+        "simulated ", "simulate")
+    data["utilization"] = _var(cd, col(lambda a: a.surrogate["utilization"]),
+                               "utilization")
+    slo = job.app.slo
+    for name, limit in (("ttft", slo.ttft_p99_s), ("itl", slo.itl_p99_s)):
+        p99 = np.where(data["verified"][1], data[f"simulated_{name}_p99_s"][1],
+                       data[f"surrogate_{name}_p99_s"][1])
+        data[f"{name}_slack_s"] = _var(cd, limit - p99, f"{name}_slack_s")
+    data["chosen"] = _var(cd, np.arange(len(job.candidates)) == out.chosen.candidate,
+                          "chosen")
+    return data
+
+
+def _config_vars(job: OptimizeJob, out: Outcome) -> dict:
+    """Over ``config``: every integer configuration of the last search
+    (candidate x restart x neighbour) meeting the targets, and the Pareto
+    fronts of cost against each SLO metric."""
+    res = out.last
+    n = len(job.candidates)
+    idx = np.argwhere(res.feasible[:n])
+    per_mtok, per_month = _costs(job, res.replicas[:n])
+    pick = tuple(idx.T)
+    cfg = ("config",)
+    cost = per_mtok[pick]
+    data = {
+        "config_candidate": _var(cfg, idx[:, 0], "candidate"),
+        "config_concurrency": _var(cfg, res.concurrency[:n][pick], "concurrency"),
+        "config_token_budget": _var(cfg, res.token_budget[:n][pick], "token_budget"),
+        "config_replicas": _var(cfg, res.replicas[:n][pick], "replicas"),
+        "config_cost_per_mtok_out_usd": _var(cfg, cost, "cost_per_mtok_out_usd"),
+        "config_cost_per_month_usd": _var(cfg, per_month[pick], "cost_per_month_usd"),
+    }
+    for m in contract.SLO:
+        data[f"config_{m}"] = _var(cfg, res.metrics[m][:n][pick], m, "surrogate ",
+                                   "surrogate")
+    for front, m in (("pareto_itl", "itl_p99_s"), ("pareto_ttft", "ttft_p99_s")):
+        data[front] = _var(cfg, pareto.front(cost, data[f"config_{m}"][1]), front)
+    return data
+
+
+def _verification_vars(out: Outcome) -> dict:
+    """Over ``verification``: each simulation, in order."""
+    v = out.verifications
+    vd = ("verification",)
+    data = {
+        "verification_round": _var(vd, np.array([x.round for x in v], int), "round"),
+        "verification_candidate": _var(
+            vd, np.array([x.config.candidate for x in v], int), "candidate"),
+        **{f"verification_{name}": _var(
+            vd, [getattr(x.config, name) for x in v], name)
+           for name in ("concurrency", "token_budget", "replicas")},
+        "verification_ttft_target_s": _var(vd, [x.ttft_target_s for x in v],
+                                           "ttft_target_s"),
+        "verification_itl_target_s": _var(vd, [x.itl_target_s for x in v],
+                                          "itl_target_s"),
+        "verification_slo_met": _var(vd, np.array([x.met for x in v], bool),
+                                     "slo_met_simulated"),
+    }
+    for m in contract.SLO:
+        data[f"verification_surrogate_{m}"] = _var(
+            vd, [x.config.surrogate[m] for x in v], m, "surrogate ", "surrogate")
+        data[f"verification_simulated_{m}"] = _var(
+            vd, [x.config.simulated[m] for x in v], m, "simulated ", "simulate")
+    return data
+
+
+def _candidate_coords(job: OptimizeJob) -> dict:
+    cd = ("candidate",)
+    cands = job.candidates
+    return {
+        "candidate": _var(cd, np.arange(len(cands)), "candidate"),
+        "hardware": _var(cd, np.array([c.hardware.name for c in cands]), "hardware"),
+        "model": _var(cd, np.array([c.model.name for c in cands]), "model"),
+        "tensor_parallel": _var(cd, [c.tp for c in cands], "tensor_parallel"),
+    }
+
+
+def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
+    """The run's attributes: the SLO, the chosen configuration, the search's
+    counts and log."""
+    slo, s = job.app.slo, job.app.search
+    c = out.chosen
+    cand = job.candidates[c.candidate]
+    return {
+        **attrs,
+        "workload": job.app.workload.name,
+        "arrival_rate_per_s": job.app.workload.arrival_rate_per_s,
+        "slo_ttft_p99_s": slo.ttft_p99_s,
+        "slo_itl_p99_s": slo.itl_p99_s,
+        "chosen_hardware": cand.hardware.name,
+        "chosen_model": cand.model.name,
+        "chosen_tensor_parallel": cand.tp,
+        "chosen_replicas": c.replicas,
+        "chosen_concurrency": c.concurrency,
+        "chosen_token_budget": c.token_budget,
+        "chosen_cost_per_mtok_out_usd": c.cost_per_mtok_out_usd,
+        "chosen_cost_per_month_usd": c.cost_per_month_usd,
+        "vllm_flags": vllm_flags(job, c),
+        "rounds": out.rounds,
+        "surrogate_evaluations": out.evaluations,
+        "simulations": out.simulations,
+        "simulated_requests_per_replica": s.verify_requests,
+        "simulated_requests_max": s.verify_requests_max,
+        "routing": s.routing.value,
+        "search_wall_s": round(out.search_s, 3),
+        "simulate_wall_s": round(out.simulate_s, 3),
+        "excluded_candidates": "; ".join(job.excluded),
+        "log": "\n".join(out.log),
+    }
+
+
+def to_dataset(job: OptimizeJob, out: Outcome, attrs: dict) -> xr.Dataset:
+    """The result as a dataset: ``candidate``, ``config`` and ``verification`` dims.
+
+    One builder per dim (``_candidate_vars``, ``_config_vars``,
+    ``_verification_vars``); every variable's units and long name come from
+    ``sweep.cube.contract``, and each latency percentile it declares appears as
+    ``surrogate_<name>`` and ``simulated_<name>`` per candidate. ``config``
+    marks the Pareto fronts of cost against p99 ITL / TTFT (``pareto_itl``,
+    ``pareto_ttft``). The chosen configuration is in the ``chosen_*``
+    attributes and ``vllm_flags``.
+    """
+    data = {**_candidate_vars(job, out), **_config_vars(job, out),
+            **_verification_vars(out)}
+    return xr.Dataset(data, coords=_candidate_coords(job),
+                      attrs=_global_attrs(job, out, attrs))
+
+
+def write(ds: xr.Dataset, out: Path) -> None:
+    """Writes the dataset to zarr under a temporary name, then moves it into
+    place; an existing ``out`` is replaced only when the tool wrote it
+    (``sweep.cube.outputs``; the caller holds ``out``'s lock)."""
+    import zarr
+
+    with outputs.staged(out) as tmp:
+        ds.to_zarr(tmp, mode="w", consolidated=False, zarr_format=2,
+                   write_empty_chunks=True)  # every chunk's file: see check_chunks
+        outputs.mark(tmp, "optimize")
+        zarr.consolidate_metadata(str(tmp), zarr_format=2)
+        outputs.install(tmp, out, "optimize")
