@@ -44,8 +44,10 @@ def _f(x) -> float:
     return float(np.asarray(x, dtype=np.float64))
 
 
-def step_time_s(hw, model, tp, new_tokens, kv_read_tokens, attention_keys) -> float:
-    """The roofline step time in float64 (SPEC "execution model")."""
+def step_time_s(hw, model, tp, new_tokens, kv_read_tokens, attention_keys,
+                sequences=0) -> float:
+    """The roofline step time in float64 (SPEC "execution model"), with the
+    calibrated KV-read utilisation and time per sequence."""
     tp = _f(tp)
     frac = _f(model.experts_per_token_fraction)
     touched = 1.0 if frac >= 1.0 else -math.expm1(new_tokens * math.log1p(-frac))
@@ -56,12 +58,13 @@ def step_time_s(hw, model, tp, new_tokens, kv_read_tokens, attention_keys) -> fl
     flops = (2.0 * _f(model.active_params) * new_tokens
              + 4.0 * _f(model.layers) * _f(model.q_heads) * _f(model.head_dim)
              * attention_keys)
-    memory_s = (weights + kv_read_tokens * kvb) / tp / (
-        _f(hw.memory_bandwidth_bytes_per_s) * _f(hw.mbu))
+    memory_s = (weights / _f(hw.mbu) + kv_read_tokens * kvb / _f(hw.kv_mbu)) / tp / (
+        _f(hw.memory_bandwidth_bytes_per_s))
     compute_s = flops / tp / (_f(hw.peak_flops_per_s) * _f(hw.mfu))
     allreduce_s = (2.0 * _f(model.layers) * 2.0 * (tp - 1.0) / tp * new_tokens
                    * _f(model.hidden_size) * 2.0 / _f(hw.interconnect_bytes_per_s))
-    return max(memory_s, compute_s) + allreduce_s + _f(hw.step_overhead_s)
+    return (max(memory_s, compute_s) + allreduce_s + _f(hw.step_overhead_s)
+            + _f(hw.sequence_overhead_s) * sequences)
 
 
 def kv_capacity_tokens(hw, model, tp) -> int:
@@ -184,7 +187,8 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         new = len(decodes) + sum(m for _, m, _ in chunks)
         kv_read = sum(contexts) + sum(p for _, _, p in chunks)
         keys = sum(contexts) + sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks)
-        t += step_time_s(hw, model, tp, new, kv_read, keys)
+        t += step_time_s(hw, model, tp, new, kv_read, keys,
+                         len(decodes) + len(chunks))
         steps += 1
 
         def emit(r):

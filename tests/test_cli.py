@@ -49,7 +49,8 @@ def test_seed_table_through_cli_and_cube(seed_run):
     cwd, proc = seed_run
     ds = sweep.open_cube(cwd / "seed.zarr")
     pt = ds.sel(hardware="h100_sxm", model="qwen3_8b", workload="seed_chat",
-                tensor_parallel=1, context_tokens=1500, batching="continuous").isel(
+                tensor_parallel=1, context_tokens=1500, batching="continuous",
+                weight_dtype="bf16", kv_dtype="bf16").isel(
         token_budget=0, long_prompt_tokens=0, traffic_tokens_per_day=0)
     for n, itl_ms, user, gpu, usd in SEED_TABLE:
         p = pt.sel(concurrency=n)
@@ -67,7 +68,7 @@ def test_cube_contract(seed_run):
     assert list(ds.dims) == [
         "hardware", "model", "workload", "tensor_parallel", "concurrency",
         "token_budget", "context_tokens", "batching", "long_prompt_tokens",
-        "traffic_tokens_per_day"]
+        "traffic_tokens_per_day", "weight_dtype", "kv_dtype"]
     for name in ("step_s", "user_tokens_per_s", "output_tokens_per_s",
                  "slot_utilization", "cost_per_mtok_out_usd", "prefill_tokens_per_s",
                  "cost_per_mtok_in_usd", "kv_fits", "max_concurrency_fit",
@@ -304,7 +305,7 @@ def test_cfg_job_resolve_prints_the_resolved_config(tmp_path, command):
 SHIPPED_HARDWARE = sorted(p.stem for p in (REPO / "conf" / "hardware").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("command", ["sweep-grid", "sweep-optimize"])
+@pytest.mark.parametrize("command", ["sweep-grid", "sweep-optimize", "sweep-calibrate"])
 def test_help_names_the_command_and_lists_configs_not_schemas(tmp_path, command):
     proc = run_script(command, ["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -21,6 +21,7 @@ from sweep.cube import contract
 from sweep.grid import job as grid
 from sweep.grid.evaluate import Named, iterate_blocks
 from sweep.model import batching as policies
+from sweep.model import precision
 from sweep.model.params import GridPoint
 from sweep.model.point import evaluate_point
 
@@ -28,9 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 # SPEC.md, "The cube (xarray) contract": the dimensions in order, the core
 # variables (written out here, not taken from the code under test)
+# and the precision axes the project adds (issue 12) before the p99-only rate
 SPEC_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
              "token_budget", "context_tokens", "batching", "long_prompt_tokens",
-             "traffic_tokens_per_day", "arrival_rate_per_s")
+             "traffic_tokens_per_day", "weight_dtype", "kv_dtype",
+             "arrival_rate_per_s")
 SPEC_VARIABLES = (
     "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
@@ -40,7 +43,8 @@ SPEC_VARIABLES = (
     "goodput_req_per_s", "slo_met")
 # p99 latency depends on neither the context, the long prompt nor the traffic
 P99_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
-            "token_budget", "batching", "arrival_rate_per_s")
+            "token_budget", "batching", "weight_dtype", "kv_dtype",
+            "arrival_rate_per_s")
 
 # unit words a reader's pint knows without ``UNIT_DEFINITIONS``
 SI_WORDS = {"s", "hour", "day", "byte"}
@@ -167,8 +171,11 @@ def test_cube_values_sit_at_their_coordinates(square_job):
     for flat in range(0, math.prod(part.plan.shape), 5):
         idx = dict(zip(dims, np.unravel_index(flat, part.plan.shape)))
         at = {d: job.coords[d][i] for d, i in idx.items()}
+        labels = {"batching": policies.index,
+                  "weight_dtype": precision.WEIGHT_DTYPES.index,
+                  "kv_dtype": precision.KV_DTYPES.index}
         pt = GridPoint(**{
-            d: np.int32(policies.index(str(at[d]))) if d == "batching"
+            d: np.int32(labels[d](str(at[d]))) if d in labels
             else np.float32(at[d]) for d in GridPoint._fields})
         util, _ = part.lookups["static_utilization"]
         one = evaluate_point(take(part.inputs["hardware"], idx["hardware"]),

@@ -28,10 +28,10 @@ TINY = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
 SCALARS = [f"hardware.{f}" for f in (
     "memory_bandwidth_bytes_per_s", "peak_flops_per_s", "memory_bytes",
     "interconnect_bytes_per_s", "usd_per_gpu_hour", "mbu", "mfu", "step_overhead_s",
-    "max_gpus_per_node")] + [f"model.{f}" for f in (
-    "params", "active_params", "layers", "q_heads", "kv_heads", "head_dim",
-    "hidden_size", "num_experts", "experts_per_token", "weight_dtype_bytes",
-    "kv_dtype_bytes", "max_context_tokens")] + [
+    "max_gpus_per_node", "fp8_flops_per_s", "fp4_flops_per_s")] + [
+    f"model.{f}" for f in (
+        "params", "active_params", "layers", "q_heads", "kv_heads", "head_dim",
+        "hidden_size", "num_experts", "experts_per_token", "max_context_tokens")] + [
     "workload.arrival_rate_per_s", "workload.prompt.mean_tokens",
     "workload.prompt.sigma", "workload.prompt.max_tokens",
     "workload.output.max_tokens", "grid.gpu_memory_utilization", "grid.chunk_points",

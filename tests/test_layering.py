@@ -14,7 +14,8 @@ from pathlib import Path
 import sweep
 
 PACKAGE = Path(sweep.__file__).parent
-PHYSICS = ("sweep.model.params", "sweep.model.roofline", "sweep.model.cost",
+PHYSICS = ("sweep.model.params", "sweep.model.precision", "sweep.model.roofline",
+           "sweep.model.cost",
            "sweep.model.batching", "sweep.model.point", "sweep.grid.evaluate",
            "sweep.search.pareto")
 

@@ -1,4 +1,5 @@
-"""What the console scripts (``sweep-grid``, ``sweep-optimize``) share.
+"""What the console scripts (``sweep-grid``, ``sweep-optimize``,
+``sweep-calibrate``) share.
 
 Each command first composes and validates its config outside Hydra's run
 (``preflight``: bad input gets one line and exit code 2, with no run
@@ -66,7 +67,7 @@ def preflight(command: str, app: str, argv: list[str], check):
         GlobalHydra.instance().clear()
 
 
-def start(command: str, app: str, check, *, kind: str, default_name: str,
+def start(command: str, app: str, check, *, kind: str | None, default_name: str,
           resume: bool):
     """Readies ``sys.argv`` for the command's ``@hydra.main``.
 
@@ -98,12 +99,13 @@ def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def place_run(app: str, argv: list[str], *, command: str, kind: str,
+def place_run(app: str, argv: list[str], *, command: str, kind: str | None,
               default_name: str, resume: bool) -> list[str]:
     """Checks ``out=`` and returns the Hydra overrides that place the run.
 
     With ``out=``: the path is checked for an output of ``kind``
-    (``sweep.cube.outputs.check_target``) and Hydra writes nothing. Without, when
+    (``sweep.cube.outputs.check_target``; ``kind`` None: the command's
+    ``check`` has checked it) and Hydra writes nothing. Without, when
     ``resume``: the latest unfinished ``default_name`` of the same config
     under the outputs root (the run directory's pattern, ``outputs/*/*``) is
     continued in its own run directory, and a line says which. The user's own
@@ -112,7 +114,8 @@ def place_run(app: str, argv: list[str], *, command: str, kind: str,
     cfg = compose(config_name=app, overrides=argv, return_hydra_config=True)
     given = {o.split("=")[0].lstrip("+~") for o in argv}
     if cfg.out:
-        outputs.check_target(Path(cfg.out).expanduser(), f"out={cfg.out}", kind)
+        if kind is not None:
+            outputs.check_target(Path(cfg.out).expanduser(), f"out={cfg.out}", kind)
         return [o for o in _NO_RUN_DIR if o.split("=")[0] not in given]
     if not resume or "hydra.run.dir" in given:
         return []

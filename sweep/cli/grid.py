@@ -32,6 +32,7 @@ from sweep.cube import outputs
 from sweep.cube.outputs import OutputError
 from sweep.cube.summary import summary_table
 from sweep.errors import ConfigError
+from sweep.grid import calibration
 from sweep.grid.plan import grid_plan
 from sweep.grid.progress import BlockProgress
 
@@ -78,6 +79,10 @@ def _grid_app(cfg: DictConfig) -> None:
     yaml_text = config_yaml(cfg)
     attrs = results.provenance(yaml_text, job.app.seed, restore(overrides()),
                                options)
+    attrs.update(calibration.attrs(base.calibration, job.calibration))
+    if calibration.calibrated(job.calibration):
+        console.print(calibration.line(base.calibration, job.calibration),
+                      markup=False, highlight=False, soft_wrap=True)
     plan = grid_plan(base, options)
     progress = BlockProgress(console, "sweep-grid",
                              [(p.name, len(p.plan)) for p in job.parts])

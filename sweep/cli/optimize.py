@@ -37,6 +37,7 @@ from sweep.cli.commands import (
 from sweep.config.resolve import config_yaml, restore
 from sweep.cube import engines, outputs
 from sweep.errors import ConfigError
+from sweep.grid import calibration
 from sweep.grid.plan import optimize_plan
 
 COMMAND = "sweep-optimize"
@@ -137,6 +138,12 @@ def _optimize_app(cfg: DictConfig) -> None:
     check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
                   "optimize")
     plan = optimize_plan(job.app, len(job.candidates), job.settings)
+    hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
+    models = list({c.model.name: c.model for c in job.candidates}.values())
+    choices = calibration.choose(job.app.calibration, hardware, models)
+    if calibration.calibrated(choices):
+        err.print(calibration.line(job.app.calibration, choices), markup=False,
+                  highlight=False, soft_wrap=True)
     err.print(f"{COMMAND}: {job.app.workload.name} at "
               f"{job.app.workload.arrival_rate_per_s:g} req/s; "
               f"{len(job.excluded)} candidate(s) excluded (do not fit); "
@@ -147,6 +154,7 @@ def _optimize_app(cfg: DictConfig) -> None:
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
                                        restore(overrides()), job.specs)
+            attrs.update(calibration.attrs(job.app.calibration, choices))
             optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
         print(f"{COMMAND}: {e}", file=sys.stderr)

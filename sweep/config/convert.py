@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from sweep.config.schema import Hardware, Model
+from sweep.model import precision
 from sweep.model.params import HardwareParams, ModelParams
 
 
@@ -25,6 +26,10 @@ def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwarePara
         mfu=hw.mfu,
         step_overhead_s=hw.step_overhead_s,
         gpu_memory_utilization=gpu_memory_utilization,
+        kv_mbu=hw.kv_mbu or hw.mbu,
+        sequence_overhead_s=hw.sequence_overhead_s,
+        fp8_flops_per_s=hw.fp8_flops_per_s,
+        fp4_flops_per_s=hw.fp4_flops_per_s,
     )
 
 
@@ -54,4 +59,5 @@ def model_params(m: Model) -> ModelParams:
         weight_dtype_bytes=float(m.weight_dtype_bytes),
         kv_dtype_bytes=float(m.kv_dtype_bytes),
         max_context_tokens=float(m.max_context_tokens or math.inf),
+        weight_compute=float(precision.WEIGHT_COMPUTE[m.weight_dtype]),
     )

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 
 from sweep.cube import contract
 from sweep.errors import ConfigError
+from sweep.model import precision
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
@@ -86,6 +87,13 @@ class Routing(Enum):
     random = "random"
 
 
+def _check_step_shape(obj, prefix: str) -> None:
+    """``kv_mbu`` (0: the weights' ``mbu``) and ``sequence_overhead_s``."""
+    if obj.kv_mbu != 0:
+        _in_range(obj, prefix, "kv_mbu", 1e-3, 1)
+    _in_range(obj, prefix, "sequence_overhead_s", 0, 1)
+
+
 @dataclass
 class Hardware:
     name: str = MISSING
@@ -93,6 +101,14 @@ class Hardware:
     peak_flops_per_s: float = field(
         default=MISSING, metadata={"help": "dense bf16 tensor FLOP/s, no sparsity"}
     )
+    fp8_flops_per_s: float = field(
+        default=0.0,
+        metadata={"help": "dense fp8 tensor FLOP/s, no sparsity; 0: no FP8 tensor "
+                  "cores (weight_dtype fp8 refused)"})
+    fp4_flops_per_s: float = field(
+        default=0.0,
+        metadata={"help": "dense fp4 tensor FLOP/s, no sparsity; 0: no FP4 tensor "
+                  "cores (weight_dtype fp4 refused)"})
     memory_bytes: float = MISSING
     interconnect_bytes_per_s: float = field(
         default=MISSING, metadata={"help": "GPU-to-GPU bandwidth, one direction"}
@@ -103,6 +119,13 @@ class Hardware:
     step_overhead_s: float = field(
         default=0.0, metadata={"help": "fixed time added to every scheduler step"}
     )
+    kv_mbu: float = field(
+        default=0.0,
+        metadata={"help": "achieved / peak bandwidth of KV-cache reads; 0: mbu"})
+    sequence_overhead_s: float = field(
+        default=0.0,
+        metadata={"help": "fixed time each sequence adds to a step (attention "
+                  "launch, sampling)"})
     max_gpus_per_node: int = field(
         default=8,
         metadata={"help": "GPUs one node holds: the largest tensor-parallel size "
@@ -119,6 +142,10 @@ class Hardware:
                                 ("mbu", 1e-3, 1), ("mfu", 1e-3, 1)):
             _in_range(self, p, name, low, high)
         _in_range(self, p, "step_overhead_s", 0, 3600)
+        _check_step_shape(self, p)
+        for name in ("fp8_flops_per_s", "fp4_flops_per_s"):
+            if getattr(self, name) != 0:
+                _in_range(self, p, name, 1e6, 1e18)
         _in_range(self, p, "max_gpus_per_node", 1, 1024)
 
 
@@ -138,8 +165,12 @@ class Model:
     hidden_size: int = MISSING
     num_experts: int = 1
     experts_per_token: int = 1
-    weight_dtype_bytes: float = 2.0
-    kv_dtype_bytes: float = 2.0
+    weight_dtype: str = field(
+        default="bf16",
+        metadata={"help": f"{', '.join(precision.WEIGHT_DTYPES)} (group scales "
+                  "counted in the bytes: sweep.model.precision)"})
+    kv_dtype: str = field(
+        default="bf16", metadata={"help": ", ".join(precision.KV_DTYPES)})
     max_context_tokens: int = field(
         default=0,
         metadata={"help": "longest prompt + output served (vLLM's max_model_len); "
@@ -148,10 +179,12 @@ class Model:
 
     def __post_init__(self) -> None:
         p = f"model[{self.name}]"
-        for name, low, high in (("params", 1, 1e14), ("active_params", 1, 1e14),
-                                ("weight_dtype_bytes", 0.125, 16),
-                                ("kv_dtype_bytes", 0.125, 16)):
+        for name, low, high in (("params", 1, 1e14), ("active_params", 1, 1e14)):
             _in_range(self, p, name, low, high)
+        for name, allowed in (("weight_dtype", precision.WEIGHT_DTYPES),
+                              ("kv_dtype", precision.KV_DTYPES)):
+            _check(getattr(self, name) in allowed, f"{p}.{name}", getattr(self, name),
+                   f"allowed: {', '.join(allowed)}")
         for name, high in (("layers", 10_000), ("q_heads", 100_000),
                            ("kv_heads", 100_000), ("head_dim", 100_000),
                            ("hidden_size", 10_000_000), ("num_experts", 100_000),
@@ -168,6 +201,16 @@ class Model:
                self.active_params, f"must be <= params ({self.params:g})")
         _check(self.experts_per_token <= self.num_experts, f"{p}.experts_per_token",
                self.experts_per_token, f"must be <= num_experts ({self.num_experts})")
+
+    @property
+    def weight_dtype_bytes(self) -> float:
+        """Bytes per weight at ``weight_dtype``, group scales included."""
+        return precision.WEIGHT_BYTES[self.weight_dtype]
+
+    @property
+    def kv_dtype_bytes(self) -> float:
+        """Bytes per KV-cache value at ``kv_dtype``."""
+        return precision.KV_BYTES[self.kv_dtype]
 
 
 @dataclass
@@ -341,6 +384,14 @@ class Grid:
     batching: list[Batching] = field(
         default_factory=lambda: [Batching.request, Batching.static, Batching.continuous]
     )
+    weight_dtype: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"weight precisions ({', '.join(precision.WEIGHT_DTYPES)}); "
+                  "empty: each model's own"})
+    kv_dtype: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"KV cache precisions ({', '.join(precision.KV_DTYPES)}); "
+                  "empty: each model's own"})
     long_prompt_tokens: Any = field(default_factory=lambda: [8192])
     traffic_tokens_per_day: Any = field(default_factory=lambda: [1e7, 1e9])
     arrival_rate_per_s: Any = field(
@@ -367,8 +418,25 @@ class Grid:
                 low=a.low, high=MAX_TOKENS if a.high is None else a.high)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
+        for name, allowed in (("weight_dtype", precision.WEIGHT_DTYPES),
+                              ("kv_dtype", precision.KV_DTYPES)):
+            values = list(getattr(self, name))
+            bad = [v for v in values if v not in allowed]
+            _check(not bad, f"grid.{name}", values, f"allowed: {', '.join(allowed)}")
+            _check(len(set(values)) == len(values), f"grid.{name}", values,
+                   "values must be distinct")
         _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
         _in_range(self, "grid", "chunk_points", 1, 2**31 - 1)
+
+    def precision(self, name: str, models: list[Model]) -> list[str]:
+        """The values of a precision axis (``weight_dtype``, ``kv_dtype``): the
+        grid's, else the models' own when they agree, else ``own`` (each
+        model's own)."""
+        values = list(getattr(self, name))
+        if values:
+            return values
+        own = {getattr(m, name) for m in models}
+        return [own.pop()] if len(own) == 1 else ["own"]
 
 
 @dataclass
@@ -406,6 +474,76 @@ class Latency:
         _in_range(self, "latency", "chunk_configs", 1, 2**20)
 
 
+ENGINES = ("vllm", "sglang", "trtllm")
+"""Serving engines a measured profile may name."""
+
+
+@dataclass
+class CalibrationProfile:
+    """Fitted constants of one hardware x model x engine (``conf/calibration/``)."""
+
+    hardware: str = field(default=MISSING, metadata={"help": "a hardware option name"})
+    model: str = field(
+        default="", metadata={"help": "a model option name; empty: any model"})
+    engine: str = field(default="vllm", metadata={"help": "vllm, sglang or trtllm"})
+    mbu: float = field(default=1.0, metadata={"help": "achieved / peak bandwidth"})
+    mfu: float = field(default=1.0, metadata={"help": "achieved / peak FLOP/s"})
+    step_overhead_s: float = field(
+        default=0.0, metadata={"help": "fixed time added to every scheduler step"})
+    kv_mbu: float = field(
+        default=0.0,
+        metadata={"help": "achieved / peak bandwidth of KV-cache reads; 0: mbu"})
+    sequence_overhead_s: float = field(
+        default=0.0, metadata={"help": "fixed time each sequence adds to a step"})
+    source: str = field(default="", metadata={"help": "what was measured, where"})
+    version: str = field(default="", metadata={"help": "the source's version"})
+    license: str = field(default="", metadata={"help": "the source's license"})
+    active_params: float = field(
+        default=0.0,
+        metadata={"help": "the model's active parameters (the profile of the nearest "
+                  "size serves a model without its own); 0: unknown"})
+    fitted_points: int = field(
+        default=0, metadata={"help": "measured points the constants were fitted to"})
+    rms_relative_error: float = field(
+        default=0.0, metadata={"help": "root-mean-square relative error of the fit"})
+
+    def __post_init__(self) -> None:
+        p = f"calibration.profiles[{self.hardware}/{self.model or '*'}/{self.engine}]"
+        _check(self.engine in ENGINES, f"{p}.engine", self.engine,
+               f"allowed: {', '.join(ENGINES)}")
+        for name in ("mbu", "mfu"):
+            _in_range(self, p, name, 1e-3, 1)
+        _in_range(self, p, "step_overhead_s", 0, 3600)
+        _check_step_shape(self, p)
+        _in_range(self, p, "active_params", 0, 1e14)
+        _in_range(self, p, "fitted_points", 0, 2**31 - 1)
+        _in_range(self, p, "rms_relative_error", 0, 1e6)
+
+
+@dataclass
+class Calibration:
+    """Which measured constants scale the roofline bound (``calibration=``).
+
+    ``roofline``: no profile, every hardware keeps its own ``mbu``, ``mfu``
+    and ``step_overhead_s`` (the theoretical bound as shipped). Otherwise each
+    hardware x model of a run takes the profile of its hardware and
+    ``engine`` (the model's own, else the one of the nearest model size), and
+    hardware without one keeps its own constants.
+    """
+
+    name: str = MISSING
+    engine: str = field(
+        default="vllm", metadata={"help": "the engine whose profiles apply"})
+    profiles: list[CalibrationProfile] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(self.engine in ENGINES, "calibration.engine", self.engine,
+               f"allowed: {', '.join(ENGINES)}")
+        keys = [(p.hardware, p.model, p.engine) for p in self.profiles]
+        _check(len(set(keys)) == len(keys), f"calibration[{self.name}].profiles",
+               len(keys), "one profile per hardware x model x engine")
+
+
 MAX_MEMORY_HELP = ("refuse a run whose estimated peak memory exceeds this many "
                    "GB; 0: 80 % of this machine's physical memory")
 
@@ -426,6 +564,7 @@ class GridApp:
     grid: Grid = field(default_factory=Grid)
     slo: Slo = MISSING
     latency: Latency = field(default_factory=Latency)
+    calibration: Calibration = MISSING
     out: str | None = field(
         default=None, metadata={"help": "cube path; default <run dir>/cube.zarr"}
     )
@@ -540,6 +679,7 @@ class OptimizeApp:
     workload: Workload = MISSING
     slo: Slo = MISSING
     search: Search = field(default_factory=Search)
+    calibration: Calibration = MISSING
     out: str | None = field(
         default=None, metadata={"help": "dataset path; default <run dir>/optimize.zarr"}
     )
@@ -553,6 +693,83 @@ class OptimizeApp:
 
     def __post_init__(self) -> None:
         _check_run_settings(self)
+
+
+@dataclass
+class CalibrateFit:
+    """``sweep-calibrate``'s optax fit of ``sweep.search.calibrate.CONSTANTS``."""
+
+    steps: int = field(default=1000, metadata={"help": "Adam steps (lax.scan)"})
+    learning_rate: float = 0.1
+    fit: list[str] = field(
+        default_factory=lambda: ["mbu", "mfu", "step_overhead_s", "kv_mbu",
+                                 "sequence_overhead_s"],
+        metadata={"help": "constants fitted; the others keep the hardware's "
+                  "(kv_mbu: follows mbu)"})
+
+    def __post_init__(self) -> None:
+        _in_range(self, "calibrate.fit", "steps", 1, 100_000)
+        _in_range(self, "calibrate.fit", "learning_rate", 1e-6, 10)
+        allowed = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
+        _check(len(self.fit) > 0 and all(f in allowed for f in self.fit)
+               and len(set(self.fit)) == len(self.fit), "calibrate.fit.fit",
+               list(self.fit), f"a non-empty list of distinct {', '.join(allowed)}")
+
+
+@dataclass
+class CalibrateApp:
+    """Top config of ``sweep-calibrate``: it fits one hardware x model x
+    engine at a time to measured step latencies (CSV) and ``vllm bench
+    serve`` results (JSON) and writes a ``calibration/<name>.yaml`` config
+    (``sweep.cli.calibrate``)."""
+
+    hardware: Hardware = MISSING
+    model: Model = MISSING
+    name: str = field(
+        default="measured",
+        metadata={"help": "the calibration config written: calibration/<name>.yaml"})
+    engine: str = field(default="vllm", metadata={"help": "vllm, sglang or trtllm"})
+    steps_csv: list[str] = field(
+        default_factory=list,
+        metadata={"help": "CSVs of measured steps: batch_size, context_tokens, "
+                  "prefill_tokens, seconds[, tensor_parallel]"})
+    bench_json: list[str] = field(
+        default_factory=list,
+        metadata={"help": "JSONs of `vllm bench serve --save-result "
+                  "--save-detailed`, one run each"})
+    max_num_seqs: int = field(
+        default=256, metadata={"help": "the server's --max-num-seqs in the runs"})
+    max_num_batched_tokens: int = field(
+        default=8192,
+        metadata={"help": "the server's --max-num-batched-tokens in the runs"})
+    tensor_parallel: int = field(
+        default=1, metadata={"help": "the server's --tensor-parallel-size in the runs"})
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata={"help": "the server's --gpu-memory-utilization"})
+    source: str = field(default="", metadata={"help": "recorded in the profile"})
+    version: str = field(default="", metadata={"help": "recorded in the profile"})
+    license: str = field(default="", metadata={"help": "recorded in the profile"})
+    fit: CalibrateFit = field(default_factory=CalibrateFit)
+    out: str | None = field(
+        default=None,
+        metadata={"help": "config folder written: <out>/calibration/<name>.yaml; "
+                  "default the run directory"})
+    seed: int = 0
+    max_memory_gb: float = field(default=0.0, metadata={"help": MAX_MEMORY_HELP})
+
+    def __post_init__(self) -> None:
+        _check_run_settings(self)
+        _check(bool(self.name) and self.name.replace("_", "").replace("-", "")
+               .isalnum(), "name", self.name,
+               "a config name: letters, digits, '_' and '-'")
+        _check(self.engine in ENGINES, "engine", self.engine,
+               f"allowed: {', '.join(ENGINES)}")
+        _check(len(self.steps_csv) + len(self.bench_json) > 0, "steps_csv", [],
+               "give at least one measured file: steps_csv=[...] or bench_json=[...]")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _in_range(self, "", name, 1, MAX_TOKENS)
+        _in_range(self, "", "tensor_parallel", 1, self.hardware.max_gpus_per_node)
+        _in_range(self, "", "gpu_memory_utilization", 1e-3, 1)
 
 
 def tp_splits_heads(model: Model, tp: int) -> bool:

@@ -2,7 +2,8 @@
 
 The ``base_<group>`` schemas are what a group's configs extend (``defaults:
 [base_hardware, _self_]``, in the shipped configs and in a user's own) and
-the apps' roots (``base_grid_app``, ``base_optimize_app``). Hydra's
+the apps' roots (``base_grid_app``, ``base_optimize_app``,
+``base_calibrate_app``). Hydra's
 ConfigStore lists every config it holds as a choice: ``--help`` offered
 ``hardware: ..., base_hardware, ...``, tab completion ``hardware=base_hardware``.
 So the schemas are served by a config source of their own
@@ -23,6 +24,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sweep.config.resolve import stashed_values
 from sweep.config.schema import (
+    CalibrateApp,
+    Calibration,
     Grid,
     GridApp,
     Hardware,
@@ -43,8 +46,10 @@ SCHEMAS = {
     "slo/base_slo": Slo,
     "latency/base_latency": Latency,
     "search/base_search": Search,
+    "calibration/base_calibration": Calibration,
     "base_grid_app": GridApp,
     "base_optimize_app": OptimizeApp,
+    "base_calibrate_app": CalibrateApp,
 }
 """Config path -> schema dataclass."""
 

@@ -111,14 +111,14 @@ class Metric:
     """One variable: its name, units and where it lives.
 
     ``over``: a part (``ROOFLINE``, ``P99``: on that part's dims), an axis
-    name (a property of each of its values, e.g. a hardware's price), or
-    ``OPTIMIZE``.
+    name or a tuple of them (a property of each of their values, e.g. a
+    hardware's price, a model's weights at a precision), or ``OPTIMIZE``.
     """
 
     name: str
     units: str  # "" for a flag variable or an index
     long_name: str
-    over: str = ROOFLINE
+    over: str | tuple[str, ...] = ROOFLINE
     dtype: str = "float32"  # "bool", "int32", "float64"
     source: str = ""  # the producing function's key, when not ``name``
     latency: bool = False  # a latency percentile both latency models give
@@ -160,6 +160,9 @@ AXES: tuple[Axis, ...] = (
          affects=("long_prefill_s", "long_prefill_steps", "long_prefill_worst_itl_s")),
     Axis("traffic_tokens_per_day", "token / day", "output traffic", SCENARIO, REAL,
          parts=(ROOFLINE,), header="tok/day", low=1e-6, high=1e18),
+    Axis("weight_dtype", "", "weight precision (with group scales)", CONFIG, LABEL,
+         header="weights"),
+    Axis("kv_dtype", "", "KV cache precision", CONFIG, LABEL, header="KV"),
     Axis("arrival_rate_per_s", "request / s", "arrival rate", SCENARIO, REAL,
          parts=(P99,), header="req/s", low=1e-9, high=1e12, optional=True),
 )
@@ -210,9 +213,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("usd_per_gpu_hour", "USD / GPU / hour", "price per GPU-hour", "hardware",
            dtype="float64"),
     Metric("memory_bytes", "byte", "memory per GPU", "hardware", dtype="float64"),
-    Metric("weight_bytes", "byte", "weights", "model", dtype="float64"),
-    Metric("kv_bytes_per_token", "byte / token", "KV cache per token", "model",
+    Metric("weight_bytes", "byte", "weights", ("model", "weight_dtype"),
            dtype="float64"),
+    Metric("kv_bytes_per_token", "byte / token", "KV cache per token",
+           ("model", "kv_dtype"), dtype="float64"),
     Metric("mean_prompt_tokens", "token", "mean prompt length", "workload",
            dtype="float64"),
     Metric("mean_output_tokens", "token", "mean output length", "workload",

@@ -11,6 +11,7 @@ blocks of every part, writes them, and returns the finished cube.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -31,11 +32,12 @@ from sweep.config.schema import (
     check_tensor_parallel,
 )
 from sweep.cube import contract, outputs, results
+from sweep.grid import calibration
 from sweep.grid.evaluate import Part, blocking, iterate_blocks
 from sweep.grid.plan import grid_plan
 from sweep.latency import p99
 from sweep.latency.workload import WorkloadTables, workload_tables
-from sweep.model import batching
+from sweep.model import batching, precision
 from sweep.model.cost import static_slot_utilization
 from sweep.model.params import WorkloadParams, stack
 from sweep.model.point import grid_point
@@ -50,21 +52,58 @@ class GridJob:
     coords: dict[str, np.ndarray]
     parts: list[Part]
     extra: dict[str, xr.DataArray]
+    # the constants each hardware x model runs with (``sweep.grid.calibration``)
+    calibration: list[list[calibration.Choice]]
 
     @property
     def points(self) -> int:
         return math.prod(self.parts[0].plan.shape)
 
 
+def _at(m: Model, name: str, value: str) -> Model:
+    """``m`` at one value of a precision axis (``own``: as it is)."""
+    return m if value == "own" else dataclasses.replace(m, **{name: value})
+
+
+def _dtype_index(value: str, names: tuple[str, ...]) -> int:
+    return precision.OWN if value == "own" else names.index(value)
+
+
+def _at_dtypes(app: GridApp, m: Model) -> list[Model]:
+    """``m`` at every weight x KV precision of the grid."""
+    return [_at(_at(m, "weight_dtype", w), "kv_dtype", kv)
+            for w in (app.grid.weight_dtype or ["own"])
+            for kv in (app.grid.kv_dtype or ["own"])]
+
+
+def _check_precision(app: GridApp, hardware: list[Hardware],
+                     models: list[Model]) -> None:
+    """Every weight precision swept runs on every hardware's tensor cores."""
+    for h in hardware:
+        for m in models:
+            for w in app.grid.weight_dtype or [m.weight_dtype]:
+                if precision.supported(h, w):
+                    continue
+                key = (f"grid.weight_dtype = {list(app.grid.weight_dtype)}"
+                       if app.grid.weight_dtype else f"model[{m.name}].weight_dtype = "
+                       f"{w}")
+                raise ConfigError(
+                    f"{key}: hardware[{h.name}] has no {w} tensor cores "
+                    f"(hardware.{precision.rate_field(w)} = 0); allowed on "
+                    f"{h.name}: {', '.join(precision.allowed(h))}")
+
+
 def _check_fits(app: GridApp, hardware: list[Hardware], models: list[Model]) -> None:
-    """A model that fits nowhere in the grid, even at concurrency 1, is an error."""
+    """A model that fits nowhere in the grid, even at concurrency 1 and its
+    smallest precision, is an error."""
     util = app.grid.gpu_memory_utilization
     tp_max = max(app.grid.axes["tensor_parallel"])
     ctx = min(app.grid.axes["context_tokens"])
     best = max(hardware, key=lambda h: h.memory_bytes)
     for m in models:
-        kvb = 2 * m.layers * m.kv_heads * m.head_dim * m.kv_dtype_bytes
-        need = float(weight_bytes(model_params(m))) + ctx * kvb
+        need = min(float(weight_bytes(model_params(v))) + ctx * 2 * v.layers
+                   * v.kv_heads * v.head_dim * v.kv_dtype_bytes
+                   for v in _at_dtypes(app, m))
         have = best.memory_bytes * util * tp_max
         if need > have:
             raise ConfigError(
@@ -126,6 +165,7 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
     """
     check_tensor_parallel("grid.tensor_parallel", app.grid.axes["tensor_parallel"],
                           options["hardware"], options["model"])
+    _check_precision(app, options["hardware"], options["model"])
     _check_context(app, options["model"])
     _check_fits(app, options["hardware"], options["model"])
     for d, names in (("hardware", [h.name for h in options["hardware"]]),
@@ -147,8 +187,10 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     tables = check(app, options)
     axes = app.grid.axes
     policies = [b.value for b in app.grid.batching]
+    dtypes = {d: app.grid.precision(d, models) for d in ("weight_dtype", "kv_dtype")}
     labels = {"hardware": [h.name for h in hardware], "model": [m.name for m in models],
-              "workload": [w.name for w in workloads], "batching": policies}
+              "workload": [w.name for w in workloads], "batching": policies,
+              **dtypes}
     roofline_dims = contract.dims(contract.ROOFLINE)
     coords = {}
     for d in roofline_dims:
@@ -163,6 +205,10 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         "model": stack([model_params(m) for m in models]),
         "workload": stack(_padded(tables)),
         "batching": np.array([batching.index(b) for b in policies], np.int32),
+        "weight_dtype": np.array([_dtype_index(v, precision.WEIGHT_DTYPES)
+                                  for v in dtypes["weight_dtype"]], np.int32),
+        "kv_dtype": np.array([_dtype_index(v, precision.KV_DTYPES)
+                              for v in dtypes["kv_dtype"]], np.int32),
         **{d: np.asarray(axes[d], np.float32) for d in roofline_dims
            if d not in labels},
     }
@@ -176,12 +222,16 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         part, rate_coord = p99.part(app, workloads, tables, models, inputs, coords)
         coords["arrival_rate_per_s"] = rate_coord
         parts.append(part)
+    choices = calibration.choose(app.calibration, hardware, models)
+    calibration.attach(parts, choices)
     per_value = {
         "usd_per_gpu_hour": [h.usd_per_gpu_hour for h in hardware],
         "memory_bytes": [h.memory_bytes for h in hardware],
-        "weight_bytes": [float(weight_bytes(model_params(m))) for m in models],
-        "kv_bytes_per_token": [2.0 * m.layers * m.kv_heads * m.head_dim
-                               * m.kv_dtype_bytes for m in models],
+        "weight_bytes": [[float(weight_bytes(model_params(_at(m, "weight_dtype", w))))
+                          for w in dtypes["weight_dtype"]] for m in models],
+        "kv_bytes_per_token": [[2.0 * m.layers * m.kv_heads * m.head_dim
+                                * _at(m, "kv_dtype", kv).kv_dtype_bytes
+                                for kv in dtypes["kv_dtype"]] for m in models],
         "mean_prompt_tokens": [t.mean_prompt_tokens for t in tables],
         "mean_output_tokens": [t.mean_output_tokens for t in tables],
     }
@@ -190,7 +240,7 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         m = contract.METRIC[name]
         extra[name] = xr.DataArray(np.asarray(values, m.dtype), dims=m.over,
                                    attrs=m.attrs())
-    return GridJob(app, coords, parts, extra)
+    return GridJob(app, coords, parts, extra, choices)
 
 
 def config_digest(config_yaml: str) -> str:

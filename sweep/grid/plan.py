@@ -201,7 +201,8 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
     g = app.grid
     sizes = {k: len(v) for k, v in g.axes.items()} | {
         k: len(options[k]) for k in ("hardware", "model", "workload")} | {
-        "batching": len(g.batching)}
+        "batching": len(g.batching)} | {
+        d: len(g.precision(d, options["model"])) for d in ("weight_dtype", "kv_dtype")}
     shape = tuple(sizes[d] for d in contract.dims(contract.ROOFLINE))
     roof = blocking(shape, g.chunk_points)
     points = math.prod(shape)

@@ -50,7 +50,7 @@ from sweep.latency.arrivals import workload_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables, served_tables
-from sweep.model import roofline
+from sweep.model import precision, roofline
 from sweep.model.batching import is_continuous
 from sweep.model.params import OVERLONG, stack
 
@@ -81,8 +81,10 @@ class SimulatePoint:
     max_slots: int
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
-                 token_budget, batching, arrival_rate_per_s, requests, slo):
+                 token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
+                 requests, slo):
         del arrival_rate_per_s  # the requests arrive at it already
+        model = precision.apply(model, weight_dtype, kv_dtype)
         r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
                      requests, batching, slo[0], slo[1], workload,
                      max_slots=self.max_slots)._asdict()
@@ -91,7 +93,8 @@ class SimulatePoint:
 
 
 def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
-                    token_budget, batching, arrival_rate_per_s, served, rejected, slo):
+                    token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
+                    served, rejected, slo):
     """One configuration through the surrogate (continuous batching only).
 
     ``served`` describes the requests this model serves of the workload,
@@ -100,6 +103,7 @@ def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
     input is unused (the tables carry the workload).
     """
     del workload
+    model = precision.apply(model, weight_dtype, kv_dtype)
     r = dict(surrogate(hardware, model, served, tensor_parallel, concurrency,
                        token_budget, arrival_rate_per_s * (1.0 - rejected), slo[0],
                        slo[1]))

@@ -326,10 +326,11 @@ class _Ctx(NamedTuple):
     num_served: jax.Array  # int32: requests [0, num_served) are served
 
 
-def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope):
+def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope, sequences):
     """``roofline.step_lines`` of a run, its token counts in the clock's dtype."""
     return roofline.step_lines(cx.hw, cx.model, cx.tp, new_tokens.astype(dt),
-                               kv0.astype(dt), kv_slope.astype(dt), keys0, keys_slope)
+                               kv0.astype(dt), kv_slope.astype(dt), keys0, keys_slope,
+                               sequences.astype(dt))
 
 
 def _elapsed(lines, split, j):
@@ -795,6 +796,7 @@ def _event_step(cx: _Ctx, s: _State, prefilled, left, n_dec, ctx_f):
         jnp.zeros((), dt),
         ctx_f + (taken_f * done_f + taken_f * (taken_f + 1.0) / 2.0).sum(),
         jnp.zeros((), dt),
+        n_dec + (taken > 0).sum(dtype=n_dec.dtype),
     )
     return _step_time(lines, jnp.zeros((), jnp.int32)), chunks, finished
 
@@ -838,6 +840,7 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
         cx, dt, n_dec + chunk, ctx0.astype(dt) + p0, (n_dec + chunk).astype(dt),
         ctx0.astype(dt) + p0 * chunk_f + chunk_f * (chunk_f + 1.0) / 2.0,
         n_dec.astype(dt) + chunk_f * chunk_f,
+        n_dec + has_pref.astype(n_dec.dtype),
     )
     split = roofline.split_at_crossing(lines, horizon)
     # the next new request, if it could join at a later step's start

@@ -311,12 +311,12 @@ def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens):
     ctx = decodes * context_tokens
     bw = tp * roofline.effective_bandwidth_bytes_per_s(hw)
     peak = tp * roofline.effective_flops_per_s(hw)
-    kvb = roofline.kv_bytes_per_token(model)
+    kvb = roofline.kv_read_bytes_per_token(hw, model)
     fpk = roofline.attention_flops_per_key(model)
     mem0 = (roofline.weight_bytes_read(model, new) + ctx * kvb) / bw
-    comp0 = (2.0 * model.active_params * new
+    comp0 = (roofline.linear_flops_per_token(hw, model) * new
              + fpk * (ctx + chunk_tokens * (chunk_tokens + 1.0) / 2.0)) / peak
-    fixed = roofline.allreduce_s(hw, model, tp, new) + hw.step_overhead_s
+    fixed = roofline.fixed_s(hw, model, tp, new, decodes + 1.0)
     return roofline.StepLines(mem0, kvb / bw, comp0, fpk * chunk_tokens / peak, fixed)
 
 

@@ -36,6 +36,13 @@ class HardwareParams(NamedTuple):
     mfu: jax.Array
     step_overhead_s: jax.Array
     gpu_memory_utilization: jax.Array
+    # measured step shape (sweep.grid.calibration): KV-cache reads stream at their
+    # own utilisation, and each sequence in a step adds a fixed time
+    kv_mbu: jax.Array = 1.0
+    sequence_overhead_s: jax.Array = 0.0
+    # dense tensor-core rates of the quantised dtypes (sweep.model.precision); 0: none
+    fp8_flops_per_s: jax.Array = 0.0
+    fp4_flops_per_s: jax.Array = 0.0
 
 
 class ModelParams(NamedTuple):
@@ -54,6 +61,9 @@ class ModelParams(NamedTuple):
     kv_dtype_bytes: jax.Array
     # longest prompt + output served (vLLM's max_model_len); inf: no limit
     max_context_tokens: jax.Array = math.inf
+    # the tensor-core rate the linear layers run at (sweep.model.precision: BF16 0,
+    # FP8 1, FP4 2)
+    weight_compute: jax.Array = 0.0
 
 
 def stack(trees: list, dtype=jnp.float32):
@@ -82,3 +92,7 @@ class GridPoint(NamedTuple):
     batching: jax.Array  # index into sweep.model.batching.POLICIES, int32
     long_prompt_tokens: jax.Array
     traffic_tokens_per_day: jax.Array
+    # indices into sweep.model.precision's WEIGHT_DTYPES and KV_DTYPES, int32;
+    # OWN (-1): the model's own
+    weight_dtype: jax.Array = -1
+    kv_dtype: jax.Array = -1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from sweep.cube import contract
-from sweep.model import batching, cost, roofline
+from sweep.model import batching, cost, precision, roofline
 from sweep.model.params import GridPoint, WorkloadParams
 
 DIMS = contract.dims(contract.ROOFLINE)
@@ -26,6 +26,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         workload and concurrency, computed once per (workload, concurrency);
         the batching policy (``sweep.model.batching``) decides what it costs.
     """
+    model = precision.apply(model, pt.weight_dtype, pt.kv_dtype)
     tp = pt.tensor_parallel
     running = batching.running(pt.batching, pt.concurrency)
     step = roofline.decode_step_s(hw, model, tp, running, pt.context_tokens)

@@ -8,7 +8,10 @@ Every function here is written for one grid point (scalar leaves) and is
   token attending to ``k`` keys costs ``4 * layers * q_heads * head_dim * k``
   (QK^T and PV, 2 FLOP per multiply-add);
 * its time is ``max(bytes / (bandwidth * mbu), flops / (peak * mfu))`` plus a
-  fixed overhead.
+  fixed overhead. Calibrated to measured engines (``sweep.grid.calibration``),
+  the KV cache streams at its own ``kv_mbu`` and every sequence in the step
+  adds ``sequence_overhead_s``: the step's effective ``mbu`` is then a smooth
+  function of its batch and context (1 and 0 by default: the bound).
 
 Tensor parallelism over ``tp`` GPUs splits weights, KV cache and FLOPs evenly
 and adds two ring all-reduces of the step's activations per layer (after
@@ -52,6 +55,26 @@ def kv_bytes_per_token(model: ModelParams):
     return 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_dtype_bytes
 
 
+def kv_read_bytes_per_token(hw: HardwareParams, model: ModelParams):
+    """KV bytes a step's memory time counts per cached token read: the cache
+    streams at ``kv_mbu``, the weights at ``mbu``."""
+    return kv_bytes_per_token(model) * hw.mbu / hw.kv_mbu
+
+
+def linear_flops_per_token(hw: HardwareParams, model: ModelParams):
+    """FLOPs of one token through the linear layers, counted at the BF16 rate.
+
+    ``2 * active_params``, scaled by ``peak_flops_per_s`` over the rate of the
+    model's weight dtype (``sweep.model.precision``: FP8 or FP4 tensor cores for
+    fp8 or fp4 weights), so that one division by the BF16 rate times them
+    all; the scale is exactly 1 for BF16 compute.
+    """
+    rate = jnp.where(model.weight_compute == 1.0, hw.fp8_flops_per_s,
+                     jnp.where(model.weight_compute == 2.0, hw.fp4_flops_per_s,
+                               hw.peak_flops_per_s))
+    return 2.0 * model.active_params * (hw.peak_flops_per_s / rate)
+
+
 def attention_flops_per_key(model: ModelParams):
     """FLOPs for one new token attending to one key (QK^T and PV)."""
     return 4.0 * model.layers * model.q_heads * model.head_dim
@@ -77,6 +100,13 @@ def allreduce_s(hw: HardwareParams, model: ModelParams, tp, new_tokens):
     return ALLREDUCES_PER_LAYER * model.layers * moved / hw.interconnect_bytes_per_s
 
 
+def fixed_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, sequences):
+    """The part of a step that neither bandwidth nor FLOPs bound: all-reduces,
+    the step's overhead and each sequence's (``sequence_overhead_s``)."""
+    return (allreduce_s(hw, model, tp, new_tokens) + hw.step_overhead_s
+            + hw.sequence_overhead_s * sequences)
+
+
 def effective_bandwidth_bytes_per_s(hw: HardwareParams):
     """Memory bandwidth one GPU achieves: peak x ``mbu`` (a TP group: ``tp`` x)."""
     return hw.memory_bandwidth_bytes_per_s * hw.mbu
@@ -88,7 +118,7 @@ def effective_flops_per_s(hw: HardwareParams):
 
 
 def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
-           attention_keys):
+           attention_keys, sequences=0.0):
     """One step's wall time, seconds.
 
     Args:
@@ -96,12 +126,13 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
       new_tokens: tokens the step computes (decodes plus prefill chunk tokens).
       kv_read_tokens: cached tokens whose KV the step reads (summed over sequences).
       attention_keys: keys attended to, summed over all new tokens.
+      sequences: sequences in the step (decodes plus prompts chunked).
     """
     bytes_moved = weight_bytes_read(model, new_tokens) + kv_read_tokens * (
-        kv_bytes_per_token(model)
+        kv_read_bytes_per_token(hw, model)
     )
     flops = (
-        2.0 * model.active_params * new_tokens
+        linear_flops_per_token(hw, model) * new_tokens
         + attention_flops_per_key(model) * attention_keys
     )
     memory_s = bytes_moved / tp / effective_bandwidth_bytes_per_s(hw)
@@ -110,13 +141,14 @@ def step_s(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_token
         jnp.maximum(memory_s, compute_s)
         + allreduce_s(hw, model, tp, new_tokens)
         + hw.step_overhead_s
+        + hw.sequence_overhead_s * sequences
     )
 
 
 def decode_step_s(hw, model, tp, sequences, context_tokens):
     """Decode-only step of ``sequences`` running sequences at mean context."""
     cached = sequences * context_tokens
-    return step_s(hw, model, tp, sequences, cached, cached)
+    return step_s(hw, model, tp, sequences, cached, cached, sequences)
 
 
 def chunk_attention_keys(chunk_tokens, cached_tokens):
@@ -140,6 +172,7 @@ def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
         decodes + chunk_tokens,
         decode_context_tokens + chunk_cached_tokens,
         decode_context_tokens + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+        decodes + jnp.where(chunk_tokens > 0, 1.0, 0.0),
     )
 
 
@@ -165,21 +198,23 @@ class StepLines(NamedTuple):
 
 
 def step_lines(hw: HardwareParams, model: ModelParams, tp, new_tokens, kv_read_tokens,
-               kv_read_slope, attention_keys, attention_keys_slope) -> StepLines:
-    """``step_s`` of steps with ``new_tokens`` each whose KV read and attention
-    keys grow linearly in ``x``: ``kv_read_tokens + kv_read_slope x`` and
-    ``attention_keys + attention_keys_slope x``."""
-    kvb = kv_bytes_per_token(model)
+               kv_read_slope, attention_keys, attention_keys_slope,
+               sequences=0.0) -> StepLines:
+    """``step_s`` of steps with ``new_tokens`` each (of ``sequences``
+    sequences) whose KV read and attention keys grow linearly in ``x``:
+    ``kv_read_tokens + kv_read_slope x`` and ``attention_keys +
+    attention_keys_slope x``."""
+    kvb = kv_read_bytes_per_token(hw, model)
     fpk = attention_flops_per_key(model)
     bandwidth = effective_bandwidth_bytes_per_s(hw)
     flop_rate = effective_flops_per_s(hw)
     return StepLines(
         (weight_bytes_read(model, new_tokens) + kv_read_tokens * kvb) / tp / bandwidth,
         kv_read_slope * kvb / tp / bandwidth,
-        (2.0 * model.active_params * new_tokens + fpk * attention_keys) / tp
+        (linear_flops_per_token(hw, model) * new_tokens + fpk * attention_keys) / tp
         / flop_rate,
         fpk * attention_keys_slope / tp / flop_rate,
-        allreduce_s(hw, model, tp, new_tokens) + hw.step_overhead_s,
+        fixed_s(hw, model, tp, new_tokens, sequences),
     )
 
 
@@ -243,7 +278,7 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     full = jnp.floor(prompt_tokens / b)
     rest = prompt_tokens - full * b
     ctx = decodes * context_tokens
-    kvb = kv_bytes_per_token(model)
+    kvb = kv_read_bytes_per_token(hw, model)
     new = decodes + b
     mem_bw = tp * effective_bandwidth_bytes_per_s(hw)
     flop_rate = tp * effective_flops_per_s(hw)
@@ -257,10 +292,10 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     lines = StepLines(
         (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
         b * kvb / mem_bw,
-        (2.0 * model.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0))
+        (linear_flops_per_token(hw, model) * new + fpk * (ctx + b * (b + 1.0) / 2.0))
         / flop_rate,
         fpk * b * b / flop_rate,
-        allreduce_s(hw, model, tp, new) + hw.step_overhead_s,
+        fixed_s(hw, model, tp, new, decodes + 1.0),
     )
     full_sum = run_s(lines, split_at_crossing(lines, full), full)
     last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from sweep.cube import engines
+from sweep.cube import contract, engines
 from sweep.cube.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, is_optimize, load_slo
 from sweep.cube.results import DamagedCube, check_chunks, open_cube
 from sweep.report import plots
@@ -37,7 +37,7 @@ CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_p
                   "user_tokens_per_s")
 CORE_DIMS = ("concurrency",)
 PROVENANCE = ("sweep_version", "created_utc", "git_sha", "jax_version", "jax_backend",
-              "x64", "seed", "hydra_overrides")
+              "x64", "seed", "hydra_overrides", "calibration", "calibration_engine")
 
 # the optimize report's tables (``sweep.search.optimize.to_dataset``): (name, header,
 # format); seconds are shown in ms
@@ -157,7 +157,8 @@ def summary(ds: xr.Dataset, limits: dict) -> tuple[str, xr.Dataset]:
     best = best.assign({plots.PER_GPU: plots.per_gpu(best["output_tokens_per_s"], tp)})
     best = best.transpose("hardware", "model", ...)
     cols = [("hardware", None, "{}"), ("model", None, "{}")]
-    cols += [(f"best_{d}", d, "{:g}" if d != "batching" else "{}") for d in over]
+    cols += [(f"best_{d}", d, "{}" if contract.AXIS[d].kind == contract.LABEL
+              else "{:g}") for d in over]
     cols += [("step_s", "ITL (ms)", "{:.2f}")]
     cols += [(v, f"{v.split('_')[0].upper()} p99 (ms)", "{:.1f}")
              for v in ("ttft_p99_s", "itl_p99_s") if v in best]

@@ -10,6 +10,8 @@ stated way (``view``):
 * batching is fixed at a continuous policy (``continuous``: what vLLM /
   SGLang / TGI run; ``sweep.model.batching``) when the cube has one, else at its
   first value;
+* the weight and KV precisions are fixed at their first value (a precision
+  trades quality for cost, which the cube does not measure);
 * the deployment choices the chart does not show (tensor parallelism, token
   budget, concurrency) are reduced to the cheapest point in USD per 1M output
   tokens among those that fit, ties going to the first coordinate value;
@@ -62,8 +64,13 @@ def label(da: xr.DataArray, scale_ms: bool = False) -> str:
     return f"{name} ({units})" if units else str(name)
 
 
+PRECISION_DIMS = ("weight_dtype", "kv_dtype")
+"""Fixed at their first value in the report (``scenario``)."""
+
+
 def scenario(ds: xr.Dataset) -> tuple[xr.Dataset, list[str]]:
-    """Fixes the scenario dims and batching; returns the cube and what was fixed."""
+    """Fixes the scenario dims, batching and precision; returns the cube and
+    what was fixed."""
     notes, sel = [], {}
     for d in SCENARIO_DIMS:
         if d in ds.dims:
@@ -75,6 +82,13 @@ def scenario(ds: xr.Dataset) -> tuple[xr.Dataset, list[str]]:
         served = [i for i, v in enumerate(values) if v in batching.CONTINUOUS_NAMES]
         sel["batching"] = served[0] if served else 0
         notes.append(f"batching = {values[sel['batching']]}")
+    # a precision trades quality for cost, which the cube does not measure:
+    # the report shows the first one swept rather than the cheapest
+    for d in PRECISION_DIMS:
+        if d in ds.dims:
+            sel[d] = 0
+            extra = f" (first of {ds.sizes[d]})" if ds.sizes[d] > 1 else ""
+            notes.append(f"{d} = {ds[d].values[0]}{extra}")
     return ds.isel(sel), notes
 
 

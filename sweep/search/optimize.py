@@ -54,13 +54,14 @@ from sweep.config.schema import (
     check_tensor_parallel,
 )
 from sweep.cube import contract, engines, outputs, status
+from sweep.grid import calibration
 from sweep.grid.plan import optimize_plan
 from sweep.latency.arrivals import Requests, route, split, workload_requests
 from sweep.latency.p99 import served_workload
 from sweep.latency.simulate import pool, simulate_requests, summarize
 from sweep.latency.surrogate import LatencyWorkload
 from sweep.latency.workload import WorkloadTables, workload_tables
-from sweep.model import roofline
+from sweep.model import precision, roofline
 from sweep.model.batching import CONTINUOUS
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.model.params import OVERLONG, stack
@@ -125,11 +126,27 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"allowed: slo.max_rejected_fraction >= {served[least.name][1]:.4g}, "
             "workload.overlong=truncate, or a model with a longer context")
     request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
+    for m in models:
+        w = m.weight_dtype
+        if not any(precision.supported(h, w) for h in hardware):
+            runs = [d for d in precision.WEIGHT_DTYPES
+                    if any(precision.supported(h, d) for h in hardware)]
+            raise ConfigError(
+                f"model[{m.name}].weight_dtype = {w}: no hardware searched has {w} "
+                f"tensor cores (hardware.{precision.rate_field(w)} = 0 on "
+                f"{', '.join(h.name for h in hardware)}); allowed: "
+                f"{', '.join(runs)}, or hardware with them")
     keep, excluded = [], []
-    for h in hardware:
+    chosen = calibration.choose(app.calibration, hardware, models)
+    for h, row in zip(hardware, chosen):
         hp = hardware_params(h, s.gpu_memory_utilization)
-        for m in models:
+        for m, choice in zip(models, row):
             mp = model_params(m)
+            if not precision.supported(h, m.weight_dtype):
+                excluded.append(
+                    f"{h.name} x {m.name}: no {m.weight_dtype} tensor cores "
+                    f"(hardware.{precision.rate_field(m.weight_dtype)} = 0)")
+                continue
             if m in too_long:
                 excluded.append(
                     f"{h.name} x {m.name}: rejects {served[m.name][1]:.2%} of the "
@@ -138,7 +155,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                 continue
             for tp in s.tp_values:
                 cap = float(roofline.kv_capacity_tokens(hp, mp, float(tp)))
-                c = Candidate(h, m, int(tp))
+                c = Candidate(calibration.hardware_for(h, choice), m, int(tp))
                 if cap >= request_kv:
                     keep.append(c)
                 else:
