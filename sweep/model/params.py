@@ -82,3 +82,7 @@ class GridPoint(NamedTuple):
     batching: jax.Array  # index into sweep.model.batching.POLICIES, int32
     long_prompt_tokens: jax.Array
     traffic_tokens_per_day: jax.Array
+    # speculative decoding: tokens proposed per step (0: off), and the
+    # chance each proposed token is accepted
+    spec_tokens: jax.Array = 0.0
+    spec_acceptance: jax.Array = 0.0
