@@ -160,9 +160,16 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     tp = pt.tensor_parallel
     running = np.where(pt.batching == REQUEST, F32(1.0), pt.concurrency)
     cached = running * pt.context_tokens
-    step = _step_s(hw, m, tp, running, cached, cached)
+    spec = pt.spec_tokens
+    new = spec + 1.0
+    step = _step_s(hw, m, tp, running * new, cached,
+                   running * (new * pt.context_tokens + new * spec / 2.0))
+    at_one = pt.spec_acceptance >= 1.0
+    a = np.where(at_one, F32(0.5), pt.spec_acceptance)
+    gained = np.where(spec > 0, np.where(at_one, new, (1.0 - a**new) / (1.0 - a)),
+                      F32(1.0))
     utilization = np.where(pt.batching == STATIC, static_utilization, F32(1.0))
-    output_rate = running / step * utilization
+    output_rate = running * gained / step * utilization
     zero = np.zeros_like(step)
     prefill = _mixed_step_s(hw, m, tp, zero, zero, wl.mean_prompt_tokens, zero)
     prefill_rate = wl.mean_prompt_tokens / prefill
@@ -175,12 +182,13 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     replicas = np.maximum(np.ceil(pt.traffic_tokens_per_day / capacity_per_day),
                           F32(1.0))
     capacity = _kv_capacity_tokens(hw, m, tp)
-    fits = running * pt.context_tokens <= capacity
+    fits = running * (pt.context_tokens + spec) <= capacity
     monthly_usd = replicas * hw.usd_per_gpu_hour * tp * HOURS_PER_MONTH
     monthly_tokens = pt.traffic_tokens_per_day * HOURS_PER_MONTH / 24.0
     metrics = {
         "step_s": step,
-        "user_tokens_per_s": 1.0 / step,
+        "tokens_per_step": gained,
+        "user_tokens_per_s": gained / step,
         "output_tokens_per_s": output_rate,
         "slot_utilization": utilization,
         "cost_per_mtok_out_usd": _cost_per_mtok_usd(hw.usd_per_gpu_hour, tp,
@@ -197,7 +205,7 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     metrics = {k: np.where(fits, v, nan) for k, v in metrics.items()}
     metrics["kv_fits"] = fits
     metrics["max_concurrency_fit"] = np.maximum(
-        np.floor(capacity / pt.context_tokens), F32(0.0)
+        np.floor(capacity / (pt.context_tokens + spec)), F32(0.0)
     )
     return metrics
 
@@ -303,17 +311,22 @@ def _py_point(hw, m, wl, pt, static_utilization):
     tp = pt["tensor_parallel"]
     running = 1.0 if pt["batching"] == REQUEST else pt["concurrency"]
     ctx = pt["context_tokens"]
+    k, a = pt["spec_tokens"], pt["spec_acceptance"]
     kvb = 2.0 * m["layers"] * m["kv_heads"] * m["head_dim"] * m["kv_dtype_bytes"]
     weights = (m["shared_params"] + m["expert_params"]) * m["weight_dtype_bytes"]
     capacity = (hw["memory_bytes"] * hw["gpu_memory_utilization"] * tp - weights) / kvb
-    out = {"kv_fits": running * ctx <= capacity,
-           "max_concurrency_fit": max(float(math.floor(capacity / ctx)), 0.0)}
+    out = {"kv_fits": running * (ctx + k) <= capacity,
+           "max_concurrency_fit": max(float(math.floor(capacity / (ctx + k))), 0.0)}
     nan = math.nan
     if not out["kv_fits"]:
         return {**{k: nan for k in PY_METRICS}, **out}
-    step = _py_step_s(hw, m, tp, running, running * ctx, running * ctx)
+    # k proposals verified per sequence: token j attends to ctx + j keys; the
+    # accepted run is geometric, truncated at k (plus the target's own token)
+    step = _py_step_s(hw, m, tp, running * (k + 1), running * ctx,
+                      running * sum(ctx + j for j in range(int(k) + 1)))
+    gained = sum(a**j for j in range(int(k) + 1))
     util = static_utilization if pt["batching"] == STATIC else 1.0
-    rate = running / step * util
+    rate = running * gained / step * util
     prompt = wl["mean_prompt_tokens"]
     prefill_rate = prompt / _py_step_s(hw, m, tp, prompt, 0.0,
                                        prompt * (prompt + 1.0) / 2.0)
@@ -327,7 +340,8 @@ def _py_point(hw, m, wl, pt, static_utilization):
     replicas = max(math.ceil(traffic / (rate * SECONDS_PER_DAY)), 1.0)
     return {
         "step_s": step,
-        "user_tokens_per_s": 1.0 / step,
+        "tokens_per_step": gained,
+        "user_tokens_per_s": gained / step,
         "output_tokens_per_s": rate,
         "slot_utilization": util,
         "cost_per_mtok_out_usd": price / (rate * 3600.0) * 1e6,
@@ -343,7 +357,8 @@ def _py_point(hw, m, wl, pt, static_utilization):
 
 
 PY_METRICS = (
-    "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
+    "step_s", "tokens_per_step", "user_tokens_per_s", "output_tokens_per_s",
+    "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
     "long_prefill_s", "long_prefill_steps", "long_prefill_worst_itl_s", "replicas",
     "effective_cost_per_mtok_out_usd",

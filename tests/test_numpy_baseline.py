@@ -30,6 +30,8 @@ OVERRIDES = [
     "grid.batching=[request,static,continuous]",
     "grid.long_prompt_tokens=[300,8192]",
     "grid.traffic_tokens_per_day=[1.0e+7,1.0e+9]",
+    "grid.spec_tokens=[0,3]",
+    "grid.spec_acceptance=[0.6,1.0]",
     "grid.chunk_points=5000",
 ]
 

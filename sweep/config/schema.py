@@ -394,6 +394,13 @@ class Grid:
                   "empty: each model's own"})
     long_prompt_tokens: Any = field(default_factory=lambda: [8192])
     traffic_tokens_per_day: Any = field(default_factory=lambda: [1e7, 1e9])
+    spec_tokens: Any = field(
+        default_factory=lambda: [0],
+        metadata={"help": "speculative decoding: tokens proposed per step (n-gram "
+                  "proposer); 0: off"})
+    spec_acceptance: Any = field(
+        default_factory=lambda: [0.7],
+        metadata={"help": "chance each proposed token is accepted (0-1)"})
     arrival_rate_per_s: Any = field(
         default_factory=list,
         metadata={"help": "request rates for p99 latency; empty: each workload's own"},

@@ -96,3 +96,7 @@ class GridPoint(NamedTuple):
     # OWN (-1): the model's own
     weight_dtype: jax.Array = -1
     kv_dtype: jax.Array = -1
+    # speculative decoding: tokens proposed per step (0: off), and the
+    # chance each proposed token is accepted
+    spec_tokens: jax.Array = 0.0
+    spec_acceptance: jax.Array = 0.0

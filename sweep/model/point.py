@@ -29,9 +29,14 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     model = precision.apply(model, pt.weight_dtype, pt.kv_dtype)
     tp = pt.tensor_parallel
     running = batching.running(pt.batching, pt.concurrency)
-    step = roofline.decode_step_s(hw, model, tp, running, pt.context_tokens)
+    # with speculation a step verifies k proposals per sequence and yields
+    # ``gained`` tokens on average, delivered together: the gap between them
+    # (the ITL) is the whole step, the per-user rate ``gained / step``
+    step = roofline.speculative_step_s(hw, model, tp, running, pt.context_tokens,
+                                       pt.spec_tokens)
+    gained = roofline.tokens_per_step(pt.spec_tokens, pt.spec_acceptance)
     utilization = batching.slot_utilization(pt.batching, static_utilization)
-    output_rate = running / step * utilization
+    output_rate = running * gained / step * utilization
     prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens)
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = roofline.chunked_prefill(
@@ -41,10 +46,13 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     # chunked prefill only exists under continuous batching
     chunked = batching.is_continuous(pt.batching)
     replicas = cost.replicas_for_traffic(output_rate, pt.traffic_tokens_per_day)
-    fits = roofline.kv_fits(hw, model, tp, running, pt.context_tokens)
+    # the engine reserves KV slots for the k proposed tokens of each sequence
+    cached = pt.context_tokens + pt.spec_tokens
+    fits = roofline.kv_fits(hw, model, tp, running, cached)
     metrics = {
         "step_s": step,
-        "user_tokens_per_s": 1.0 / step,
+        "tokens_per_step": gained,
+        "user_tokens_per_s": gained / step,
         "output_tokens_per_s": output_rate,
         "slot_utilization": utilization,
         "cost_per_mtok_out_usd": cost.cost_per_mtok_usd(
@@ -64,9 +72,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     }
     metrics = {k: jnp.where(fits, v, jnp.nan) for k, v in metrics.items()}
     metrics["kv_fits"] = fits
-    metrics["max_concurrency_fit"] = roofline.max_concurrency_fit(
-        hw, model, tp, pt.context_tokens
-    )
+    metrics["max_concurrency_fit"] = roofline.max_concurrency_fit(hw, model, tp, cached)
     return metrics
 
 

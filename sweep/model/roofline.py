@@ -151,6 +151,35 @@ def decode_step_s(hw, model, tp, sequences, context_tokens):
     return step_s(hw, model, tp, sequences, cached, cached, sequences)
 
 
+def speculative_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
+    """A decode step that also verifies ``k`` proposed tokens per sequence.
+
+    Each sequence computes ``k + 1`` tokens over its cached context, token
+    ``j`` attending to ``context + j`` keys: the weights and the cached KV are
+    read once, the FLOPs grow ``k + 1`` times. The proposer is an n-gram
+    lookup (no model of its own, no GPU time). At ``k = 0`` this is
+    ``decode_step_s``.
+    """
+    new = spec_tokens + 1.0
+    keys = new * context_tokens + new * spec_tokens / 2.0
+    return step_s(hw, model, tp, sequences * new, sequences * context_tokens,
+                  sequences * keys)
+
+
+def tokens_per_step(spec_tokens, acceptance):
+    """Tokens a sequence gains per verification step: the proposals are
+    accepted one by one, each with probability ``a``, up to the first
+    rejection, and the step adds the target model's own token, so
+    ``E = (1 - a^(k+1)) / (1 - a)`` (Leviathan et al., "Fast Inference from
+    Transformers via Speculative Decoding", 2023); ``k + 1`` at ``a = 1``.
+    """
+    at_one = acceptance >= 1.0
+    a = jnp.where(at_one, 0.5, acceptance)  # no 0/0 in the value or gradient
+    gained = jnp.where(at_one, spec_tokens + 1.0,
+                       (1.0 - a ** (spec_tokens + 1.0)) / (1.0 - a))
+    return jnp.where(spec_tokens > 0, gained, 1.0)  # exactly 1 without speculation
+
+
 def chunk_attention_keys(chunk_tokens, cached_tokens):
     """Keys a causal chunk of ``m`` new tokens after ``p`` cached ones attends to."""
     return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1.0) / 2.0

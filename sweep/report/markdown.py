@@ -276,7 +276,8 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
 
 def draw_charts(charts, what: str, out: Path, ds: xr.Dataset, *args
                 ) -> tuple[list[str], list[str], list[str]]:
-    """Draws into ``out`` each chart whose variables ``ds`` has.
+    """Draws into ``out`` each chart whose variables ``ds`` has (a chart that
+    compares values of an axis the cube does not sweep is left out silently).
 
     Args:
       what: the dataset, as the skipped charts' lines name it.
@@ -286,7 +287,7 @@ def draw_charts(charts, what: str, out: Path, ds: xr.Dataset, *args
       The files drawn, a line per chart skipped, a report section per chart drawn.
     """
     drawn, skipped, sections = [], [], []
-    for chart in charts:
+    for chart in (c for c in charts if plots.applies(ds, c)):
         lacking = plots.missing(ds, chart)
         if lacking:
             skipped.append(f"- {chart.title}: the {what} lacks {', '.join(lacking)}")

@@ -274,7 +274,8 @@ def cost_heatmap(ds: xr.Dataset, hardware: str, model: str,
     """Cost over concurrency x token budget for one hardware x model, boundary drawn."""
     fixed, notes = scenario(ds.sel(hardware=[hardware], model=[model]))
     mask, what = feasible_region(fixed, limits)
-    over = [d for d in ("tensor_parallel",) if d in fixed.dims]
+    over = [d for d in CONFIG_DIMS if d in fixed.dims
+            and d not in ("concurrency", "token_budget")]
     best = fixed.sweep.cheapest(over, COST) if over else fixed
     flat = ["hardware", "model"]
     cost = best[COST].squeeze(flat, drop=True).transpose("token_budget", "concurrency")
@@ -408,6 +409,41 @@ def prefill_interference(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     _title(fig, f"Chunked-prefill interference: a {format_value(prompt)}-token prompt "
            f"arrives while the others decode ({hardware}, {model})",
            "dotted: ITL without the long prompt; " + tp_note + _notes(ds))
+    return fig
+
+
+def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
+    """Cost and ITL vs concurrency, a line per speculative setting (k, acceptance),
+    for one hardware x model at the tensor-parallel size of its cheapest point."""
+    fixed, _ = scenario(fix_tp(ds).sel(hardware=hardware, model=model))
+    keep = ("concurrency", "spec_tokens", "spec_acceptance")
+    over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in keep]
+    v = fixed.sweep.cheapest(over, COST) if over else fixed
+    fig, axes = _panels(2, 2, 4.8, 3.4, f"Speculative decoding: {hardware} x {model}",
+                        "n-gram proposals; k = 0 is plain decoding; " + _notes(ds))
+    accepts = v["spec_acceptance"].values
+    settings = [(k, a) for k in v["spec_tokens"].values if k > 0 for a in accepts]
+    lines = [(0, accepts[0], dict(color="0.2", ls="--"), "off")] * (
+        0 in v["spec_tokens"].values) + [
+        (k, a, dict(color=colormaps["viridis"](i / max(len(settings) - 1, 1))),
+         f"k = {int(k)}, accept {a:g}") for i, (k, a) in enumerate(settings)]
+    handles = []
+    for k, a, style, name in lines:
+        pt = v.sel(spec_tokens=k, spec_acceptance=a)
+        for ax, var, scale in ((axes[0], COST, 1.0), (axes[1], "step_s", 1e3)):
+            ax.plot(pt["concurrency"].values, pt[var].values.ravel() * scale,
+                    marker="o", ms=3, **style)
+        handles.append(Line2D([], [], marker="o", ms=3, label=name, **style))
+    for ax, name, ms in ((axes[0], COST, False), (axes[1], "step_s", True)):
+        _log2_ticks(ax, v["concurrency"].values)
+        _log(ax)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlabel(label(ds["concurrency"]))
+        ax.set_ylabel(label(ds[name], scale_ms=ms))
+    axes[1].set_title("ITL: tokens of a step arrive together", fontsize=10)
+    axes[0].set_title("cost per 1M output tokens", fontsize=10)
+    fig.legend(handles=handles, loc="outside lower center",
+               ncols=min(len(handles), 4), fontsize=8, frameon=False)
     return fig
 
 
@@ -576,6 +612,7 @@ class Chart:
     draw: Callable[..., Figure]  # grid cube: (ds, hardware, model, limits);
     # optimize dataset: (ds) -> Figure
     caption: str
+    varies: tuple[str, ...] = ()  # drawn only where these dims hold several values
 
 
 CHARTS = (
@@ -598,6 +635,14 @@ CHARTS = (
           lambda ds, h, m, lim: pareto_front(ds),
           "Faster users cost throughput; the front is the best trade-off each "
           "hardware offers."),
+    Chart("speculative_decoding.png", "Speculative decoding",
+          (COST, "step_s", "tokens_per_step"),
+          ("hardware", "model", "concurrency", "spec_tokens", "spec_acceptance"),
+          lambda ds, h, m, lim: speculative_decoding(ds, h, m),
+          "Verifying k proposals per sequence multiplies a step's FLOPs by k + 1 "
+          "and its tokens by (1 - a^(k+1)) / (1 - a): it pays while the step is "
+          "memory-bound (low concurrency) and costs once it is compute-bound.",
+          varies=("spec_tokens",)),
     Chart("prefill_interference.png", "Chunked-prefill interference",
           ("long_prefill_s", "long_prefill_worst_itl_s", "step_s", COST),
           ("hardware", "model", "concurrency", "token_budget"),
@@ -631,3 +676,8 @@ def lacking(ds: xr.Dataset, variables, dims) -> list[str]:
 def missing(ds: xr.Dataset, chart: Chart) -> list[str]:
     """The variables and dims ``chart`` needs that the cube lacks."""
     return lacking(ds, chart.needs, chart.dims)
+
+
+def applies(ds: xr.Dataset, chart: Chart) -> bool:
+    """Whether the cube sweeps what ``chart`` compares (its ``varies`` dims)."""
+    return all(ds.sizes.get(d, 1) > 1 for d in chart.varies)
