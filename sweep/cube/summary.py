@@ -11,7 +11,9 @@ the concurrency, and on a cube with p99 variables the SLO of the cube's own
 config). A scenario axis that changes only a few metrics
 (``sweep.cube.contract.Axis.affects``: ``long_prompt_tokens``, the interference
 variables), none of them shown, is fixed at its first value. The columns
-are the metrics declared with a ``column`` (``sweep.cube.contract``).
+are the deployment choices the cube sweeps (one holding a single value is
+named once under the table) and the metrics declared with a ``column``
+(``sweep.cube.contract``).
 
 Rows go scenario by scenario, so a long table cut at ``MAX_ROWS`` still
 compares every hardware x model on its first scenarios; the rest are in the
@@ -95,7 +97,12 @@ def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
     else:
         title = "cheapest point that fits"
     table = Table(title=f"{title}, per scenario and hardware x model")
-    config = [d for d in CONFIG_DIMS if d in ds.coords]
+    # a choice with one value is the same in every row: said once, below
+    config = [d for d in CONFIG_DIMS if d in ds.coords and ds[d].size > 1]
+    single = [d for d in CONFIG_DIMS if d in ds.coords and ds[d].size == 1]
+    if single:
+        notes.append("every row: " + ", ".join(
+            f"{d} = {_fmt(d, ds[d].values.ravel()[0])}" for d in single))
     cols = ["hardware", "model", *(contract.AXIS[d].header for d in shown),
             *(contract.AXIS[d].header for d in config),
             *(m.column.header for m in columns)]
