@@ -163,7 +163,7 @@ def speculative_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
     new = spec_tokens + 1.0
     keys = new * context_tokens + new * spec_tokens / 2.0
     return step_s(hw, model, tp, sequences * new, sequences * context_tokens,
-                  sequences * keys)
+                  sequences * keys, sequences)
 
 
 def tokens_per_step(spec_tokens, acceptance):
