@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from sweep.cube import contract
+from sweep.cube import contract, engines
 from sweep.errors import ConfigError
 from sweep.model import precision
 
@@ -481,8 +481,9 @@ class Latency:
         _in_range(self, "latency", "chunk_configs", 1, 2**20)
 
 
-ENGINES = ("vllm", "sglang", "trtllm")
-"""Serving engines a measured profile may name."""
+ENGINES = tuple(engines.ENGINES)
+"""Serving engines a measured profile may name: those ``sweep.cube.engines``
+gives flags for."""
 
 
 @dataclass

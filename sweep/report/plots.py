@@ -423,10 +423,10 @@ def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
                         "n-gram proposals; k = 0 is plain decoding; " + _notes(ds))
     accepts = v["spec_acceptance"].values
     settings = [(k, a) for k in v["spec_tokens"].values if k > 0 for a in accepts]
-    lines = [(0, accepts[0], dict(color="0.2", ls="--"), "off")] * (
-        0 in v["spec_tokens"].values) + [
-        (k, a, dict(color=colormaps["viridis"](i / max(len(settings) - 1, 1))),
-         f"k = {int(k)}, accept {a:g}") for i, (k, a) in enumerate(settings)]
+    lines = [(k, a, dict(color=colormaps["viridis"](i / max(len(settings) - 1, 1))),
+              f"k = {int(k)}, accept {a:g}") for i, (k, a) in enumerate(settings)]
+    if 0 in v["spec_tokens"].values:
+        lines.insert(0, (0, accepts[0], dict(color="0.2", ls="--"), "off"))
     handles = []
     for k, a, style, name in lines:
         pt = v.sel(spec_tokens=k, spec_acceptance=a)
