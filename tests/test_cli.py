@@ -23,6 +23,7 @@ from helpers import (
 )
 
 import sweep
+from sweep.cli import commands
 from sweep.cube import outputs
 from sweep.grid import job as grid
 
@@ -341,3 +342,22 @@ def test_axes_are_sorted_and_a_log_range_of_integers_deduplicated(tmp_path):
     assert ds.sel(concurrency=slice(1, 16)).concurrency.values.tolist() == [
         c for c in conc if c <= 16]
     assert_cube_matches_baseline(ds, grid_job(args[:-1]))
+
+
+@pytest.mark.parametrize("env, folder", [
+    ({}, "HOME/.cache/llm-serving-sweep/jax"),
+    ({"XDG_CACHE_HOME": "/x"}, "/x/llm-serving-sweep/jax"),
+    ({"XDG_CACHE_HOME": "/x", "JAX_COMPILATION_CACHE_DIR": "/j"}, "/j"),
+    ({"JAX_COMPILATION_CACHE_DIR": "/j", "SWEEP_COMPILATION_CACHE": "/s"}, "/s"),
+    ({"JAX_COMPILATION_CACHE_DIR": "/j", "SWEEP_COMPILATION_CACHE": "off"}, None),
+    ({"SWEEP_COMPILATION_CACHE": "0"}, None),
+])
+def test_compilation_cache_folder(monkeypatch, env, folder):
+    for name in ("XDG_CACHE_HOME", "JAX_COMPILATION_CACHE_DIR",
+                 "SWEEP_COMPILATION_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", "/home/u")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    want = folder and folder.replace("HOME", "/home/u")
+    assert commands.compilation_cache_dir() == want

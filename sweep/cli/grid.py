@@ -22,6 +22,7 @@ from rich.console import Console
 from sweep.cli.commands import (
     CONFIG_MODULE,
     check_output,
+    enable_compilation_cache,
     fail,
     overrides,
     quiet_backend_probe,
@@ -65,6 +66,7 @@ def _grid_app(cfg: DictConfig) -> None:
     from sweep.cube import results
     from sweep.grid import job as grid
     quiet_backend_probe()
+    enable_compilation_cache()  # in each job: a launcher's workers too
     console = Console(stderr=True)
     try:
         base, options = _preflight_options or grid_options("grid", overrides())

@@ -20,6 +20,12 @@ Every block has the same static shape, so a grid of any size compiles once;
 a block sticking out of the cube repeats the axis's last index there and is
 cut on the host. Blocks are aligned to the cube's leading axes, so each is a
 region that can be written, and after an interruption skipped, on its own.
+
+A part's *write blocks* (``Part.plan``: its zarr chunks, and the unit of
+resuming and of sharding) may hold several *batches* (``Part.batch``: the
+shape of one compiled call): the surrogate evaluates a few hundred
+configurations per call but writes chunks of at least 1 MB, since a store of
+tiny chunks is slow to write and to read.
 """
 
 from __future__ import annotations
@@ -82,6 +88,14 @@ class Part:
     # the part's order)
     lookups: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)  # added to each of its variables
+    batch_points: int | None = None  # per compiled call; None: a whole write block
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        """The shape of one compiled call's block, tiling a write block."""
+        if self.batch_points is None or self.batch_points >= self.plan.size:
+            return self.plan.chunks
+        return blocking(self.plan.chunks, self.batch_points).chunks
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -121,6 +135,17 @@ def blocking(shape: tuple[int, ...], max_points: int) -> Blocking:
             k = min(shape[d], max(1, max_points // inner))
             return Blocking(tuple(shape), (1,) * d + (k,) + tuple(shape[d + 1:]))
     raise ValueError(f"max_points must be >= 1, got {max_points}")
+
+
+MIN_CHUNK_BYTES = 1 << 20
+"""The least a chunk of a float32 variable holds when the cube is large enough."""
+
+
+def write_blocking(shape: tuple[int, ...], batch_points: int) -> Blocking:
+    """Write blocks of at least ``batch_points`` and of more than
+    ``MIN_CHUNK_BYTES`` of float32 per variable, whole batches where the
+    cube allows (``blocking`` gives more than half its ``max_points``)."""
+    return blocking(shape, max(batch_points, 2 * MIN_CHUNK_BYTES // 4))
 
 
 @dataclass(frozen=True)
@@ -176,15 +201,34 @@ def evaluate_region(fn: Callable, axes: tuple, tables: tuple, starts, *,
 
 
 def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = (),
-                   table_dims: tuple = (), skip: Any = frozenset()
+                   table_dims: tuple = (), skip: Any = frozenset(),
+                   batch: tuple[int, ...] | None = None
                    ) -> Iterator[tuple[int, tuple[slice, ...], dict]]:
-    """Yields ``(block id, region, {name: ndarray of the region's shape})``."""
+    """Yields ``(block id, region, {name: ndarray of the region's shape})``.
+
+    Args:
+      plan: the write blocks.
+      skip: write blocks not to evaluate.
+      batch: the shape of one compiled call (``Part.batch``); default a
+        whole write block. A write block is evaluated in batches that tile
+        it (the last ones cut where they stick out).
+    """
+    batch = tuple(batch or plan.chunks)
     for b in range(len(plan)):
         if b in skip:
             continue
         region = plan.region(b)
-        starts = jnp.asarray([r.start for r in region], jnp.int32)
-        out = evaluate_region(fn, axes, tables, starts, shape=plan.shape,
-                              chunks=plan.chunks, table_dims=table_dims)
-        cut = tuple(slice(0, r.stop - r.start) for r in region)
-        yield b, region, {k: np.asarray(v)[cut] for k, v in out.items()}
+        within = Blocking(tuple(r.stop - r.start for r in region), batch)
+        values = {}
+        for s in range(len(within)):
+            local = within.region(s)
+            starts = jnp.asarray([r.start + q.start for r, q in zip(region, local)],
+                                 jnp.int32)
+            out = evaluate_region(fn, axes, tables, starts, shape=plan.shape,
+                                  chunks=batch, table_dims=table_dims)
+            cut = tuple(slice(0, q.stop - q.start) for q in local)
+            for k, v in out.items():
+                if k not in values:
+                    values[k] = np.empty(within.shape, v.dtype)
+                values[k][local] = np.asarray(v)[cut]
+        yield b, region, values

@@ -235,7 +235,7 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
                     if k.startswith(part.name + ":")}
             for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
                                                     part.tables, part.table_dims,
-                                                    skip):
+                                                    skip, part.batch):
                 results.write_block(out, part.dims, region, values, state,
                                     f"{part.name}:{b}")
                 if progress:
