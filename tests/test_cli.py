@@ -236,7 +236,8 @@ def test_multirun_jobs_sharing_one_out_second_is_refused(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "sweep-grid: error: out=m.zarr: job 0 of this multirun writes it already; "
-        "give each job its own output, e.g. out='cube_${hydra:job.num}.zarr'")
+        "give each job its own output, e.g. out='cube_${hydra:job.num}.zarr', or "
+        "split one sweep over the jobs with shard=K/N")
     assert list(sweep.open_cube(tmp_path / "m.zarr").concurrency.values) == [1]
 
 

@@ -128,18 +128,20 @@ def place_run(app: str, argv: list[str], *, command: str, kind: str,
     if state is None:
         return []
     print(f"{command}: resuming the unfinished sweep in {state.out} "
-          f"({len(state.done)} of {state.blocks} blocks done)", file=sys.stderr)
+          f"({len(state.done())} of {state.blocks} blocks done)", file=sys.stderr)
     return [f"hydra.run.dir={_quote(str(state.out.parent))}"]
 
 
-def check_output(command: str, out: Path, label: str, kind: str) -> None:
+def check_output(command: str, out: Path, label: str, kind: str,
+                 sweep: str | None = None) -> None:
     """In the job: the output path is the tool's to write, and (under ``-m``)
-    this job's alone; else one line and exit code 2."""
+    this job's alone, or shared with the other shards of the sweep ``sweep``;
+    else one line and exit code 2."""
     try:
         outputs.check_target(out, label, kind)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
-            outputs.claim(out, Path(hc.sweep.dir), hc.job.num, label)
+            outputs.claim(out, Path(hc.sweep.dir), hc.job.num, label, sweep)
     except OutputError as e:
         fail(command, e)
 
