@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from sweep.grid.evaluate import (
     MIN_CHUNK_BYTES,
     blocking,
-    evaluate_region,
+    evaluate_regions,
     iterate_blocks,
 )
 from sweep.model import batching, roofline
@@ -57,9 +57,9 @@ def _cube(part):
 def cube(job):
     """The part's cube, block by block, from an empty compilation cache; and how
     many programs that compiled."""
-    evaluate_region.clear_cache()
+    evaluate_regions.clear_cache()
     values = _cube(job.parts[0])
-    return values, evaluate_region._cache_size()
+    return values, evaluate_regions._cache_size()
 
 
 def test_vmap_equals_python_loop_over_points(job, cube):
@@ -91,7 +91,7 @@ def test_several_blocks_one_compiled_shape(job, cube):
                for b in range(len(plan)))
     assert compiled == 1
     list(_blocks(job.parts[0]))  # a second sweep compiles nothing
-    assert evaluate_region._cache_size() == 1
+    assert evaluate_regions._cache_size() == 1
 
 
 def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job, cube):

@@ -221,7 +221,8 @@ def shard_blocks(job: GridJob, shard: tuple[int, int] | None) -> set[str]:
 
 
 def run(job: GridJob, out, attrs: dict, config_yaml: str,
-        progress=None, shard: tuple[int, int] | None = None) -> xr.Dataset | None:
+        progress=None, shard: tuple[int, int] | None = None,
+        devices=None) -> xr.Dataset | None:
     """Evaluates and writes every missing block; returns the opened cube.
 
     Args:
@@ -261,7 +262,7 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
                     or results.block_key(part.name, b) not in mine}
             for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
                                                     part.tables, part.table_dims,
-                                                    skip, part.batch):
+                                                    skip, part.batch, devices):
                 results.write_block(out, part.dims, region, values,
                                     results.block_key(part.name, b))
                 written += 1
