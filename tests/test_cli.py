@@ -23,6 +23,7 @@ from helpers import (
 )
 
 import sweep
+from sweep.cli import commands
 from sweep.cube import outputs
 from sweep.grid import job as grid
 
@@ -238,7 +239,8 @@ def test_multirun_jobs_sharing_one_out_second_is_refused(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "sweep-grid: error: out=m.zarr: job 0 of this multirun writes it already; "
-        "give each job its own output, e.g. out='cube_${hydra:job.num}.zarr'")
+        "give each job its own output, e.g. out='cube_${hydra:job.num}.zarr', or "
+        "split one sweep over the jobs with shard=K/N")
     assert list(sweep.open_cube(tmp_path / "m.zarr").concurrency.values) == [1]
 
 
@@ -344,3 +346,22 @@ def test_axes_are_sorted_and_a_log_range_of_integers_deduplicated(tmp_path):
     assert ds.sel(concurrency=slice(1, 16)).concurrency.values.tolist() == [
         c for c in conc if c <= 16]
     assert_cube_matches_baseline(ds, grid_job(args[:-1]))
+
+
+@pytest.mark.parametrize("env, folder", [
+    ({}, "HOME/.cache/llm-serving-sweep/jax"),
+    ({"XDG_CACHE_HOME": "/x"}, "/x/llm-serving-sweep/jax"),
+    ({"XDG_CACHE_HOME": "/x", "JAX_COMPILATION_CACHE_DIR": "/j"}, "/j"),
+    ({"JAX_COMPILATION_CACHE_DIR": "/j", "SWEEP_COMPILATION_CACHE": "/s"}, "/s"),
+    ({"JAX_COMPILATION_CACHE_DIR": "/j", "SWEEP_COMPILATION_CACHE": "off"}, None),
+    ({"SWEEP_COMPILATION_CACHE": "0"}, None),
+])
+def test_compilation_cache_folder(monkeypatch, env, folder):
+    for name in ("XDG_CACHE_HOME", "JAX_COMPILATION_CACHE_DIR",
+                 "SWEEP_COMPILATION_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", "/home/u")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    want = folder and folder.replace("HOME", "/home/u")
+    assert commands.compilation_cache_dir() == want

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 import pytest
@@ -9,7 +11,12 @@ from helpers import grid_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sweep.grid.evaluate import blocking, evaluate_region, iterate_blocks
+from sweep.grid.evaluate import (
+    MIN_CHUNK_BYTES,
+    blocking,
+    evaluate_regions,
+    iterate_blocks,
+)
 from sweep.model import batching, roofline
 from sweep.model.params import GridPoint
 from sweep.model.point import DIMS, evaluate_point
@@ -50,9 +57,9 @@ def _cube(part):
 def cube(job):
     """The part's cube, block by block, from an empty compilation cache; and how
     many programs that compiled."""
-    evaluate_region.clear_cache()
+    evaluate_regions.clear_cache()
     values = _cube(job.parts[0])
-    return values, evaluate_region._cache_size()
+    return values, evaluate_regions._cache_size()
 
 
 def test_vmap_equals_python_loop_over_points(job, cube):
@@ -84,7 +91,7 @@ def test_several_blocks_one_compiled_shape(job, cube):
                for b in range(len(plan)))
     assert compiled == 1
     list(_blocks(job.parts[0]))  # a second sweep compiles nothing
-    assert evaluate_region._cache_size() == 1
+    assert evaluate_regions._cache_size() == 1
 
 
 def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job, cube):
@@ -158,3 +165,30 @@ def test_a_point_that_fits_at_n_fits_at_n_minus_1(job, conc, ctx, tp):
     hw, model, _ = _params(job)
     if bool(roofline.kv_fits(hw, model, tp, float(conc), float(ctx))):
         assert bool(roofline.kv_fits(hw, model, tp, float(conc - 1), float(ctx)))
+
+
+def test_batches_tiling_a_write_block_equal_one_call_per_block(job, cube):
+    # a write block evaluated in smaller compiled calls (the surrogate's way),
+    # the last ones sticking out of it and out of the cube, cut
+    part = job.parts[0]
+    whole = blocking(part.plan.shape, 10**6)
+    batch = blocking(part.plan.shape, 7).chunks
+    assert len(whole) == 1 and math.prod(batch) < whole.size
+    (_, region, got), = iterate_blocks(part.fn, part.axes, whole, part.tables,
+                                       part.table_dims, batch=batch)
+    want, _ = cube
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_surrogate_chunks_hold_a_megabyte_and_batches_stay_small():
+    job = grid_job(["grid.hardware=[h100_sxm,h200_sxm,b200]", "model=qwen3_8b",
+                    "latency=surrogate",
+                    "grid.arrival_rate_per_s=${range:1,10,10,linear}",
+                    "grid.concurrency=${range:1,1024,64,log}",
+                    "grid.token_budget=${range:256,16384,32,log}"])
+    p99 = job.parts[1]
+    assert len(p99.plan) > 1
+    assert p99.plan.size * 4 >= MIN_CHUNK_BYTES
+    assert math.prod(p99.batch) <= 4096  # conf/latency/surrogate.yaml
+    assert all(c <= w for c, w in zip(p99.batch, p99.plan.chunks))

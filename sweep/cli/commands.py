@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import os
 import re
 import sys
 from functools import partial
@@ -130,18 +131,20 @@ def place_run(app: str, argv: list[str], *, command: str, kind: str | None,
     if state is None:
         return []
     print(f"{command}: resuming the unfinished sweep in {state.out} "
-          f"({len(state.done)} of {state.blocks} blocks done)", file=sys.stderr)
+          f"({len(state.done())} of {state.blocks} blocks done)", file=sys.stderr)
     return [f"hydra.run.dir={_quote(str(state.out.parent))}"]
 
 
-def check_output(command: str, out: Path, label: str, kind: str) -> None:
+def check_output(command: str, out: Path, label: str, kind: str,
+                 sweep: str | None = None) -> None:
     """In the job: the output path is the tool's to write, and (under ``-m``)
-    this job's alone; else one line and exit code 2."""
+    this job's alone, or shared with the other shards of the sweep ``sweep``;
+    else one line and exit code 2."""
     try:
         outputs.check_target(out, label, kind)
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
-            outputs.claim(out, Path(hc.sweep.dir), hc.job.num, label)
+            outputs.claim(out, Path(hc.sweep.dir), hc.job.num, label, sweep)
     except OutputError as e:
         fail(command, e)
 
@@ -151,6 +154,51 @@ def overrides() -> list[str]:
     overrides = HydraConfig.get().overrides
     searchpath = [o for o in overrides.hydra if o.startswith("hydra.searchpath=")]
     return [*searchpath, *overrides.task]
+
+
+CACHE_ENV = "SWEEP_COMPILATION_CACHE"
+"""``off`` (or ``0``, ``false``, ``no``): no persistent compilation cache;
+a folder: the cache's folder."""
+
+CACHE_MIN_COMPILE_S = 0.1
+"""Programs that compile faster than this are not cached (JAX's default, 1 s,
+leaves out a grid's roofline program, 0.5-1 s on a 2-core CPU)."""
+
+
+def compilation_cache_dir() -> str | None:
+    """The persistent compilation cache's folder; None when turned off.
+
+    ``SWEEP_COMPILATION_CACHE`` (a folder, or ``off``), else JAX's own
+    ``JAX_COMPILATION_CACHE_DIR``, else ``$XDG_CACHE_HOME/llm-serving-sweep/jax``
+    (``~/.cache/llm-serving-sweep/jax`` when ``XDG_CACHE_HOME`` is unset).
+    """
+    setting = os.environ.get(CACHE_ENV, "").strip()
+    if setting.lower() in ("off", "0", "false", "no"):
+        return None
+    if setting:
+        return os.path.expanduser(setting)
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "llm-serving-sweep", "jax")
+
+
+def enable_compilation_cache() -> None:
+    """Keeps compiled programs in JAX's persistent cache (``compilation_cache_dir``)
+    so that a second run with the same shapes skips compiling; before any
+    compilation. A minimum compile time set in JAX's own environment variable
+    is kept."""
+    import jax
+
+    folder = compilation_cache_dir()
+    if folder is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_compilation_cache_dir", folder)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          CACHE_MIN_COMPILE_S)
 
 
 def quiet_backend_probe() -> None:

@@ -22,6 +22,7 @@ from rich.console import Console
 from sweep.cli.commands import (
     CONFIG_MODULE,
     check_output,
+    enable_compilation_cache,
     fail,
     overrides,
     quiet_backend_probe,
@@ -66,6 +67,7 @@ def _grid_app(cfg: DictConfig) -> None:
     from sweep.cube import results
     from sweep.grid import job as grid
     quiet_backend_probe()
+    enable_compilation_cache()  # in each job: a launcher's workers too
     console = Console(stderr=True)
     try:
         base, options = _preflight_options or grid_options("grid", overrides())
@@ -74,28 +76,42 @@ def _grid_app(cfg: DictConfig) -> None:
         fail("sweep-grid", e)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "cube.zarr"
+    shard = job.app.shards
+    # the sweep's config, the same for each of its shards
+    sweep_cfg = cfg.copy()
+    sweep_cfg.shard = None
+    yaml_text = config_yaml(sweep_cfg)
+    fingerprint = grid.fingerprint(yaml_text, job)
     check_output("sweep-grid", out, f"out={job.app.out}" if job.app.out else str(out),
-                  "cube")
-    yaml_text = config_yaml(cfg)
-    attrs = results.provenance(yaml_text, job.app.seed, restore(overrides()),
-                               options)
+                  "cube", sweep=fingerprint if shard else None)
+    attrs = results.provenance(
+        yaml_text, job.app.seed,
+        [o for o in restore(overrides()) if not o.startswith("shard=")], options)
     attrs.update(calibration.attrs(base.calibration, job.calibration))
     if calibration.calibrated(job.calibration):
         console.print(calibration.line(base.calibration, job.calibration),
                       markup=False, highlight=False, soft_wrap=True)
     plan = grid_plan(base, options)
+    what = f"shard {shard[0]}/{shard[1]} of " if shard else ""
     progress = BlockProgress(console, "sweep-grid",
                              [(p.name, len(p.plan)) for p in job.parts])
     try:
-        with outputs.lock(out, grid.fingerprint(yaml_text, job)):
-            console.print(f"sweep-grid: {plan.line(jax.default_backend())} -> {out}",
-                          markup=False, highlight=False, soft_wrap=True)
+        with outputs.lock(out, fingerprint, shared=shard is not None):
+            console.print(f"sweep-grid: {what}{plan.line(jax.default_backend())} -> "
+                          f"{out}", markup=False, highlight=False, soft_wrap=True)
             try:
-                ds = grid.run(job, out, attrs, yaml_text, progress=progress)
+                ds = grid.run(job, out, attrs, yaml_text, progress=progress,
+                              shard=shard)
             finally:
                 progress.close()
     except OutputError as e:
         fail("sweep-grid", e)
+    if ds is None:
+        console.print(f"sweep-grid: shard {shard[0]}/{shard[1]} done; the cube "
+                      f"appears at {out} when the last shard finishes (or rerun "
+                      "without shard= to evaluate what the others left)",
+                      markup=False, highlight=False, soft_wrap=True)
+        return
     table, notes = summary_table(ds)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     Console(width=max(Console().width, 200)).print(table)

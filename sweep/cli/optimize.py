@@ -7,16 +7,14 @@ Hydra creates a run directory (bad input: one line, exit code 2), then
 prints one line naming the binding constraint and exits with code 3; the
 dataset is not written then.
 
-Compiled programs are kept in JAX's persistent compilation cache (the
-``JAX_COMPILATION_CACHE_DIR`` environment variable, or
-``$XDG_CACHE_HOME/llm-serving-sweep/jax``, default ``~/.cache/...``): the
-search and the simulator take tens of seconds to compile on a small CPU, and
-a second run with the same shapes skips that.
+Compiled programs are kept in JAX's persistent compilation cache
+(``sweep.cli.commands.enable_compilation_cache``): the search and the
+simulator take tens of seconds to compile on a small CPU, and a second run
+with the same shapes skips that.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from rich.table import Table
 from sweep.cli.commands import (
     CONFIG_MODULE,
     check_output,
+    enable_compilation_cache,
     fail,
     overrides,
     quiet_backend_probe,
@@ -109,17 +108,6 @@ def result_table(job, out) -> Table:
     return table
 
 
-def _enable_compilation_cache() -> None:
-    import jax
-
-    if jax.config.jax_compilation_cache_dir:
-        return
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache")
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.join(base, "llm-serving-sweep", "jax"))
-
-
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="optimize",
             version_base="1.3")
 def _optimize_app(cfg: DictConfig) -> None:
@@ -128,6 +116,7 @@ def _optimize_app(cfg: DictConfig) -> None:
     from sweep.cube import results
     from sweep.search import optimize
     quiet_backend_probe()
+    enable_compilation_cache()  # in each job: a launcher's workers too
     err = Console(stderr=True)
     try:
         job = _preflight_job or check("optimize", overrides())
@@ -181,5 +170,4 @@ def main() -> None:
     global _preflight_job
     _preflight_job = start(COMMAND, "optimize", check, kind="optimize",
                            default_name="optimize.zarr", resume=False)
-    _enable_compilation_cache()
     _optimize_app()

@@ -583,9 +583,23 @@ class GridApp:
                   "used without download); default $SWEEP_DATA_DIR"},
     )
     max_memory_gb: float = field(default=0.0, metadata={"help": MAX_MEMORY_HELP})
+    shard: str | None = field(
+        default=None,
+        metadata={"help": "K/N: evaluate the K-th of N disjoint block sets into "
+                  "the store out= that the N shards share (1 <= K <= N)"},
+    )
 
     def __post_init__(self) -> None:
         _check_run_settings(self)
+        self.shards = None  # (K, N) of shard=K/N
+        if self.shard is not None:
+            k, _, n = str(self.shard).partition("/")
+            ok = k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)
+            _check(ok, "shard", self.shard,
+                   "must be K/N with whole numbers 1 <= K <= N, e.g. shard=2/3")
+            _check(bool(self.out), "shard", self.shard,
+                   "needs out=PATH, the store the shards share")
+            self.shards = (int(k), int(n))
 
 
 @dataclass

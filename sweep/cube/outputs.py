@@ -20,9 +20,10 @@ that, three rules keep a user's files safe:
   the target is written, and records the writer's PID, host, start time and
   the job's fingerprint for the message a second writer gets. The kernel
   drops a ``flock`` when its process ends, however it ends, so the lock of a
-  killed run is taken over by the next run without anyone deleting it. (Shards
-  of one sweep writing one store would each take a lock of their own and
-  check that the others record the same fingerprint.)
+  killed run is taken over by the next run without anyone deleting it. The
+  shards of one sweep (``sweep-grid shard=K/N``) hold it together, shared,
+  after checking that the first one recorded the same fingerprint; a writer
+  of anything else is refused while they do.
 * **Old or new.** An old target is renamed to ``<target>.old`` before the new
   one is renamed into place, and removed after. A kill in between leaves the
   old output under ``.old`` and the new one complete under its temporary name;
@@ -210,7 +211,9 @@ def _holder(fd: int) -> str:
     """Who holds a lock, from what its file records."""
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return (f"pid {info['pid']} on {info['host']} since {info['started_utc']}")
+        shards = " and other shards" if info.get("shards") else ""
+        return (f"pid {info['pid']}{shards} on {info['host']} since "
+                f"{info['started_utc']}")
     except (OSError, ValueError, KeyError, TypeError):
         return "another process"
 
@@ -218,60 +221,175 @@ def _holder(fd: int) -> str:
 _held: dict[str, int] = {}  # lock file -> descriptor, of the locks this process holds
 
 
+def _open_locked(path: Path, how: int) -> int:
+    """A descriptor of ``path`` (created if absent) holding ``flock(how)``.
+
+    Raises:
+      BlockingIOError: ``how`` is non-blocking and another process holds a
+        conflicting lock (the descriptor is closed).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, how)
+        except OSError:
+            os.close(fd)
+            raise
+        # the previous holder may have removed the file between open and flock
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _release(path: Path, fd: int) -> None:
+    """Removes ``path`` while still holding it (an opener waiting on it
+    retries), then closes it."""
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)
+
+
+def _busy(e: OSError) -> bool:
+    return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
+def _refused(target: Path, path: Path, who: str) -> OutputError:
+    return OutputError(f"{target}: being written by {who} (lock {path}); wait for "
+                       "it to end, or choose another output")
+
+
 @contextmanager
-def lock(target: Path, fingerprint: str = "") -> Iterator[None]:
+def serial(target: Path) -> Iterator[None]:
+    """Holds ``<target>.shards.lock`` (waiting for it): the shards of one
+    sweep join, create the store, finish and leave one at a time."""
+    target = Path(target)
+    path = target.with_name(target.name + ".shards.lock")
+    fd = _open_locked(path, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        _release(path, fd)
+
+
+def _record(fd: int, fingerprint: str, shared: bool) -> None:
+    info = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": fingerprint, **({"shards": True} if shared else {})}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+
+
+def _fingerprint_of(fd: int) -> str | None:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}").get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _join(target: Path, path: Path, fingerprint: str) -> int:
+    """Takes ``path`` shared, as a shard of the sweep ``fingerprint``."""
+    with serial(target):
+        try:
+            fd = _open_locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if not _busy(e):
+                raise
+        else:  # the first shard: it records the sweep, then shares the lock
+            _record(fd, fingerprint, True)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return fd
+            except OSError as e:  # another writer took it in between
+                who = _holder(fd)
+                os.close(fd)
+                if not _busy(e):
+                    raise
+                raise _refused(target, path, who) from None
+        try:
+            fd = _open_locked(path, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:  # a writer of the whole output holds it
+            if not _busy(e):
+                raise
+            fd = os.open(path, os.O_RDONLY)
+            who = _holder(fd)
+            os.close(fd)
+            raise _refused(target, path, who) from None
+        if _fingerprint_of(fd) != fingerprint:
+            who = _holder(fd)
+            os.close(fd)
+            raise _refused(target, path, f"the shards of another sweep ({who})")
+        return fd
+
+
+def _leave(target: Path, path: Path, fd: int) -> None:
+    """Drops a shard's share; the last shard removes the lock file."""
+    with serial(target):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # other shards still hold it
+            os.close(fd)
+            return
+        _release(path, fd)
+
+
+@contextmanager
+def lock(target: Path, fingerprint: str = "", *, shared: bool = False
+         ) -> Iterator[None]:
     """Holds ``<target>.lock`` while the body writes ``target``.
 
     Reentrant: within a process that holds it already (a command around the
     library call that writes), it is a no-op.
 
+    Args:
+      shared: held by a shard of the sweep ``fingerprint``: the shards of
+        one sweep hold it together (``flock`` shared); a writer of another
+        sweep, or a writer of the whole output, is refused while they do.
+
     Raises:
       OutputError: another live process holds it (one line naming it).
     """
-    path = lock_path(Path(target))
+    target = Path(target)
+    path = lock_path(target)
     key = str(path.absolute())
     if key in _held:
         yield
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if shared:
+        fd = _join(target, path, fingerprint)
+    else:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = _open_locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            who = _holder(fd)
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if not _busy(e):
                 raise OutputError(f"{target}: cannot lock {path} ({e.strerror})"
                                   ) from None
-            raise OutputError(f"{target}: being written by {who} (lock {path}); "
-                              "wait for it to end, or choose another output"
-                              ) from None
-        # the previous holder may have removed the file between open and flock
-        try:
-            current = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            current = False
-        if current:
-            break
-        os.close(fd)
-    info = {"pid": os.getpid(), "host": socket.gethostname(),
-            "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "fingerprint": fingerprint}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(info).encode(), 0)
+            fd = os.open(path, os.O_RDONLY)
+            who = _holder(fd)
+            os.close(fd)
+            raise _refused(target, path, who) from None
+        _record(fd, fingerprint, False)
     _held[key] = fd
     try:
         yield
     finally:
         del _held[key]
-        with suppress(FileNotFoundError):
-            os.unlink(path)  # while still held: an opener waiting on it retries
-        os.close(fd)
+        if shared:
+            _leave(target, path, fd)
+        else:
+            _release(path, fd)
 
 
-def claim(target: Path, folder: Path, job: int, label: str) -> None:
+def claim(target: Path, folder: Path, job: int, label: str,
+          sweep: str | None = None) -> None:
     """Claims ``target`` for job ``job`` of a multirun whose folder is ``folder``.
+
+    Args:
+      sweep: the fingerprint of the sweep when the job is one of its shards:
+        the other shards of the same sweep may write ``target`` too.
 
     Raises:
       OutputError: another job of the same multirun claimed it.
@@ -282,12 +400,14 @@ def claim(target: Path, folder: Path, job: int, label: str) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
-        other = json.loads(path.read_text() or "{}").get("job")
-        if other == job:
+        claimed = json.loads(path.read_text() or "{}")
+        other = claimed.get("job")
+        if other == job or (sweep is not None and claimed.get("sweep") == sweep):
             return
         who = "another job" if other is None else f"job {other}"
         raise OutputError(
             f"{label}: {who} of this multirun writes it already; give each "
-            "job its own output, e.g. out='cube_${hydra:job.num}.zarr'") from None
+            "job its own output, e.g. out='cube_${hydra:job.num}.zarr', or split "
+            "one sweep over the jobs with shard=K/N") from None
     with os.fdopen(fd, "w") as f:
-        json.dump({"job": job, "out": str(target)}, f)
+        json.dump({"job": job, "out": str(target), "sweep": sweep}, f)

@@ -1,18 +1,22 @@
 """The cube: an ``xarray.Dataset`` written to zarr, block by block, resumably.
 
 A sweep writes into ``<out>.partial``: first a template with every
-coordinate, attribute and (unwritten) variable, then one ``region=`` write per
-evaluated block, each followed by an atomic update of the list of finished
-blocks (``<out>.progress.json``, ``Progress``). A rerun of the same sweep
-finds the partial store and evaluates only the missing blocks; a rerun
-without ``out=`` finds it under the outputs root by the config's digest
-(``find_unfinished``). When every block is in, the metadata is consolidated
-and the store is renamed to ``<out>``, replacing an older cube there only if
-the tool wrote it (``sweep.cube.outputs``): a reader never sees a half-written
-cube under the final name. Each of these writes is a list of steps
-(``create_steps``, ``block_steps``, ``finish_steps``) ordered so that a kill
-after any step leaves the old cube or the new one, and a rerun that works;
-the tests stop after every step.
+coordinate, attribute and (unwritten) variable, then one ``region=`` write
+per evaluated block, each followed by its marker, an empty file
+``<out>.blocks/<part>.<block>`` created once the block's data is in: a
+reader trusts only the blocks with a marker, and processes writing disjoint
+blocks of one store (``sweep-grid shard=K/N``) never write the same file.
+``<out>.progress.json`` (``Progress``) says which sweep the store is for
+(its fingerprint) and whether the template is complete. A rerun of the same
+sweep finds the partial store and evaluates only the blocks without a
+marker; a rerun without ``out=`` finds it under the outputs root by the
+config's digest (``find_unfinished``). When every block is in, the metadata
+is consolidated and the store is renamed to ``<out>``, replacing an older
+cube there only if the tool wrote it (``sweep.cube.outputs``): a reader
+never sees a half-written cube under the final name. Each of these writes is
+a list of steps (``create_steps``, ``block_steps``, ``finish_steps``)
+ordered so that a kill after any step leaves the old cube or the new one,
+and a rerun that works; the tests stop after every step.
 
 Every chunk of a store the tool writes has its file (``write_empty_chunks``),
 so ``open_cube`` can tell a deleted chunk from points of fill values
@@ -138,30 +142,39 @@ def progress_path(out: Path) -> Path:
 
 PROGRESS_SUFFIX = ".progress.json"
 
+def blocks_path(out: Path) -> Path:
+    """The folder of the block markers of an unfinished cube (beside the store,
+    where zarr does not look)."""
+    return out.with_name(out.name + ".blocks")
+
+
+def block_key(part: str, block: int) -> str:
+    """A block's name (and its marker's): ``<part>.<block>``."""
+    return f"{part}.{block}"
+
 
 @dataclass
 class Progress:
     """The bookkeeping of an unfinished cube, ``<out>.progress.json``.
 
     Written atomically (a new file renamed over the old) before the partial
-    store is created and after each block is written: the partial store is
-    the tool's to replace whenever this file is there, and the blocks it
-    lists are in the store.
+    store is created and once its template is complete: the partial store is
+    the tool's to replace whenever this file is there. Which blocks are in
+    the store, its markers say (``done``).
     """
 
     out: Path
     fingerprint: str  # the sweep's (config and blocking): resume when equal
     config: str = ""  # the config's digest alone: how a rerun finds this cube
     blocks: int = 0  # blocks in all
-    done: set[str] | None = None  # None while the store's template is written
+    opened: bool = False  # the store's template is complete
 
     def save(self) -> None:
         path = progress_path(self.out)
         staged = path.with_name(path.name + ".new")
         staged.write_text(json.dumps({
             "fingerprint": self.fingerprint, "config": self.config,
-            "blocks": self.blocks,
-            "done": None if self.done is None else sorted(self.done)}))
+            "blocks": self.blocks, "opened": self.opened}))
         os.replace(staged, path)
 
     @classmethod
@@ -169,15 +182,25 @@ class Progress:
         """The bookkeeping beside ``out``; None when absent or unreadable."""
         try:
             state = json.loads(progress_path(out).read_text())
-            done = state.get("done")
             return cls(out, str(state["fingerprint"]), str(state.get("config", "")),
-                       int(state.get("blocks", 0)), None if done is None else set(done))
+                       int(state.get("blocks", 0)), state.get("opened") is True)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def resumable(self) -> bool:
-        """Whether the partial store is complete up to the blocks listed."""
-        return self.done is not None and partial_path(self.out).is_dir()
+        """Whether the partial store's template is complete."""
+        return self.opened and partial_path(self.out).is_dir()
+
+    def done(self) -> set[str]:
+        """The blocks in the store (``block_key``), by their markers."""
+        try:
+            return {p.name for p in blocks_path(self.out).iterdir()}
+        except FileNotFoundError:
+            return set()
+
+    def complete(self) -> bool:
+        """Whether every block is in the store."""
+        return self.resumable() and len(self.done()) >= self.blocks
 
 
 def find_unfinished(folders: str, name: str, config: str) -> Progress | None:
@@ -200,11 +223,12 @@ def start_store(out: Path, ds: xr.Dataset, fingerprint: str, config: str = "",
     """Reopens the partial store of the same sweep, or creates it anew.
 
     A partial store left by another sweep is replaced; one the tool did not
-    write is refused (``OutputError``).
+    write is refused (``OutputError``). Shards of one sweep call it one at a
+    time (``sweep.cube.outputs.serial``): the first creates the store, the
+    others find it.
 
     Returns:
-      The bookkeeping; ``done`` holds the blocks already written
-      (``"<part>:<block>"``).
+      The bookkeeping; its ``done()`` lists the blocks already written.
     """
     state = Progress.read(out)
     if state is not None and state.fingerprint == fingerprint and state.resumable():
@@ -222,27 +246,31 @@ def create_steps(state: Progress, ds: xr.Dataset) -> list[Callable[[], None]]:
 
     The bookkeeping comes first: from then on the partial store is the tool's
     to replace, so a kill after any step leaves what a rerun starts over from.
+    A new template replaces the old store whole, and its markers.
     """
     tmp = partial_path(state.out)
+    markers = blocks_path(state.out)
 
     def template() -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        for folder in (markers, tmp):
+            if folder.exists():
+                shutil.rmtree(folder)
         ds.to_zarr(tmp, compute=False, mode="w", consolidated=False, zarr_format=2,
                    write_empty_chunks=True)
+        markers.mkdir()
 
     def opened() -> None:
-        state.done = set()
+        state.opened = True
         state.save()
 
     return [state.save, template, opened]
 
 
 def block_steps(out: Path, dims: tuple[str, ...], region: tuple[slice, ...],
-                values: dict[str, np.ndarray], progress: Progress,
-                block_key: str) -> list[Callable[[], None]]:
-    """``write_block``'s steps: the block's values, then its record (a block
-    written but not recorded is written again by a rerun)."""
+                values: dict[str, np.ndarray], key: str
+                ) -> list[Callable[[], None]]:
+    """``write_block``'s steps: the block's values, then its marker (a block
+    written but not marked is written again by a rerun)."""
 
     def write() -> None:
         ds = xr.Dataset({k: (dims, v) for k, v in values.items()})
@@ -252,17 +280,15 @@ def block_steps(out: Path, dims: tuple[str, ...], region: tuple[slice, ...],
                    consolidated=False, zarr_format=2, write_empty_chunks=True)
 
     def record() -> None:
-        progress.done.add(block_key)
-        progress.save()
+        (blocks_path(out) / key).touch()
 
     return [write, record]
 
 
 def write_block(out: Path, dims: tuple[str, ...], region: tuple[slice, ...],
-                values: dict[str, np.ndarray], progress: Progress,
-                block_key: str) -> None:
-    """Writes one evaluated block, then records it as finished."""
-    for step in block_steps(out, dims, region, values, progress, block_key):
+                values: dict[str, np.ndarray], key: str) -> None:
+    """Writes one evaluated block, then marks it as finished."""
+    for step in block_steps(out, dims, region, values, key):
         step()
 
 
@@ -270,14 +296,16 @@ def finish_steps(out: Path) -> list[Callable[[], None]]:
     """``finish_store``'s steps, in order: mark the store as the tool's cube and
     consolidate its metadata (both repeatable); move the old cube aside, rename
     the new one into place and remove the old one (``outputs.install_steps``);
-    drop the bookkeeping (a rerun that still finds it, without the partial
-    store, starts over)."""
+    drop the block markers and the bookkeeping (a rerun that still finds
+    them, without the partial store, starts over)."""
     import zarr
 
     tmp = partial_path(out)
     return [lambda: outputs.mark(tmp, "cube"),
             lambda: zarr.consolidate_metadata(str(tmp), zarr_format=2),
-            *outputs.install_steps(tmp, out, "cube"), progress_path(out).unlink]
+            *outputs.install_steps(tmp, out, "cube"),
+            lambda: shutil.rmtree(blocks_path(out), ignore_errors=True),
+            progress_path(out).unlink]
 
 
 def finish_store(out: Path) -> None:

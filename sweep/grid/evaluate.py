@@ -20,6 +20,18 @@ Every block has the same static shape, so a grid of any size compiles once;
 a block sticking out of the cube repeats the axis's last index there and is
 cut on the host. Blocks are aligned to the cube's leading axes, so each is a
 region that can be written, and after an interruption skipped, on its own.
+
+A part's *write blocks* (``Part.plan``: its zarr chunks, and the unit of
+resuming and of sharding) may hold several *batches* (``Part.batch``: the
+shape of one compiled call): the surrogate evaluates a few hundred
+configurations per call but writes chunks of at least 1 MB, since a store of
+tiny chunks is slow to write and to read.
+
+Batches are spread over every local device (a GPU each, or host devices
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``): one compiled
+call (``evaluate_regions``, ``jax.shard_map`` over a one-axis ``Mesh``)
+evaluates one batch per device, each device running the one-batch program,
+so a cube's values are the same on one device or eight.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sweep.cube import contract
 
@@ -82,6 +96,14 @@ class Part:
     # the part's order)
     lookups: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)  # added to each of its variables
+    batch_points: int | None = None  # per compiled call; None: a whole write block
+
+    @property
+    def batch(self) -> tuple[int, ...]:
+        """The shape of one compiled call's block, tiling a write block."""
+        if self.batch_points is None or self.batch_points >= self.plan.size:
+            return self.plan.chunks
+        return blocking(self.plan.chunks, self.batch_points).chunks
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -123,6 +145,17 @@ def blocking(shape: tuple[int, ...], max_points: int) -> Blocking:
     raise ValueError(f"max_points must be >= 1, got {max_points}")
 
 
+MIN_CHUNK_BYTES = 1 << 20
+"""The least a chunk of a float32 variable holds when the cube is large enough."""
+
+
+def write_blocking(shape: tuple[int, ...], batch_points: int) -> Blocking:
+    """Write blocks of at least ``batch_points`` and of more than
+    ``MIN_CHUNK_BYTES`` of float32 per variable, whole batches where the
+    cube allows (``blocking`` gives more than half its ``max_points``)."""
+    return blocking(shape, max(batch_points, 2 * MIN_CHUNK_BYTES // 4))
+
+
 @dataclass(frozen=True)
 class Named:
     """A point function of keyword arguments, called with positional ones.
@@ -137,6 +170,26 @@ class Named:
 
     def __call__(self, *args):
         return self.fn(**dict(zip(self.names, args, strict=True)))
+
+
+def _region(fn: Callable, axes: tuple, tables: tuple, starts, shape, chunks,
+            table_dims):
+    """``evaluate_region``'s computation (traced, not compiled, here)."""
+    idx = [jnp.minimum(starts[d] + jnp.arange(c, dtype=jnp.int32), n - 1)
+           for d, (c, n) in enumerate(zip(chunks, shape))]
+    args = [jax.tree.map(lambda x, i=i: x[i], axis) for axis, i in zip(axes, idx)]
+    for table, dims in zip(tables, table_dims):
+        grids = jnp.ix_(*(idx[d] for d in dims)) if dims else ()
+        args.append(jax.tree.map(lambda x, g=grids: x[g] if g else x, table))
+    n = len(axes)
+    for d in reversed(range(n)):
+        in_axes = [None] * len(args)
+        in_axes[d] = 0
+        for t, dims in enumerate(table_dims):
+            if d in dims:
+                in_axes[n + t] = 0
+        fn = jax.vmap(fn, in_axes=tuple(in_axes))
+    return fn(*args)
 
 
 @partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims"))
@@ -158,33 +211,89 @@ def evaluate_region(fn: Callable, axes: tuple, tables: tuple, starts, *,
     Returns:
       A dict of arrays of shape ``chunks``.
     """
-    idx = [jnp.minimum(starts[d] + jnp.arange(c, dtype=jnp.int32), n - 1)
-           for d, (c, n) in enumerate(zip(chunks, shape))]
-    args = [jax.tree.map(lambda x, i=i: x[i], axis) for axis, i in zip(axes, idx)]
-    for table, dims in zip(tables, table_dims):
-        grids = jnp.ix_(*(idx[d] for d in dims)) if dims else ()
-        args.append(jax.tree.map(lambda x, g=grids: x[g] if g else x, table))
-    n = len(axes)
-    for d in reversed(range(n)):
-        in_axes = [None] * len(args)
-        in_axes[d] = 0
-        for t, dims in enumerate(table_dims):
-            if d in dims:
-                in_axes[n + t] = 0
-        fn = jax.vmap(fn, in_axes=tuple(in_axes))
-    return fn(*args)
+    return _region(fn, axes, tables, starts, shape, chunks, table_dims)
+
+
+BLOCKS = "blocks"
+"""The mesh axis that blocks are spread over."""
+
+
+@partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims", "mesh"))
+def evaluate_regions(fn: Callable, axes: tuple, tables: tuple, starts, *,
+                     shape: tuple[int, ...], chunks: tuple[int, ...],
+                     table_dims: tuple[tuple[int, ...], ...], mesh: Mesh):
+    """``evaluate_region`` for one block per device of ``mesh``, at once.
+
+    Each device runs the one-block program on its own row of ``starts``
+    (``shard_map``): the program a device runs does not depend on how many
+    there are, so neither do the values.
+
+    Args:
+      starts: int32 ``(devices, len(axes))``, each block's first index.
+      mesh: a one-axis mesh (``BLOCKS``) of the devices (static).
+
+    Returns:
+      A dict of arrays of shape ``(devices, *chunks)``, sharded by device.
+    """
+    def one(axes, tables, starts):
+        out = _region(fn, axes, tables, starts[0], shape, chunks, table_dims)
+        return jax.tree.map(lambda x: x[None], out)
+
+    # no collectives: the loops of the point functions need not track which
+    # values vary across devices (check_vma)
+    return jax.shard_map(one, mesh=mesh, in_specs=(P(), P(), P(BLOCKS)),
+                         out_specs=P(BLOCKS), check_vma=False)(axes, tables, starts)
 
 
 def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = (),
-                   table_dims: tuple = (), skip: Any = frozenset()
+                   table_dims: tuple = (), skip: Any = frozenset(),
+                   batch: tuple[int, ...] | None = None, devices=None
                    ) -> Iterator[tuple[int, tuple[slice, ...], dict]]:
-    """Yields ``(block id, region, {name: ndarray of the region's shape})``."""
+    """Yields ``(block id, region, {name: ndarray of the region's shape})``.
+
+    Args:
+      plan: the write blocks.
+      skip: write blocks not to evaluate.
+      batch: the shape of one compiled call (``Part.batch``); default a
+        whole write block. A write block is evaluated in batches that tile
+        it (the last ones cut where they stick out).
+      devices: where the batches run, one per device at a time (default
+        every local device: ``jax.local_devices()``).
+    """
+    batch = tuple(batch or plan.chunks)
+    todo = {}  # write block -> its region and the tiling of it by batches
+    units = []  # (write block, batch within it), in order
     for b in range(len(plan)):
-        if b in skip:
-            continue
-        region = plan.region(b)
-        starts = jnp.asarray([r.start for r in region], jnp.int32)
-        out = evaluate_region(fn, axes, tables, starts, shape=plan.shape,
-                              chunks=plan.chunks, table_dims=table_dims)
-        cut = tuple(slice(0, r.stop - r.start) for r in region)
-        yield b, region, {k: np.asarray(v)[cut] for k, v in out.items()}
+        if b not in skip:
+            region = plan.region(b)
+            todo[b] = (region, Blocking(tuple(r.stop - r.start for r in region),
+                                        batch))
+            units += [(b, s) for s in range(len(todo[b][1]))]
+    if not units:
+        return
+    devices = list(devices or jax.local_devices())[:len(units)]
+    mesh = Mesh(np.array(devices), (BLOCKS,))
+    # the inputs go to every device once, not with each call
+    axes, tables = jax.device_put((axes, tables), NamedSharding(mesh, P()))
+    values, left = {}, {b: len(within) for b, (_, within) in todo.items()}
+    for i in range(0, len(units), len(devices)):
+        group = units[i:i + len(devices)]
+        group += [group[-1]] * (len(devices) - len(group))  # padding, dropped
+        starts = np.array([[r.start + q.start for r, q in
+                            zip(todo[b][0], todo[b][1].region(s))]
+                           for b, s in group], np.int32)
+        out = evaluate_regions(fn, axes, tables, starts, shape=plan.shape,
+                               chunks=batch, table_dims=table_dims, mesh=mesh)
+        out = {k: np.asarray(v) for k, v in out.items()}
+        for j, (b, s) in enumerate(group[:len(units) - i]):
+            region, within = todo[b]
+            local = within.region(s)
+            cut = (j, *(slice(0, q.stop - q.start) for q in local))
+            block = values.setdefault(b, {})
+            for k, v in out.items():
+                if k not in block:
+                    block[k] = np.empty(within.shape, v.dtype)
+                block[k][local] = v[cut]
+            left[b] -= 1
+            if left[b] == 0:
+                yield b, region, values.pop(b)

@@ -260,36 +260,68 @@ def fingerprint(config_yaml: str, job: GridJob) -> str:
     return h.hexdigest()[:16]
 
 
+def shard_blocks(job: GridJob, shard: tuple[int, int] | None) -> set[str]:
+    """The blocks (``results.block_key``) shard ``(k, n)`` evaluates: every
+    ``n``-th of the job's blocks from the ``k``-th (1-based), over its parts in
+    order; every block when ``shard`` is None."""
+    keys = [results.block_key(p.name, b) for p in job.parts for b in range(len(p.plan))]
+    if shard is None:
+        return set(keys)
+    k, n = shard
+    return set(keys[k - 1::n])
+
+
 def run(job: GridJob, out, attrs: dict, config_yaml: str,
-        progress=None) -> xr.Dataset:
+        progress=None, shard: tuple[int, int] | None = None,
+        devices=None) -> xr.Dataset | None:
     """Evaluates and writes every missing block; returns the opened cube.
 
     Args:
       out: the cube's path; an existing cube there is replaced at the end.
-      progress: optional callable ``(done_blocks, total_blocks)``.
+      progress: optional callable ``(done_blocks, total_blocks)`` (of this
+        shard's blocks, with ``shard``).
+      shard: ``(k, n)``: evaluate only the ``k``-th of ``n`` disjoint block
+        sets (``shard_blocks``) into the store that the ``n`` shards of the
+        sweep share; ``config_yaml`` must be the same for all of them.
+
+    Returns:
+      The cube, or None when a shard ends with blocks of other shards
+      missing (the last shard to finish, or a rerun without ``shard``,
+      installs the cube).
 
     Raises:
-      OutputError: ``out`` is not the tool's to write, or another process is
-        writing it; raised before any evaluation.
+      OutputError: ``out`` is not the tool's to write, or a writer of
+        anything but this sweep's shards is writing it; raised before any
+        evaluation.
     """
     out = Path(out)
     outputs.check_target(out, str(out))
     fp = fingerprint(config_yaml, job)
     total = sum(len(p.plan) for p in job.parts)
-    with outputs.lock(out, fp):
+    mine = shard_blocks(job, shard)
+    with outputs.lock(out, fp, shared=shard is not None):
         ds = results.template(job.coords, job.parts, attrs, job.extra)
-        state = results.start_store(out, ds, fp, config_digest(config_yaml), total)
+        with outputs.serial(out):
+            state = results.start_store(out, ds, fp, config_digest(config_yaml), total)
+        done = state.done()
+        written = len(mine & done)
         if progress:
-            progress(len(state.done), total)
+            progress(written, len(mine))
         for part in job.parts:
-            skip = {int(k.split(":")[1]) for k in state.done
-                    if k.startswith(part.name + ":")}
+            skip = {b for b in range(len(part.plan))
+                    if results.block_key(part.name, b) in done
+                    or results.block_key(part.name, b) not in mine}
             for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
                                                     part.tables, part.table_dims,
-                                                    skip):
-                results.write_block(out, part.dims, region, values, state,
-                                    f"{part.name}:{b}")
+                                                    skip, part.batch, devices):
+                results.write_block(out, part.dims, region, values,
+                                    results.block_key(part.name, b))
+                written += 1
                 if progress:
-                    progress(len(state.done), total)
-        results.finish_store(out)
+                    progress(written, len(mine))
+        with outputs.serial(out):  # the shards finish one at a time
+            if state.complete():
+                results.finish_store(out)
+            elif not out.exists() or results.partial_path(out).exists():
+                return None
     return results.open_cube(out)

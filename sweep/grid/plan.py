@@ -30,7 +30,7 @@ import numpy as np
 from sweep.config.schema import LatencyMethod
 from sweep.cube import contract
 from sweep.errors import ConfigError
-from sweep.grid.evaluate import Blocking, blocking
+from sweep.grid.evaluate import Blocking, blocking, write_blocking
 
 # -- measured constants (benchmarks/README.md, "Run plans") --------------------
 # Time, on the 2-core CPU machine when quiet: the rates of the quiet reruns of
@@ -233,7 +233,10 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
                           "largest grid.concurrency)")
         else:
             time_s += SURROGATE_FIXED_S + _padded(p99) / SURROGATE_CONFIGS_PER_S
-            p99_bytes = SURROGATE_FIXED_BYTES + p99.size * SURROGATE_BYTES_PER_CONFIG
+            # one compiled block's work, and the write block it fills on the host
+            p99_bytes = (SURROGATE_FIXED_BYTES + p99.size * SURROGATE_BYTES_PER_CONFIG
+                         + write_blocking(p99_shape, p99.size).size
+                         * _disk_bytes(contract.P99))
             what += f"; {configs:,} configurations through the surrogate"
             p99_driver = f"latency.chunk_configs = {app.latency.chunk_configs}"
         if p99_bytes > memory:

@@ -45,7 +45,7 @@ from sweep.config.schema import (
     Workload,
 )
 from sweep.cube import contract
-from sweep.grid.evaluate import Part, blocking
+from sweep.grid.evaluate import Part, blocking, write_blocking
 from sweep.latency.arrivals import workload_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
@@ -146,7 +146,8 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
     slo = np.array([app.slo.ttft_p99_s, app.slo.itl_p99_s,
                     app.slo.max_rejected_fraction], np.float32)
     sizes = {d: len(coords[d]) for d in DIMS[:-1]} | {"arrival_rate_per_s": len(rates)}
-    plan = blocking(tuple(sizes[d] for d in DIMS), app.latency.chunk_configs)
+    shape = tuple(sizes[d] for d in DIMS)
+    batch = app.latency.chunk_configs
     shared = {d: inputs[d] for d in DIMS if d in inputs and d != "workload"}
     rate_input = rates.astype(np.float32)
     method = app.latency.method
@@ -163,6 +164,9 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
         lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
                    "slo": (slo, ())}
         workload_input = overlong
+        # a simulated block takes seconds or more: its chunk is written (and a
+        # resumed run restarts) one compiled block at a time
+        plan, batch_points = blocking(shape, batch), None
     else:
         served = [[served_workload(t, w, m) for w, t in zip(workloads, tables)]
                   for m in models]
@@ -174,6 +178,8 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
                          ("model", "workload")),
             "slo": (slo, ())}
         workload_input = np.zeros(len(workloads), np.float32)
+        plan, batch_points = write_blocking(shape, batch), batch
     return Part(contract.P99, fn, {**shared, "workload": workload_input,
                                    "arrival_rate_per_s": rate_input}, plan,
-                lookups=lookups, attrs={"method": method.value}), rates
+                lookups=lookups, attrs={"method": method.value},
+                batch_points=batch_points), rates
