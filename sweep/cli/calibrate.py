@@ -33,18 +33,10 @@ from sweep.cli.calibrate_io import (
     read_steps,
     write_profile,
 )
-from sweep.cli.commands import (
-    CONFIG_MODULE,
-    fail,
-    overrides,
-    quiet_backend_probe,
-    start,
-)
+from sweep.cli.commands import CONFIG_MODULE, Command
 from sweep.config.resolve import compose_object
 from sweep.config.schema import CalibrateApp, CalibrationProfile, check_tensor_parallel
 from sweep.errors import ConfigError
-
-COMMAND = "sweep-calibrate"
 
 
 @dataclass
@@ -102,7 +94,7 @@ def _report(console: Console, job: CalibrateJob, fitted) -> None:
     app = job.app
     c = fitted.constants
     console.print(
-        f"{COMMAND}: {app.hardware.name} x {app.model.name} x {app.engine}: "
+        f"{COMMAND.name}: {app.hardware.name} x {app.model.name} x {app.engine}: "
         f"mbu {c['mbu']:.4f}, kv_mbu {c['kv_mbu']:.4f}, mfu {c['mfu']:.4f}, "
         f"step_overhead_s {c['step_overhead_s']:.4g} "
         f"({c['step_overhead_s'] * 1e3:.3f} ms), sequence_overhead_s "
@@ -112,7 +104,7 @@ def _report(console: Console, job: CalibrateJob, fitted) -> None:
         f"{fitted.rms_after * 100:.1f} % (fitted) over {fitted.points} points",
         markup=False, highlight=False, soft_wrap=True)
     for note in fitted.notes:
-        console.print(f"{COMMAND}: {note}", markup=False, highlight=False,
+        console.print(f"{COMMAND.name}: {note}", markup=False, highlight=False,
                       soft_wrap=True)
     if fitted.steps is not None:
         table = Table(title="measured steps (ms)")
@@ -138,8 +130,10 @@ def _report(console: Console, job: CalibrateJob, fitted) -> None:
         console.print(table)
 
 
-# the job ``main``'s preflight prepared from the same command line
-_preflight_job = None
+# out= names a config folder (a search-path root), which may hold a user's
+# own configs: ``check`` refuses only a file there it did not write
+COMMAND = Command("sweep-calibrate", "calibrate", check, kind=None,
+                  default_name="calibration", resume=False)
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="calibrate",
@@ -147,19 +141,15 @@ _preflight_job = None
 def _calibrate_app(cfg: DictConfig) -> None:
     from sweep.search.calibrate import fit_job
 
-    quiet_backend_probe()
+    job = COMMAND.prepared()
     err = Console(stderr=True)
-    try:
-        job = _preflight_job or check("calibrate", overrides())
-    except ConfigError as e:
-        fail(COMMAND, e)
     target = job.target or profile_path(
         Path(HydraConfig.get().runtime.output_dir), job.app.name)
     try:
         check_writable(target)
     except ConfigError as e:
-        fail(COMMAND, e)
-    err.print(f"{COMMAND}: fitting {', '.join(job.app.fit.fit)} of "
+        COMMAND.fail(e)
+    err.print(f"{COMMAND.name}: fitting {', '.join(job.app.fit.fit)} of "
               f"{job.app.hardware.name} x {job.app.model.name} x {job.app.engine} to "
               f"{job.description}", markup=False, highlight=False, soft_wrap=True)
     fitted = fit_job(job)
@@ -172,7 +162,7 @@ def _calibrate_app(cfg: DictConfig) -> None:
         mbu=c["mbu"], mfu=c["mfu"], step_overhead_s=c["step_overhead_s"],
         kv_mbu=0.0 if c["kv_mbu"] == c["mbu"] else c["kv_mbu"],
         sequence_overhead_s=c["sequence_overhead_s"],
-        source=app.source or f"{COMMAND}: {job.description}",
+        source=app.source or f"{COMMAND.name}: {job.description}",
         version=app.version, license=app.license,
         active_params=app.model.active_params, fitted_points=fitted.points,
         rms_relative_error=round(fitted.rms_after, 4))
@@ -185,10 +175,5 @@ def _calibrate_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """``sweep-calibrate [hydra overrides]``: fit, print, write the config."""
-    global _preflight_job
-    # out= names a config folder (a search-path root), which may hold a
-    # user's own configs: ``check`` refuses only a file there it did not write
-    _preflight_job = start(COMMAND, "calibrate", check, kind=None,
-                           default_name="calibration", resume=False)
-    _calibrate_app()
+    COMMAND.main(_calibrate_app)
 

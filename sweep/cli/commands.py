@@ -7,6 +7,10 @@ directory and no compilation), then hands the command line to
 ``@hydra.main``, which creates the run directory and runs the job on the
 preflight's config.
 
+``Command`` is one console script: ``main`` runs the preflight and then the
+Hydra app, whose job starts with ``prepared`` (the checked config, JAX's
+backend probe quiet, the compilation cache on).
+
 Between the two, ``place_run`` checks the output path (``sweep.cube.outputs``)
 and adds the Hydra settings that place the run: with ``out=``, no run
 directory at all; without, a sweep continues the unfinished run of the same
@@ -66,6 +70,44 @@ def preflight(command: str, app: str, argv: list[str], check):
         fail(command, e)
     finally:
         GlobalHydra.instance().clear()
+
+
+class Command:
+    """One console script: its name, its Hydra app (config name), its
+    ``check`` and how its output is placed (``place_run``).
+
+    ``main`` runs the preflight (``start``) and then the ``@hydra.main``
+    function, which begins with ``prepared``: the same checked config, or,
+    when Hydra's own flags skipped the preflight (``-m``), the config
+    checked again from this job's overrides.
+    """
+
+    def __init__(self, name: str, app: str, check, *, kind: str | None,
+                 default_name: str, resume: bool):
+        self.name, self.app, self.check = name, app, check
+        self._place = dict(kind=kind, default_name=default_name, resume=resume)
+        self._checked = None
+
+    def main(self, hydra_app) -> None:
+        """The console script: the preflight, then ``hydra_app()``."""
+        self._checked = start(self.name, self.app, self.check, **self._place)
+        hydra_app()
+
+    def prepared(self):
+        """In the job, before any compilation: what ``check`` returns for this
+        job, with JAX's backend probe quiet and the persistent compilation
+        cache on (in each job: a launcher's workers too). Bad input: one
+        line, exit code 2."""
+        quiet_backend_probe()
+        enable_compilation_cache()
+        try:
+            return self._checked or self.check(self.app, overrides())
+        except ConfigError as e:
+            fail(self.name, e)
+
+    def fail(self, e: ConfigError) -> None:
+        """One line ``<name>: error: <e>``, exit code 2."""
+        fail(self.name, e)
 
 
 def start(command: str, app: str, check, *, kind: str | None, default_name: str,

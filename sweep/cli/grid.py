@@ -19,15 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
-from sweep.cli.commands import (
-    CONFIG_MODULE,
-    check_output,
-    enable_compilation_cache,
-    fail,
-    overrides,
-    quiet_backend_probe,
-    start,
-)
+from sweep.cli.commands import CONFIG_MODULE, Command, check_output, overrides
 from sweep.config.resolve import config_yaml, grid_options, restore
 from sweep.cube import outputs
 from sweep.cube.outputs import OutputError
@@ -54,9 +46,8 @@ def check(app: str, argv: list[str]):
     return base, options
 
 
-# what the preflight composed from the same command line (Hydra's own
-# settings aside, which do not change it); None when Hydra flags skip it
-_preflight_options = None
+COMMAND = Command("sweep-grid", "grid", check, kind="cube", default_name="cube.zarr",
+                  resume=True)
 
 
 @hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name="grid",
@@ -66,14 +57,12 @@ def _grid_app(cfg: DictConfig) -> None:
 
     from sweep.cube import results
     from sweep.grid import job as grid
-    quiet_backend_probe()
-    enable_compilation_cache()  # in each job: a launcher's workers too
+    base, options = COMMAND.prepared()
     console = Console(stderr=True)
     try:
-        base, options = _preflight_options or grid_options("grid", overrides())
         job = grid.prepare(base, options)
     except ConfigError as e:
-        fail("sweep-grid", e)
+        COMMAND.fail(e)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "cube.zarr"
     shard = job.app.shards
@@ -82,7 +71,7 @@ def _grid_app(cfg: DictConfig) -> None:
     sweep_cfg.shard = None
     yaml_text = config_yaml(sweep_cfg)
     fingerprint = grid.fingerprint(yaml_text, job)
-    check_output("sweep-grid", out, f"out={job.app.out}" if job.app.out else str(out),
+    check_output(COMMAND.name, out, f"out={job.app.out}" if job.app.out else str(out),
                   "cube", sweep=fingerprint if shard else None)
     attrs = results.provenance(
         yaml_text, job.app.seed,
@@ -105,7 +94,7 @@ def _grid_app(cfg: DictConfig) -> None:
             finally:
                 progress.close()
     except OutputError as e:
-        fail("sweep-grid", e)
+        COMMAND.fail(e)
     if ds is None:
         console.print(f"sweep-grid: shard {shard[0]}/{shard[1]} done; the cube "
                       f"appears at {out} when the last shard finishes (or rerun "
@@ -125,7 +114,4 @@ def _grid_app(cfg: DictConfig) -> None:
 
 def grid_main() -> None:
     """``sweep-grid [hydra overrides]``: evaluate a grid, write ``cube.zarr``."""
-    global _preflight_options
-    _preflight_options = start("sweep-grid", "grid", check, kind="cube",
-                               default_name="cube.zarr", resume=True)
-    _grid_app()
+    COMMAND.main(_grid_app)

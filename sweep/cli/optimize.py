@@ -24,22 +24,12 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from sweep.cli.commands import (
-    CONFIG_MODULE,
-    check_output,
-    enable_compilation_cache,
-    fail,
-    overrides,
-    quiet_backend_probe,
-    start,
-)
+from sweep.cli.commands import CONFIG_MODULE, Command, check_output, overrides
 from sweep.config.resolve import config_yaml, restore
 from sweep.cube import engines, outputs
-from sweep.errors import ConfigError
 from sweep.grid import calibration
 from sweep.grid.plan import optimize_plan
 
-COMMAND = "sweep-optimize"
 INFEASIBLE_EXIT = 3
 
 
@@ -55,9 +45,8 @@ def check(app: str, argv: list[str]):
     return optimize.prepare(base, hardware, models)
 
 
-# the job ``main``'s preflight prepared from the same command line (Hydra's
-# own settings aside, which do not change it); None when Hydra flags skip it
-_preflight_job = None
+COMMAND = Command("sweep-optimize", "optimize", check, kind="optimize",
+                  default_name="optimize.zarr", resume=False)
 
 
 def _ms(x: float) -> str:
@@ -115,16 +104,11 @@ def _optimize_app(cfg: DictConfig) -> None:
 
     from sweep.cube import results
     from sweep.search import optimize
-    quiet_backend_probe()
-    enable_compilation_cache()  # in each job: a launcher's workers too
+    job = COMMAND.prepared()
     err = Console(stderr=True)
-    try:
-        job = _preflight_job or check("optimize", overrides())
-    except ConfigError as e:
-        fail(COMMAND, e)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
-    check_output(COMMAND, out, f"out={job.app.out}" if job.app.out else str(out),
+    check_output(COMMAND.name, out, f"out={job.app.out}" if job.app.out else str(out),
                   "optimize")
     plan = optimize_plan(job.app, len(job.candidates), job.settings)
     hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
@@ -133,7 +117,7 @@ def _optimize_app(cfg: DictConfig) -> None:
     if calibration.calibrated(choices):
         err.print(calibration.line(job.app.calibration, choices), markup=False,
                   highlight=False, soft_wrap=True)
-    err.print(f"{COMMAND}: {job.app.workload.name} at "
+    err.print(f"{COMMAND.name}: {job.app.workload.name} at "
               f"{job.app.workload.arrival_rate_per_s:g} req/s; "
               f"{len(job.excluded)} candidate(s) excluded (do not fit); "
               f"{plan.line(jax.default_backend())}",
@@ -146,10 +130,10 @@ def _optimize_app(cfg: DictConfig) -> None:
             attrs.update(calibration.attrs(job.app.calibration, choices))
             optimize.write(optimize.to_dataset(job, outcome, attrs), out)
     except optimize.Infeasible as e:
-        print(f"{COMMAND}: {e}", file=sys.stderr)
+        print(f"{COMMAND.name}: {e}", file=sys.stderr)
         sys.exit(INFEASIBLE_EXIT)
     except outputs.OutputError as e:
-        fail(COMMAND, e)
+        COMMAND.fail(e)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     console = Console(width=max(Console().width, 200))
     console.print(result_table(job, outcome))
@@ -167,7 +151,4 @@ def _optimize_app(cfg: DictConfig) -> None:
 
 def main() -> None:
     """``sweep-optimize [hydra overrides]``: search, verify, print, write."""
-    global _preflight_job
-    _preflight_job = start(COMMAND, "optimize", check, kind="optimize",
-                           default_name="optimize.zarr", resume=False)
-    _optimize_app()
+    COMMAND.main(_optimize_app)
