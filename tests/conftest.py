@@ -6,7 +6,8 @@ a surrogate and a simulated cube, an optimize dataset).
 A test that runs a console script is marked ``slow``: by hand where it runs
 one itself, here (``pytest_collection_modifyitems``) where it reads a run of
 the session fixtures below. ``python -m pytest -q`` runs them all;
-``-m "not slow"`` leaves them out.
+``-m "not slow"`` leaves them out; ``-n 2`` spreads them over two processes,
+a test module (or every test reading the session's console runs) to each.
 
 The public traces come from ``SWEEP_DATA_DIR``; unset, it defaults to the
 ``shared/data`` folder beside the checkout (CI's layout), or beside the main
@@ -43,8 +44,14 @@ CONSOLE_FIXTURES = frozenset({"cube_path", "optimize_run", "simulated_run",
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
-        if CONSOLE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        console = CONSOLE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if console:
             item.add_marker(pytest.mark.slow)
+        # with ``-n`` (pytest-xdist, ``--dist loadgroup``) one worker takes a
+        # group: the session's console runs are made once, a module's
+        # fixtures once
+        item.add_marker(pytest.mark.xdist_group(
+            "console" if console else item.module.__name__))
 
 
 @pytest.fixture
