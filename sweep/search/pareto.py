@@ -4,9 +4,15 @@ One filter for the whole package: ``ds.sweep.pareto`` (a cube's fronts) and
 ``sweep.search.optimize`` (cost against p99 latency over the configurations a search
 evaluated) both call ``front``. Each objective is minimised unless
 ``maximize`` says otherwise.
+
+A cube larger than memory is filtered in parts (``front_of_fronts``): a
+point beaten in the whole is beaten by a point of the whole front, so the
+front of the parts' fronts, taken in the points' order, is the whole front.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -40,3 +46,33 @@ def front(x, y, *, maximize: tuple[bool, bool] = (False, False)) -> np.ndarray:
     out = np.zeros(a.shape, bool)
     out[order[ys < best_before]] = True
     return out
+
+
+def front_of_fronts(parts: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]], *,
+                    maximize: tuple[bool, bool] = (False, False)
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``front`` of a sequence of points given in parts, part by part.
+
+    Each part is filtered alone, then the survivors of all parts together in
+    the order of their positions, so that of identical points the first in
+    the sequence is kept, as ``front`` keeps it.
+
+    Args:
+      parts: ``(pos, x, y)`` per part: the points' positions in the whole
+        sequence (increasing within a part; the parts may interleave) and
+        their values.
+      maximize: as for ``front``.
+
+    Returns:
+      ``(pos, x, y)`` of the front's points, by position: ``pos`` equals
+      ``np.flatnonzero(front(x_all, y_all))`` of the whole sequence.
+    """
+    kept = [(p[m], x[m], y[m]) for p, x, y in parts
+            for m in [front(x, y, maximize=maximize)]]
+    if not kept:
+        return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
+    pos, x, y = (np.concatenate(c) for c in zip(*kept))
+    order = np.argsort(pos, kind="stable")
+    pos, x, y = pos[order], x[order], y[order]
+    last = front(x, y, maximize=maximize)
+    return pos[last], x[last], y[last]
