@@ -20,6 +20,12 @@ reads the cube's own variables.
   both axes maximised unless told otherwise);
   ``to_serving_flags`` maps one point to a serving engine's arguments
   (vLLM, SGLang or TensorRT-LLM: ``sweep.cube.engines``).
+* On a cube opened lazily (``open_cube``: dask, one block per chunk file)
+  nothing loads the cube whole: masks are lazy, ``cheapest`` and ``pareto``
+  read it block by block (``sweep.cube.reduce``) and give what they give on
+  the cube in memory, ties included; ``cheapest``'s variables stay lazy
+  until read (``.compute()`` the ones wanted: the chunks holding the best
+  points are read then).
 * On a p99 cube (``latency=simulate|surrogate``) the latency variables live
   on the latency axes (with ``arrival_rate_per_s``, without the context,
   long-prompt and traffic axes); the mask spans the union of both, so a
@@ -34,7 +40,6 @@ reads the cube's own variables.
 from __future__ import annotations
 
 import importlib.resources
-import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -43,7 +48,7 @@ import pandas as pd
 import xarray as xr
 import yaml
 
-from sweep.cube import contract, engines
+from sweep.cube import contract, engines, reduce
 from sweep.model import batching
 from sweep.search import pareto
 
@@ -150,111 +155,6 @@ def _blank(da: xr.DataArray, found: xr.DataArray) -> xr.DataArray:
     if kind in "US":
         return da.where(found, "")
     return da.astype(np.float64 if kind in "iu" else da.dtype).where(found)
-
-
-PART_POINTS = 1 << 20
-"""Points ``pareto`` filters at once (its sort's scratch: ~40 bytes a point)."""
-
-
-def _first_least(values: xr.DataArray, n_keep: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per cell of the first ``n_keep`` dims: the flat position over the other
-    dims of the least value (NaN skipped, ties to the first, as ``np.nanargmin``;
-    0 where there is none) and whether the cell has a value.
-
-    A dask-backed array is reduced block by block: each block's least value
-    (NaN as +inf, as ``np.nanargmin`` sees it) and its position, then per
-    cell the least of the blocks', ties to the first position.
-    """
-    if values.chunks is None:
-        return _least_of_blocks(_block_least(values.values, n_keep), n_keep)
-    data = values.data
-    over = [(1,) * len(c) for c in data.chunks[n_keep:]]
-    parts = data.map_blocks(_block_least, n_keep, new_axis=data.ndim,
-                            chunks=(*data.chunks[:n_keep], *over, (3,)),
-                            dtype=np.float64)
-    return _least_of_blocks(parts.compute(), n_keep)
-
-
-def _block_least(block: np.ndarray, n_keep: int, block_info=None) -> np.ndarray:
-    """One block's least value, its position over the whole array's last dims
-    and whether it has a value, per cell of its first ``n_keep`` dims (stacked
-    last; the other dims kept at length 1)."""
-    keep, over = block.shape[:n_keep], block.shape[n_keep:]
-    flat = block.reshape(*keep, int(np.prod(over)))
-    if flat.dtype.kind != "f":
-        flat = flat.astype(np.float64)
-    nan = np.isnan(flat)
-    filled = np.where(nan, np.inf, flat)
-    first = filled.argmin(axis=-1)
-    least = np.take_along_axis(filled, first[..., None], axis=-1)[..., 0]
-    if block_info is None:  # the whole array
-        starts, shape = (0,) * len(over), over
-    else:
-        starts = [lo for lo, _ in block_info[0]["array-location"][n_keep:]]
-        shape = block_info[0]["shape"][n_keep:]
-    at = np.unravel_index(first, over)
-    pos = np.ravel_multi_index(tuple(i + s for i, s in zip(at, starts)), shape)
-    out = np.stack([least, pos, ~nan.all(axis=-1)], axis=-1).astype(np.float64)
-    return out.reshape(*keep, *(1,) * len(over), 3)
-
-
-def _least_of_blocks(parts: np.ndarray, n_keep: int) -> tuple[np.ndarray, np.ndarray]:
-    """``_first_least``'s answer from the blocks' (``_block_least``)."""
-    parts = parts.reshape(*parts.shape[:n_keep], -1, 3)
-    least, pos, has = parts[..., 0], parts[..., 1], parts[..., 2] > 0
-    at_least = least == least.min(axis=-1, keepdims=True)
-    return np.where(at_least, pos, np.inf).min(axis=-1).astype(np.int64), has.any(-1)
-
-
-def _group_fronts(x: xr.DataArray, y: xr.DataArray, by: list[int],
-                  maximize: tuple[bool, bool]) -> dict[tuple, list]:
-    """Per index along the ``by`` axes, each block's front there: lists of
-    ``(pos, x, y)`` (``pos`` the flat position in the arrays)."""
-    if x.chunks is None:
-        blocks = [_block_fronts(x.values, y.values, (0,) * x.ndim, x.shape, by,
-                                maximize)]
-    else:
-        import dask  # a dask-backed cube has it; keep ``import sweep`` light
-
-        starts = [np.cumsum((0, *c[:-1])) for c in x.data.chunks]
-        blocks = dask.compute(*(
-            dask.delayed(_block_fronts)(xb, yb, tuple(int(s[i]) for s, i in
-                                                      zip(starts, index)),
-                                        x.shape, by, maximize)
-            for index, xb, yb in zip(np.ndindex(*x.data.numblocks),
-                                     x.data.to_delayed().ravel(),
-                                     y.data.to_delayed().ravel())))
-    groups: dict[tuple, list] = {}
-    for block in blocks:
-        for key, part in block:
-            groups.setdefault(key, []).append(part)
-    return groups
-
-
-def _block_fronts(x: np.ndarray, y: np.ndarray, starts: tuple[int, ...],
-                  shape: tuple[int, ...], by: list[int],
-                  maximize: tuple[bool, bool]) -> list[tuple[tuple, tuple]]:
-    """The fronts of one block at ``starts`` of arrays of ``shape``, one per
-    index along the ``by`` axes: ``(by indices, (pos, x, y))``."""
-    rest = [a for a in range(x.ndim) if a not in by]
-    out = []
-    for combo in itertools.product(*(range(x.shape[a]) for a in by)):
-        sel = [slice(None)] * x.ndim
-        for a, i in zip(by, combo):
-            sel[a] = i
-        xs, ys = x[tuple(sel)], y[tuple(sel)]
-        sub = xs.shape
-        xs, ys = xs.ravel(), ys.ravel()  # in the arrays' order
-        pos, fx, fy = pareto.front_of_fronts(
-            ((np.arange(lo, min(lo + PART_POINTS, xs.size)), xs[lo:lo + PART_POINTS],
-              ys[lo:lo + PART_POINTS]) for lo in range(0, xs.size, PART_POINTS)),
-            maximize=maximize)
-        index = [np.full(pos.shape, starts[a] + i) for a, i in zip(by, combo)]
-        at = dict(zip(by, index)) | {a: i + starts[a] for a, i in
-                                     zip(rest, np.unravel_index(pos, sub))}
-        glob = np.ravel_multi_index(tuple(at[a] for a in range(x.ndim)), shape)
-        out.append((tuple(starts[a] + i for a, i in zip(by, combo)), (glob, fx, fy)))
-    return out
 
 
 @xr.register_dataset_accessor("sweep")
@@ -385,7 +285,9 @@ class SweepAccessor:
 
         Returns:
           A Dataset over the remaining dims holding every variable at the best
-          point, and ``best_<dim>`` (the argmin coordinate) for each dim of ``over``.
+          point, and ``best_<dim>`` (the argmin coordinate) for each dim of
+          ``over``. On a lazy cube the argmin is computed (one pass over the
+          metric's blocks); the variables are lazy selections of the best points.
         """
         ds = self._ds
         over = [over] if isinstance(over, str) else list(over)
@@ -396,7 +298,7 @@ class SweepAccessor:
             raise ValueError(f"cheapest: {metric} has no dim {', '.join(unknown)}; "
                              f"dims: {', '.join(m.dims)}")
         keep = [d for d in m.dims if d not in over]
-        pos, has = _first_least(m.transpose(*keep, *over), len(keep))
+        pos, has = reduce.first_least(m.transpose(*keep, *over), len(keep))
         out = _pick(ds, over, pos, has, keep)
         out.attrs["cheapest"] = f"least {metric} over {', '.join(over)}"
         return out
@@ -431,7 +333,7 @@ class SweepAccessor:
         xa, ya = (pair[v].broadcast_like(pair).transpose(*dims) for v in (x, y))
         if xa.chunks is not None or ya.chunks is not None:
             xa, ya = xr.unify_chunks(xa.chunk(), ya.chunk())
-        groups = _group_fronts(xa, ya, [dims.index(d) for d in by], maximize)
+        groups = reduce.group_fronts(xa, ya, [dims.index(d) for d in by], maximize)
         kept = [pareto.front_of_fronts(parts, maximize=maximize)
                 for parts in groups.values()]
         pos, fx, fy = ((np.concatenate(c) for c in zip(*kept)) if kept else
