@@ -77,3 +77,22 @@ def test_front_of_fronts_is_the_front(points, maximize):
     np.testing.assert_array_equal(x, xy[want, 0])
     np.testing.assert_array_equal(y, xy[want, 1])
     assert front_of_fronts([], maximize=maximize)[0].size == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.tuples(st.booleans(), st.booleans()))
+def test_front_of_many_float32_points(seed, maximize):
+    # hundreds of float32 points over a wide range, a third of them repeated,
+    # some NaN: the front (whose sort sees only the points no bin below
+    # beats) is the set of non-dominated points by the definition
+    rng = np.random.default_rng(seed)
+    xy = (rng.lognormal(0, 3, (400, 2)) * rng.choice([-1, 1], 2)).astype(np.float32)
+    xy[rng.integers(0, 400, 130)] = xy[rng.integers(0, 400, 130)]
+    xy[rng.integers(0, 400, 20), rng.integers(0, 2, 20)] = np.nan
+    got = front(xy[:, 0], xy[:, 1], maximize=maximize)
+    a = -xy[:, 0] if maximize[0] else xy[:, 0]
+    b = -xy[:, 1] if maximize[1] else xy[:, 1]
+    want = [bool(np.isfinite(a[i]) and np.isfinite(b[i])) and not _dominated(a, b, i)
+            for i in range(len(xy))]
+    assert got.tolist() == want
+    assert 0 < got.sum() < 400

@@ -35,17 +35,45 @@ def front(x, y, *, maximize: tuple[bool, bool] = (False, False)) -> np.ndarray:
       >>> front(np.array([1.0, 2.0, 2.0, 3.0]), np.array([5.0, 4.0, 6.0, 1.0]))
       array([ True,  True, False,  True])
     """
-    # as minimisation: larger-is-better objectives are negated
-    a = -np.asarray(x, np.float64) if maximize[0] else np.asarray(x, np.float64)
-    b = -np.asarray(y, np.float64) if maximize[1] else np.asarray(y, np.float64)
-    idx = np.flatnonzero(np.isfinite(a) & np.isfinite(b))
-    order = idx[np.lexsort((b[idx], a[idx]))]  # a ascending, then b; stable
-    ys = b[order]
+    x, y = np.asarray(x), np.asarray(y)
+    idx = np.flatnonzero(np.isfinite(x) & np.isfinite(y))
+    # as minimisation: larger-is-better objectives are negated (floats as
+    # they are: a float32 compares as its float64 does)
+    a, b = (v[idx] if v.dtype.kind == "f" else v[idx].astype(np.float64)
+            for v in (x, y))
+    if maximize[0]:
+        np.negative(a, out=a)
+    if maximize[1]:
+        np.negative(b, out=b)
+    # most of a cube's points are beaten by far: dropped before the sort
+    keep = ~(_beaten_from_below(a, b) | _beaten_from_below(b, a))
+    idx, a, b = idx[keep], a[keep], b[keep]
+    perm = np.lexsort((b, a))  # a ascending, then b; stable
+    ys = b[perm]
     # a point joins the front when its b beats every point sorted before it
     best_before = np.concatenate([[np.inf], np.minimum.accumulate(ys)[:-1]])
-    out = np.zeros(a.shape, bool)
-    out[order[ys < best_before]] = True
+    out = np.zeros(x.shape, bool)
+    out[idx[perm[ys < best_before]]] = True
     return out
+
+
+def _beaten_from_below(a: np.ndarray, b: np.ndarray, bins: int = 1024) -> np.ndarray:
+    """Points (both objectives minimised) that a point of a lower bin of ``a``
+    beats: the bins split ``a``'s range evenly, so a point of a lower bin has
+    a smaller ``a``, and beats those with no smaller ``b``. One pass, no sort;
+    it finds most points off the front, never one on it."""
+    if a.size == 0:
+        return np.zeros(0, bool)
+    lo = a.min()
+    span = float(a.max()) - float(lo)
+    if not 0 < span <= float(np.finfo(a.dtype).max):  # a - lo is in a's dtype
+        return np.zeros(a.shape, bool)
+    k = ((a - lo) * a.dtype.type(bins / span)).astype(np.intp)  # non-decreasing in a
+    np.minimum(k, bins - 1, out=k)
+    least = np.full(bins, np.inf, b.dtype)  # of b's dtype: ``at``'s fast loop
+    np.minimum.at(least, k, b)
+    below = np.concatenate([[np.inf], np.minimum.accumulate(least)[:-1]])
+    return b >= below[k]
 
 
 def front_of_fronts(parts: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]], *,
