@@ -66,7 +66,8 @@ def _beaten_from_below(a: np.ndarray, b: np.ndarray, bins: int = 1024) -> np.nda
         return np.zeros(0, bool)
     lo = a.min()
     span = float(a.max()) - float(lo)
-    if not 0 < span <= float(np.finfo(a.dtype).max):  # a - lo is in a's dtype
+    big = float(np.finfo(a.dtype).max)  # a - lo and the scale are in a's dtype
+    if not (0 < span <= big and bins / span <= big):
         return np.zeros(a.shape, bool)
     k = ((a - lo) * a.dtype.type(bins / span)).astype(np.intp)  # non-decreasing in a
     np.minimum(k, bins - 1, out=k)
