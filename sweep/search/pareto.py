@@ -46,7 +46,9 @@ def front(x, y, *, maximize: tuple[bool, bool] = (False, False)) -> np.ndarray:
     if maximize[1]:
         np.negative(b, out=b)
     # most of a cube's points are beaten by far: dropped before the sort
-    keep = ~(_beaten_from_below(a, b) | _beaten_from_below(b, a))
+    keep = ~_beaten_from_below(a, b)
+    idx, a, b = idx[keep], a[keep], b[keep]
+    keep = ~_beaten_from_below(b, a)  # the other way, on the points left
     idx, a, b = idx[keep], a[keep], b[keep]
     perm = np.lexsort((b, a))  # a ascending, then b; stable
     ys = b[perm]
