@@ -35,6 +35,14 @@ def front(x, y, *, maximize: tuple[bool, bool] = (False, False)) -> np.ndarray:
       >>> front(np.array([1.0, 2.0, 2.0, 3.0]), np.array([5.0, 4.0, 6.0, 1.0]))
       array([ True,  True, False,  True])
     """
+    out = np.zeros(np.shape(x), bool)
+    out[front_indices(x, y, maximize=maximize)] = True
+    return out
+
+
+def front_indices(x, y, *, maximize: tuple[bool, bool] = (False, False)
+                  ) -> np.ndarray:
+    """``front`` as the indices of the front's points, increasing."""
     x, y = np.asarray(x), np.asarray(y)
     idx = np.flatnonzero(np.isfinite(x) & np.isfinite(y))
     # as minimisation: larger-is-better objectives are negated (floats as
@@ -54,9 +62,7 @@ def front(x, y, *, maximize: tuple[bool, bool] = (False, False)) -> np.ndarray:
     ys = b[perm]
     # a point joins the front when its b beats every point sorted before it
     best_before = np.concatenate([[np.inf], np.minimum.accumulate(ys)[:-1]])
-    out = np.zeros(x.shape, bool)
-    out[idx[perm[ys < best_before]]] = True
-    return out
+    return np.sort(idx[perm[ys < best_before]])
 
 
 def _beaten_from_below(a: np.ndarray, b: np.ndarray, bins: int = 1024) -> np.ndarray:
@@ -71,8 +77,8 @@ def _beaten_from_below(a: np.ndarray, b: np.ndarray, bins: int = 1024) -> np.nda
     big = float(np.finfo(a.dtype).max)  # a - lo and the scale are in a's dtype
     if not (0 < span <= big and bins / span <= big):
         return np.zeros(a.shape, bool)
-    k = ((a - lo) * a.dtype.type(bins / span)).astype(np.intp)  # non-decreasing in a
-    np.minimum(k, bins - 1, out=k)
+    # bins 0 .. bins - 1 (rounding stays below bins), non-decreasing in a
+    k = ((a - lo) * a.dtype.type((bins - 1) / span)).astype(np.intp)
     least = np.full(bins, np.inf, b.dtype)  # of b's dtype: ``at``'s fast loop
     np.minimum.at(least, k, b)
     below = np.concatenate([[np.inf], np.minimum.accumulate(least)[:-1]])
@@ -98,12 +104,12 @@ def front_of_fronts(parts: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]], 
       ``(pos, x, y)`` of the front's points, by position: ``pos`` equals
       ``np.flatnonzero(front(x_all, y_all))`` of the whole sequence.
     """
-    kept = [(p[m], x[m], y[m]) for p, x, y in parts
-            for m in [front(x, y, maximize=maximize)]]
+    kept = [(p[i], x[i], y[i]) for p, x, y in parts
+            for i in [front_indices(x, y, maximize=maximize)]]
     if not kept:
         return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
     pos, x, y = (np.concatenate(c) for c in zip(*kept))
     order = np.argsort(pos, kind="stable")
     pos, x, y = pos[order], x[order], y[order]
-    last = front(x, y, maximize=maximize)
+    last = front_indices(x, y, maximize=maximize)
     return pos[last], x[last], y[last]
