@@ -115,9 +115,9 @@ def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
     total = int(np.prod([ds.sizes[d] for d in row_dims])) * ds.sizes[
         "hardware"] * ds.sizes["model"]
     ds = ds.isel(_shown(ds, row_dims))
-    cost = ds.sweep.feasible(**limits)
-    over = [d for d in cost["cost_per_mtok_out_usd"].dims if d in CONFIG_DIMS]
-    best = cost.sweep.cheapest(over) if over else cost
+    feasible = ds.sweep.feasible(**limits)
+    over = [d for d in feasible["cost_per_mtok_out_usd"].dims if d in CONFIG_DIMS]
+    best = feasible.sweep.cheapest(over) if over else feasible
     # the rows' points only, and of them only the columns: one read of each
     best = best[[*names & set(best), *(f"best_{d}" for d in over)]].compute()
     rows = 0
