@@ -2,7 +2,9 @@
 
 The cube comes from ``sweep-grid`` itself (run as a subprocess, once per
 session); every expectation is recomputed here with plain NumPy on the raw
-arrays, or by hand.
+arrays, or by hand. Each test runs on the cube in memory and on the cube
+opened lazily in several dask blocks along kept and reduced dims alike, as a
+cube too large for memory is read (``sweep.cube.reduce``).
 """
 
 from __future__ import annotations
@@ -19,9 +21,15 @@ import sweep
 COST = "cost_per_mtok_out_usd"
 
 
-@pytest.fixture(scope="module")
-def ds(cube_path) -> xr.Dataset:
-    return sweep.open_cube(cube_path).load()
+BLOCKS = {"hardware": 1, "tensor_parallel": 1, "concurrency": 3, "token_budget": 1}
+"""Dask blocks of the session cube (64 points, one chunk file): uneven along
+concurrency, and the token budget, on which the cost ties, split."""
+
+
+@pytest.fixture(scope="module", params=["memory", "blocks"])
+def ds(cube_path, request) -> xr.Dataset:
+    cube = sweep.open_cube(cube_path)
+    return cube.load() if request.param == "memory" else cube.chunk(BLOCKS)
 
 
 def test_open_cube_has_accessor(cube_path):
@@ -114,6 +122,28 @@ def test_cheapest_over_concurrency_is_nanmin(ds):
     assert "concurrency" not in best.dims
 
 
+def test_cheapest_ties_go_to_the_first_point(ds):
+    # the cost does not depend on the token budget: a cell's least cost is
+    # there at both budgets where both are feasible, and the first in cube
+    # order is kept; at ITL <= 6 ms no L40S point is left
+    over = ["tensor_parallel", "concurrency", "token_budget"]
+    masked = ds.sweep.feasible(itl_p99_s=0.006)
+    best = masked.sweep.cheapest(over)
+    keep = [d for d in masked[COST].dims if d not in over]
+    raw = masked[COST].transpose(*keep, *over).values.astype(np.float64)
+    flat = raw.reshape(*raw.shape[:len(keep)], -1)
+    has = ~np.isnan(flat).all(axis=-1)
+    assert has.any() and not has.all()
+    least = np.nanmin(np.where(has[..., None], flat, 0.0), axis=-1)
+    assert ((flat == least[..., None]).sum(axis=-1)[has] == 2).all()
+    first = np.nanargmin(np.where(has[..., None], flat, 0.0), axis=-1)
+    for d, i in zip(over, np.unravel_index(first, [ds.sizes[d] for d in over])):
+        got = best[f"best_{d}"].transpose(*keep).values
+        np.testing.assert_array_equal(got[has], ds[d].values[i][has])
+        assert np.isnan(got[~has]).all()
+    assert (best["best_token_budget"].values[has] == 256).all()
+
+
 def test_cheapest_carries_every_variable_of_the_point(ds):
     best = ds.sweep.cheapest(["tensor_parallel", "concurrency", "token_budget"])
     for h in ds.hardware.values:
@@ -176,6 +206,37 @@ def test_pareto_on_cube(ds):
                                           f[y].to_numpy()).any()
     assert set(front.hardware) == {"h100_sxm", "l40s"}
     assert isinstance(front, pd.DataFrame) and "concurrency" in front.columns
+    # of identical points the first in cube order is kept: the token budget
+    # changes neither rate, so each front point is at the first budget
+    dup = points.duplicated(subset=["hardware", x, y])
+    assert dup.any()
+    first = points[~dup].set_index(["hardware", x, y])
+    at = first.loc[list(zip(front.hardware, front[x], front[y]))]
+    np.testing.assert_array_equal(at["token_budget"], front["token_budget"])
+    assert (front["token_budget"] == 256).all()
+
+
+def test_blocks_give_what_memory_gives(cube_path):
+    # cheapest and pareto of the cube read block by block, NaN and ties
+    # included, equal those of the cube in memory (same rows, same order)
+    memory = sweep.open_cube(cube_path).load()
+    blocks = sweep.open_cube(cube_path).chunk(BLOCKS)
+    for masked in (False, True):
+        m, b = ((d.sweep.feasible(itl_p99_s=0.02) if masked else d)
+                for d in (memory, blocks))
+        for over in (["concurrency"], ["hardware", "token_budget"],
+                     ["tensor_parallel", "concurrency", "token_budget", "batching"]):
+            best = b.sweep.cheapest(over)
+            assert best[COST].chunks is not None  # the picked points stay lazy
+            xr.testing.assert_identical(best.compute(), m.sweep.cheapest(over))
+    for x, y, maximize in (("output_tokens_per_s", "user_tokens_per_s", (True, True)),
+                           (COST, "step_s", (False, False))):
+        for by in (None, "hardware", ["batching", "hardware"]):
+            pd.testing.assert_frame_equal(
+                blocks.sweep.pareto(x, y, by=by, maximize=maximize),
+                memory.sweep.pareto(x, y, by=by, maximize=maximize))
+    with pytest.raises(ValueError, match="by nope: not a dim"):
+        blocks.sweep.pareto(COST, "step_s", by="nope")
 
 
 def test_to_serving_flags(ds):

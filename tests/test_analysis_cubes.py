@@ -7,6 +7,7 @@ dataset); expectations are recomputed here with NumPy on the raw arrays.
 
 from __future__ import annotations
 
+import io
 import re
 
 import numpy as np
@@ -144,6 +145,28 @@ def test_summary_rows_per_scenario(p99):
         # the row's p99s meet the cube's SLO
         assert float(row["p99 TTFT s"]) <= 1.0 and float(row["p99 ITL ms"]) <= 50
     assert len(seen) == n
+
+
+@pytest.mark.parametrize("max_rows", [1, 2, 3])
+def test_summary_of_a_lazy_cube_block_by_block(p99, monkeypatch, max_rows):
+    # a cube too large to load is summarised from its blocks, reading only the
+    # scenarios of the rows shown: they are the first rows of the table that
+    # sweep-grid printed from the cube in memory (checked above)
+    from rich.console import Console
+
+    from sweep.cube import summary
+
+    _, _, run = p99
+    monkeypatch.setattr(summary, "LOAD_POINTS", 0)
+    monkeypatch.setattr(summary, "MAX_ROWS", max_rows)
+    lazy = sweep.open_cube(run.path).chunk(
+        {"concurrency": 1, "token_budget": 1, "arrival_rate_per_s": 1})
+    table, notes = summary.summary_table(lazy)
+    console = Console(file=io.StringIO(), width=200)
+    console.print(table)
+    full = table_rows(run.proc.stdout)
+    assert len(full) == 4 and table_rows(console.file.getvalue()) == full[:max_rows]
+    assert notes[-1].startswith(f"{4 - max_rows:,} more row(s) of 4 are in the cube")
 
 
 def test_summary_of_a_roofline_cube(cube_path):

@@ -20,6 +20,12 @@ reads the cube's own variables.
   both axes maximised unless told otherwise);
   ``to_serving_flags`` maps one point to a serving engine's arguments
   (vLLM, SGLang or TensorRT-LLM: ``sweep.cube.engines``).
+* On a cube opened lazily (``open_cube``: dask, one block per chunk file)
+  nothing loads the cube whole: masks are lazy, ``cheapest`` and ``pareto``
+  read it block by block (``sweep.cube.reduce``) and give what they give on
+  the cube in memory, ties included; ``cheapest``'s variables stay lazy
+  until read (``.compute()`` the ones wanted: the chunks holding the best
+  points are read then).
 * On a p99 cube (``latency=simulate|surrogate``) the latency variables live
   on the latency axes (with ``arrival_rate_per_s``, without the context,
   long-prompt and traffic axes); the mask spans the union of both, so a
@@ -42,7 +48,7 @@ import pandas as pd
 import xarray as xr
 import yaml
 
-from sweep.cube import contract, engines
+from sweep.cube import contract, engines, reduce
 from sweep.model import batching
 from sweep.search import pareto
 
@@ -279,7 +285,9 @@ class SweepAccessor:
 
         Returns:
           A Dataset over the remaining dims holding every variable at the best
-          point, and ``best_<dim>`` (the argmin coordinate) for each dim of ``over``.
+          point, and ``best_<dim>`` (the argmin coordinate) for each dim of
+          ``over``. On a lazy cube the argmin is computed (one pass over the
+          metric's blocks); the variables are lazy selections of the best points.
         """
         ds = self._ds
         over = [over] if isinstance(over, str) else list(over)
@@ -290,11 +298,7 @@ class SweepAccessor:
             raise ValueError(f"cheapest: {metric} has no dim {', '.join(unknown)}; "
                              f"dims: {', '.join(m.dims)}")
         keep = [d for d in m.dims if d not in over]
-        values = np.asarray(m.transpose(*keep, *over).values, dtype=np.float64)
-        flat = values.reshape(values.shape[:len(keep)] + (-1,))
-        has = ~np.all(np.isnan(flat), axis=-1)
-        # rows with no point would make nanargmin raise: give them zeros
-        pos = np.nanargmin(np.where(has[..., None], flat, 0.0), axis=-1)
+        pos, has = reduce.first_least(m.transpose(*keep, *over), len(keep))
         out = _pick(ds, over, pos, has, keep)
         out.attrs["cheapest"] = f"least {metric} over {', '.join(over)}"
         return out
@@ -320,12 +324,25 @@ class SweepAccessor:
         """
         self._require(x, y)
         by = [] if by is None else [by] if isinstance(by, str) else list(by)
-        df = self._ds[[x, y]].reset_coords(drop=True).to_dataframe().reset_index()
-        df = df.dropna(subset=[x, y])
-        groups = df.groupby(by, sort=False) if by else [(None, df)]
-        fronts = [g[pareto.front(g[x].to_numpy(), g[y].to_numpy(), maximize=maximize)]
-                  for _, g in groups]
-        front = pd.concat(fronts) if fronts else df.iloc[:0]
+        pair = self._ds[[x, y]].reset_coords(drop=True)
+        dims = list(pair.dims)  # the order of ``to_dataframe``'s columns
+        unknown = [d for d in by if d not in dims]
+        if unknown:
+            raise ValueError(f"pareto: by {', '.join(unknown)}: not a dim of {x} or "
+                             f"{y}; dims: {', '.join(dims)}")
+        xa, ya = (pair[v].broadcast_like(pair).transpose(*dims) for v in (x, y))
+        if xa.chunks is not None or ya.chunks is not None:
+            xa, ya = xr.unify_chunks(xa.chunk(), ya.chunk())
+        groups = reduce.group_fronts(xa, ya, [dims.index(d) for d in by], maximize)
+        kept = [pareto.front_of_fronts(parts, maximize=maximize)
+                for parts in groups.values()]
+        pos, fx, fy = ((np.concatenate(c) for c in zip(*kept)) if kept else
+                       (np.zeros(0, np.int64), np.zeros(0, xa.dtype),
+                        np.zeros(0, ya.dtype)))
+        order = np.argsort(pos, kind="stable")  # cube order, as ``front`` sees it
+        idx = np.unravel_index(pos[order], xa.shape)
+        front = pd.DataFrame({d: pair.get_index(d).take(i) for d, i in zip(dims, idx)})
+        front[x], front[y] = np.asarray(fx)[order], np.asarray(fy)[order]
         return front.sort_values([*by, x], kind="stable").reset_index(drop=True)
 
     def to_serving_flags(self, engine: str = "vllm", **sel) -> ServingFlags:

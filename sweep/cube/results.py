@@ -394,7 +394,7 @@ def check_chunks(path: Path, decode: bool = False) -> None:
                               f"{nbytes}")
 
 
-def open_cube(path: str | os.PathLike, *, chunks: str | dict | None = "auto"
+def open_cube(path: str | os.PathLike, *, chunks: str | dict | None = "store"
               ) -> xr.Dataset:
     """Opens a result cube written by any sweep entry point.
 
@@ -405,10 +405,13 @@ def open_cube(path: str | os.PathLike, *, chunks: str | dict | None = "auto"
 
     Args:
       path: a ``.zarr`` store (or a netCDF file saved from a cube).
-      chunks: dask chunks; ``None`` loads eagerly.
+      chunks: dask chunks: ``"store"``, the file's own (a task reads one
+        chunk file, so ``ds.sweep``'s block-by-block reductions hold a few
+        chunks in memory, not the cube); or what xarray's ``chunks`` takes
+        (``"auto"``, a dict of dim sizes); ``None`` loads eagerly.
 
     Returns:
-      The cube as an ``xarray.Dataset``, lazily loaded by default.
+      The cube as an ``xarray.Dataset``, lazily loaded (dask) by default.
 
     Raises:
       FileNotFoundError: nothing at ``path``.
@@ -420,6 +423,7 @@ def open_cube(path: str | os.PathLike, *, chunks: str | dict | None = "auto"
         hint = (": the sweep was interrupted; rerun it to resume"
                 if partial_path(p).exists() else "")
         raise FileNotFoundError(f"no cube at {p}{hint}")
+    chunks = {} if chunks == "store" else chunks
     if p.suffix in (".nc", ".nc4", ".netcdf"):
         return xr.open_dataset(p, chunks=chunks)
     try:

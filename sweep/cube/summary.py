@@ -17,8 +17,9 @@ named once under the table) and the metrics declared with a ``column``
 
 Rows go scenario by scenario, so a long table cut at ``MAX_ROWS`` still
 compares every hardware x model on its first scenarios; the rest are in the
-cube. Each row's cell is found on its own hardware x model x scenario slice,
-so the table never loads more of a large cube than one slice at a time.
+cube. The rows shown are found in one pass over the scenarios they need
+(``ds.sweep.cheapest``, block by block on a cube opened lazily), so the table
+never holds more of a large cube than a few of its chunks.
 """
 
 from __future__ import annotations
@@ -58,16 +59,17 @@ def _fmt(dim: str, v) -> str:
     return f"{float(v):g}"
 
 
-def _cheapest(sl: xr.Dataset, limits: dict) -> xr.Dataset | None:
-    """The feasible point of least cost in one hardware x model x scenario slice."""
-    mask = sl.sweep.feasible_mask(**limits)
-    cost = sl["cost_per_mtok_out_usd"].where(mask)
-    dims = [d for d in cost.dims if d in CONFIG_DIMS]
-    values = np.asarray(cost.transpose(*dims).values, dtype=np.float64)
-    if values.size == 0 or np.isnan(values).all():
-        return None
-    pos = np.unravel_index(np.nanargmin(values), values.shape)
-    return sl.isel(dict(zip(dims, pos)))
+def _shown(ds: xr.Dataset, row_dims: list[str]) -> dict[str, slice]:
+    """The first values of the row dims that the first ``MAX_ROWS`` rows use
+    (rows go scenario by scenario in the order of ``row_dims``)."""
+    scenarios = -(-MAX_ROWS // (ds.sizes["hardware"] * ds.sizes["model"]))
+    box = {}
+    for i, d in enumerate(row_dims):
+        later = int(np.prod([ds.sizes[e] for e in row_dims[i + 1:]]))
+        box[d] = slice(0, -(-scenarios // later))
+        if -(-scenarios // later) > 1:  # then every value of the later dims
+            break
+    return box
 
 
 def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
@@ -85,9 +87,10 @@ def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
                          f"{', '.join(axis.affects)}")
         ds = ds.isel({d: 0})
     columns = [m for m in COLUMNS if m.name in ds]
+    names = {"cost_per_mtok_out_usd", *(m.name for m in columns), *MASK_VARIABLES}
+    ds = ds[[n for n in ds.data_vars if n in names]]
     if int(np.prod(list(ds.sizes.values()))) <= LOAD_POINTS:
-        names = {m.name for m in columns} | set(MASK_VARIABLES)
-        ds = ds[[n for n in ds.data_vars if n in names]].load()
+        ds = ds.load()
     row_dims = [d for d in ROW_DIMS if d in ds.dims]
     shown = [d for d in row_dims if d != "workload" or ds.sizes[d] > 1]
     if limits:
@@ -109,23 +112,28 @@ def summary_table(ds: xr.Dataset) -> tuple[Table, list[str]]:
     for col in cols:
         left = col in ("hardware", "model", "workload", "batching")
         table.add_column(col, justify="left" if left else "right", no_wrap=True)
-    scenarios = list(itertools.product(*(range(ds.sizes[d]) for d in row_dims)))
-    total = len(scenarios) * ds.sizes["hardware"] * ds.sizes["model"]
+    total = int(np.prod([ds.sizes[d] for d in row_dims])) * ds.sizes[
+        "hardware"] * ds.sizes["model"]
+    ds = ds.isel(_shown(ds, row_dims))
+    feasible = ds.sweep.feasible(**limits)
+    over = [d for d in feasible["cost_per_mtok_out_usd"].dims if d in CONFIG_DIMS]
+    best = feasible.sweep.cheapest(over) if over else feasible
+    # the rows' points only, and of them only the columns: one read of each
+    best = best[[*names & set(best), *(f"best_{d}" for d in over)]].compute()
     rows = 0
-    for scenario in scenarios:
+    for scenario in itertools.product(*(range(ds.sizes[d]) for d in row_dims)):
         sel = dict(zip(row_dims, scenario))
         for h, m in itertools.product(ds.hardware.values, ds.model.values):
             if rows == MAX_ROWS:
                 break
             rows += 1
-            sl = ds.isel(sel).sel(hardware=h, model=m)
-            head = [str(h), str(m), *(_fmt(d, sl[d].values) for d in shown)]
-            pt = _cheapest(sl, limits)
-            if pt is None:
+            pt = best.isel(sel).sel(hardware=h, model=m)
+            head = [str(h), str(m), *(_fmt(d, pt[d].values) for d in shown)]
+            if np.isnan(pt["cost_per_mtok_out_usd"]):
                 table.add_row(*head, *[""] * (len(cols) - len(head) - 1),
                               "meets no SLO" if limits else "does not fit")
                 continue
-            table.add_row(*head, *(_fmt(d, pt[d].values) for d in config),
+            table.add_row(*head, *(_fmt(d, pt[f"best_{d}"].values) for d in config),
                           *(c.column.format(pt[c.name]) for c in columns))
     if rows < total:
         notes.append(f"{total - rows:,} more row(s) of {total:,} are in the cube "

@@ -86,7 +86,8 @@ OPTIMIZE_DISK_BYTES_PER_EVALUATION = 8
 
 BUDGET_SHARE = 0.8
 LOAD_POINTS = 1 << 21
-"""The summary reads cubes up to this many points whole, larger ones by slice."""
+"""The summary reads cubes up to this many points whole, larger ones chunk by
+chunk."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ run's log and the charts of ``sweep.report.plots.OPTIMIZE_CHARTS``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -85,10 +86,11 @@ class ReportError(ValueError):
 
 
 def load(path: Path) -> xr.Dataset:
-    """Opens and loads the cube; a leading hardware/model dim is added if absent.
+    """Opens the cube (lazily: each chart and table reads what it reduces); a
+    leading hardware/model dim is added if absent.
 
-    The dataset of ``sweep-optimize`` is checked for what its report needs and
-    returned as it is.
+    The dataset of ``sweep-optimize`` (small) is loaded, checked for what its
+    report needs and returned as it is.
     """
     try:
         ds = open_cube(path)
@@ -97,15 +99,9 @@ def load(path: Path) -> xr.Dataset:
     except Exception as e:  # whatever the store's reader says, the path is no cube
         raise ReportError(f"{path} is not a result cube "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
-    try:
-        ds = ds.load()
-    except Exception as e:  # a chunk changed in place fails only when decoded
-        try:
-            check_chunks(path, decode=True)
-        except DamagedCube as damaged:
-            raise ReportError(str(damaged)) from e
-        raise
     if is_optimize(ds):
+        with decoding(path):
+            ds = ds.load()
         require(path, ds, "optimize dataset", OPTIMIZE_VARIABLES, OPTIMIZE_DIMS,
                 OPTIMIZE_ATTRS)
         if not ds["chosen"].values.any():
@@ -118,6 +114,22 @@ def load(path: Path) -> xr.Dataset:
             value = str(ds[d].values) if d in ds.coords else "-"
             ds = ds.drop_vars(d, errors="ignore").expand_dims({d: [value]})
     return ds
+
+
+@contextlib.contextmanager
+def decoding(path: Path):
+    """Names the damaged chunk when reading the cube fails: a chunk changed in
+    place (its length kept) fails only when decoded."""
+    try:
+        yield
+    except ReportError:
+        raise
+    except Exception as e:
+        try:
+            check_chunks(path, decode=True)
+        except DamagedCube as damaged:
+            raise ReportError(str(damaged)) from e
+        raise
 
 
 def require(path: Path, ds: xr.Dataset, what: str, variables, dims,
@@ -150,9 +162,15 @@ def slo_limits(ds: xr.Dataset, args: argparse.Namespace) -> tuple[dict, str]:
 
 def summary(ds: xr.Dataset, limits: dict) -> tuple[str, xr.Dataset]:
     """Markdown table of the cheapest feasible point per hardware x model."""
-    fixed, _ = plots.scenario(ds.sweep.feasible(**limits))
+    # fixed first: the mask is then computed on the slice only
+    fixed = plots.scenario(ds)[0].sweep.feasible(**limits)
     over = [d for d in CONFIG_DIMS if d in fixed.dims]
     best = fixed.sweep.cheapest(over) if over else fixed
+    shown = ("cost_per_mtok_out_usd", "step_s", "ttft_p99_s", "itl_p99_s",
+             "user_tokens_per_s", "output_tokens_per_s", "cost_per_mtok_in_usd",
+             "replicas", *(f"best_{d}" for d in over))
+    # the reduced cube only, and of it only the columns: one read of each
+    best = best[[v for v in shown if v in best]].compute()
     tp = best["best_tensor_parallel"] if "best_tensor_parallel" in best else 1
     best = best.assign({plots.PER_GPU: plots.per_gpu(best["output_tokens_per_s"], tp)})
     best = best.transpose("hardware", "model", ...)
@@ -242,6 +260,13 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
     ds = load(path)
     if is_optimize(ds):
         return write_optimize_report(ds, path, out, args)
+    with decoding(path):
+        return write_cube_report(ds, path, out, args)
+
+
+def write_cube_report(ds: xr.Dataset, path: Path, out: Path,
+                      args: argparse.Namespace) -> list[str]:
+    """``write_report`` for a grid cube."""
     limits, limits_from = slo_limits(ds, args)
     table, best = summary(ds, limits)
     h, m = focus(best, args)

@@ -92,14 +92,19 @@ def scenario(ds: xr.Dataset) -> tuple[xr.Dataset, list[str]]:
     return ds.isel(sel), notes
 
 
-def view(ds: xr.Dataset, keep: tuple[str, ...]) -> xr.Dataset:
+def view(ds: xr.Dataset, keep: tuple[str, ...], names: tuple[str, ...]
+         ) -> xr.Dataset:
     """The cube over hardware x model x ``keep``: scenario fixed, the rest cheapest.
 
-    Adds ``output_tokens_per_s_per_gpu`` (replica rate / tensor-parallel GPUs).
+    Holds the variables ``names`` (read into memory: the reduced cube is
+    small), the ``best_<dim>`` of the dims reduced and
+    ``output_tokens_per_s_per_gpu`` (replica rate / tensor-parallel GPUs).
     """
     fixed, _ = scenario(ds)
     over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in keep]
     out = fixed.sweep.cheapest(over, COST) if over else fixed
+    out = out[[n for n in (*names, "output_tokens_per_s",
+                           *(f"best_{d}" for d in over)) if n in out]].compute()
     tp = out["best_tensor_parallel"] if "best_tensor_parallel" in out else (
         out["tensor_parallel"] if "tensor_parallel" in out.coords else 1)
     return out.assign({PER_GPU: per_gpu(out["output_tokens_per_s"], tp)})
@@ -197,7 +202,7 @@ def _hw_legend(fig: Figure, colors: dict[str, tuple], extra=()) -> None:
 
 def cost_vs_concurrency(ds: xr.Dataset) -> Figure:
     """USD per 1M output tokens vs concurrency: a line per hardware, panel per model."""
-    v = view(ds, ("concurrency",))
+    v = view(ds, ("concurrency",), (COST,))
     colors = _hw_colors(v)
     models = [str(m) for m in v["model"].values]
     fig, axes = _panels(len(models), 3, 4.6, 3.4,
@@ -223,7 +228,7 @@ def cost_vs_concurrency(ds: xr.Dataset) -> Figure:
 
 def itl_throughput_vs_concurrency(ds: xr.Dataset) -> Figure:
     """ITL (decode step; p99 dashed when the cube has it) and tokens/s/GPU."""
-    v = view(fix_tp(ds), ("concurrency",))
+    v = view(fix_tp(ds), ("concurrency",), ("step_s", "itl_p99_s"))
     colors = _hw_colors(v)
     models = [str(m) for m in v["model"].values]
     has_p99 = "itl_p99_s" in v
@@ -357,8 +362,9 @@ def pareto_front(ds: xr.Dataset) -> Figure:
         if fm.empty:
             _empty(ax)
             continue
+        panel = fixed.sel(model=m)[[x, y]].compute()  # one model's points at a time
         for h, c in colors.items():
-            pts = fixed.sel(model=m, hardware=h)
+            pts = panel.sel(hardware=h)
             ax.scatter(pts[x].values.ravel(), pts[y].values.ravel(), s=5, alpha=0.25,
                        color=c, linewidths=0)
             fh = fm[fm["hardware"] == h]
@@ -379,8 +385,9 @@ def prefill_interference(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     if "tensor_parallel" in pair.coords:
         tp = pair["tensor_parallel"].values.item()
         tp_note = f"tensor_parallel = {tp:g} (the cheapest point's); "
-    v = view(pair, ("concurrency", "token_budget")).squeeze(["hardware", "model"],
-                                                            drop=True)
+    v = view(pair, ("concurrency", "token_budget"),
+             ("long_prefill_s", "long_prefill_worst_itl_s", "step_s")).squeeze(
+        ["hardware", "model"], drop=True)
     prompt = ds["long_prompt_tokens"].values[0] if "long_prompt_tokens" in ds else ""
     fig = Figure(figsize=(10, 4.2), layout="constrained")
     axes = fig.subplots(1, 2)
@@ -419,6 +426,7 @@ def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     keep = ("concurrency", "spec_tokens", "spec_acceptance")
     over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in keep]
     v = fixed.sweep.cheapest(over, COST) if over else fixed
+    v = v[[COST, "step_s"]].compute()
     fig, axes = _panels(2, 2, 4.8, 3.4, f"Speculative decoding: {hardware} x {model}",
                         "n-gram proposals; k = 0 is plain decoding; " + _notes(ds))
     accepts = v["spec_acceptance"].values
