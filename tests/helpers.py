@@ -158,6 +158,12 @@ def python_cube(job) -> dict:
     long prompt chunk by chunk), shaped like the cube (``sweep.model.point.DIMS``)."""
     import numpy as np
 
+    from sweep.grid import calibration
+
+    # the baseline knows the bound's step only (no kv_mbu, no per-sequence time)
+    assert not calibration.calibrated(job.calibration), (
+        "python_cube is the theoretical bound: compose the job with "
+        "calibration=roofline")
     nm = numpy_baseline()
     part = job.parts[0]
     shape = part.plan.shape

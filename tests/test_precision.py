@@ -50,7 +50,7 @@ def test_precision_axes_in_sweep_grid_by_hand(tmp_path):
         "grid.token_budget=[2048]", "grid.context_tokens=[1500]",
         "grid.batching=[continuous]", "grid.long_prompt_tokens=[8192]",
         "grid.traffic_tokens_per_day=[1e9]", "grid.weight_dtype=[bf16,fp8,int4,fp4]",
-        "grid.kv_dtype=[bf16,fp8]", "out=c.zarr"], tmp_path)
+        "grid.kv_dtype=[bf16,fp8]", "calibration=roofline", "out=c.zarr"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     ds = xr.open_zarr(tmp_path / "c.zarr")
     assert list(ds.weight_dtype.values) == ["bf16", "fp8", "int4", "fp4"]

@@ -80,15 +80,14 @@ def _grid_app(cfg: DictConfig) -> None:
     attrs = results.provenance(yaml_text, job.app.seed, restore(overrides()),
                                options)
     attrs.update(calibration.attrs(base.calibration, job.calibration))
-    if calibration.calibrated(job.calibration):
-        console.print(calibration.line(base.calibration, job.calibration),
-                      markup=False, highlight=False, soft_wrap=True)
     plan = grid_plan(base, options)
     progress = BlockProgress(console, "sweep-grid",
                              [(p.name, len(p.plan)) for p in job.parts])
     try:
         with outputs.lock(out, grid.fingerprint(yaml_text, job)):
             console.print(f"sweep-grid: {plan.line(jax.default_backend())} -> {out}",
+                          markup=False, highlight=False, soft_wrap=True)
+            console.print(calibration.line(base.calibration, job.calibration),
                           markup=False, highlight=False, soft_wrap=True)
             try:
                 ds = grid.run(job, out, attrs, yaml_text, progress=progress)

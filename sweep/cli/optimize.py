@@ -141,16 +141,15 @@ def _optimize_app(cfg: DictConfig) -> None:
     hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
     models = list({c.model.name: c.model for c in job.candidates}.values())
     choices = calibration.choose(job.app.calibration, hardware, models)
-    if calibration.calibrated(choices):
-        err.print(calibration.line(job.app.calibration, choices), markup=False,
-                  highlight=False, soft_wrap=True)
-    err.print(f"{COMMAND}: {job.app.workload.name} at "
-              f"{job.app.workload.arrival_rate_per_s:g} req/s; "
-              f"{len(job.excluded)} candidate(s) excluded (do not fit); "
-              f"{plan.line(jax.default_backend())}",
-              markup=False, highlight=False, soft_wrap=True)
     try:
         with outputs.lock(out):  # held from before the search to the write
+            err.print(f"{COMMAND}: {job.app.workload.name} at "
+                      f"{job.app.workload.arrival_rate_per_s:g} req/s; "
+                      f"{len(job.excluded)} candidate(s) excluded (do not fit); "
+                      f"{plan.line(jax.default_backend())}",
+                      markup=False, highlight=False, soft_wrap=True)
+            err.print(calibration.line(job.app.calibration, choices), markup=False,
+                      highlight=False, soft_wrap=True)
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
                                        restore(overrides()), job.specs)

@@ -37,7 +37,8 @@ CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_p
                   "user_tokens_per_s")
 CORE_DIMS = ("concurrency",)
 PROVENANCE = ("sweep_version", "created_utc", "git_sha", "jax_version", "jax_backend",
-              "x64", "seed", "hydra_overrides", "calibration", "calibration_engine")
+              "x64", "seed", "hydra_overrides", "calibration", "calibration_engine",
+              "calibration_choice")
 
 # the optimize report's tables (``sweep.search.optimize.to_dataset``): (name, header,
 # format); seconds are shown in ms
