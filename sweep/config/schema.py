@@ -409,6 +409,11 @@ class Grid:
         default=1.0,
         metadata={"help": "share of GPU memory for weights + KV (vLLM default 0.9)"},
     )
+    sensitivity: bool = field(
+        default=False,
+        metadata={"help": "also store d_cost_d_<constant>: the cost's elasticity to "
+                  "each hardware and calibration constant (jax.grad; +56 % bytes "
+                  "per point)"})
     chunk_points: int = field(
         default=1 << 21, metadata={"help": "grid points evaluated per compiled call"}
     )
@@ -434,6 +439,11 @@ class Grid:
                    "values must be distinct")
         _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
         _in_range(self, "grid", "chunk_points", 1, 2**31 - 1)
+
+    @property
+    def optional_variables(self) -> frozenset[str]:
+        """The cube's optional variables asked for (``contract.Metric.option``)."""
+        return frozenset({contract.SENSITIVITY_OPTION} if self.sensitivity else ())
 
     def precision(self, name: str, models: list[Model]) -> list[str]:
         """The values of a precision axis (``weight_dtype``, ``kv_dtype``): the

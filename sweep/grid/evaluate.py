@@ -82,6 +82,8 @@ class Part:
     # the part's order)
     lookups: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)  # added to each of its variables
+    # the optional variables it computes (``contract.Metric.option``)
+    options: frozenset[str] = frozenset()
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -89,7 +91,7 @@ class Part:
 
     @property
     def variables(self) -> tuple[contract.Metric, ...]:
-        return contract.metrics(self.name)
+        return contract.metrics(self.name, self.options)
 
     @property
     def fn(self) -> Named:

@@ -234,6 +234,44 @@ def serving_line(ds: xr.Dataset, best: xr.Dataset, h: str, m: str) -> str:
     return f"vLLM flags for the cheapest point of {h} x {m}: `{flags.cli}`{replicas}"
 
 
+SHORT = {"memory_bandwidth_bytes_per_s": "memory bandwidth",
+         "peak_flops_per_s": "peak FLOP/s", "interconnect_bytes_per_s": "interconnect",
+         "step_overhead_s": "step overhead", "sequence_overhead_s": "sequence overhead"}
+"""How the sensitivity line names each constant of ``contract.SENSITIVITY``."""
+
+
+def _ten_percent_more(e: float) -> str:
+    """What 10 % more of a constant of elasticity ``e`` does to the cost:
+    ``1.1^e - 1`` (exact where the cost is a power of it, first-order
+    otherwise)."""
+    change = (1.1**e - 1.0) * 100.0
+    if abs(change) < 0.05:
+        return "leaves its cost unchanged"
+    return f"{'lowers' if change < 0 else 'raises'} its cost by {abs(change):.1f} %"
+
+
+def sensitivity_line(best: xr.Dataset, h: str, m: str) -> str:
+    """What 10 % more memory bandwidth and FLOP/s would do to the cost of the
+    cheapest feasible point of ``h`` x ``m``, from its ``d_cost_d_*``
+    elasticities (a markdown line; empty for a cube without them)."""
+    pt = best.sel(hardware=h, model=m)
+    names = {p: contract.sensitivity(p) for p, _ in contract.SENSITIVITY}
+    if any(n not in pt for n in names.values()) or not np.isfinite(
+            float(pt["cost_per_mtok_out_usd"])):
+        return ""
+    e = {p: float(pt[n]) for p, n in names.items()}
+    listed = ", ".join(f"{SHORT.get(p, p)} {v:+.3f}" for p, v in e.items())
+    return (f"Sensitivity of the cheapest feasible point of {h} x {m} "
+            f"({float(pt['cost_per_mtok_out_usd']):.3f} USD / 1M output tokens): "
+            f"10 % more memory bandwidth "
+            f"{_ten_percent_more(e['memory_bandwidth_bytes_per_s'])}, 10 % more peak "
+            f"FLOP/s {_ten_percent_more(e['peak_flops_per_s'])}. Elasticities "
+            f"d ln cost / d ln x (`d_cost_d_*`): {listed}; 10 % more of x changes "
+            "the cost by "
+            "1.1^e - 1 (exact where the cost is a power of x, first-order "
+            "otherwise).")
+
+
 def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
     """Writes charts and ``report.md`` into ``out`` (which must be new and empty).
 
@@ -250,6 +288,7 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
                                            limits)
     _, notes = plots.scenario(ds)
     criterion = ds.sweep.feasible_mask(**limits).attrs["feasible"]
+    sensitivity = sensitivity_line(best, h, m)
     dims = []
     for d in ds.dims:
         values = [plots.format_value(v) for v in ds[d].values]
@@ -268,7 +307,9 @@ def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
            f"- single-panel charts show {h} x {m} (the cheapest feasible pair"
            f"{', as asked' if args.hardware or args.model else ''})", "",
            "## Cheapest feasible configuration per hardware x model", "", table, "",
-           serving_line(ds, best, h, m), "", "## Charts", "", *sections]
+           serving_line(ds, best, h, m), "",
+           *([sensitivity, ""] if sensitivity else []),
+           "## Charts", "", *sections]
     if skipped:
         md += ["## Skipped charts", "", *skipped, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
