@@ -167,6 +167,8 @@ def _optimize_app(cfg: DictConfig) -> None:
     for name, engine in engines.ENGINES.items():
         console.print(f"{engine.label} flags: "
                       f"{optimize.serving_flags(job, chosen, name)}", markup=False)
+        for note in optimize.serving_notes(job, chosen, name):
+            console.print(f"  note: {note}", markup=False, soft_wrap=True)
     console.print(f"check on one replica: {optimize.bench_command(job, chosen)}",
                   markup=False, soft_wrap=True)
     console.print(f"{outcome.rounds} round(s), {outcome.evaluations:,} surrogate "

@@ -231,7 +231,9 @@ def serving_line(ds: xr.Dataset, best: xr.Dataset, h: str, m: str) -> str:
     except ValueError as e:
         return f"No vLLM flags for the best point of {h} x {m}: {e}."
     replicas = f", x {flags.replicas} replica(s)" if flags.replicas else ""
-    return f"vLLM flags for the cheapest point of {h} x {m}: `{flags.cli}`{replicas}"
+    notes = "".join(f"; {note}" for note in flags.notes)
+    return (f"vLLM flags for the cheapest point of {h} x {m}: `{flags.cli}`"
+            f"{replicas}{notes}")
 
 
 SHORT = {"memory_bandwidth_bytes_per_s": "memory bandwidth",
@@ -390,6 +392,8 @@ def engine_lines(a: dict) -> list[str]:
     """The chosen deployment's flags per engine and the benchmark that checks
     it (datasets written before these attributes existed show vLLM's only)."""
     lines = [f"* {e.label} flags: `{a[f'{name}_flags']}`"
+             + "".join(f"; {note}" for note in a.get(f"{name}_notes", "").split("\n")
+                       if note)
              for name, e in engines.ENGINES.items() if f"{name}_flags" in a]
     if "vllm_bench_command" in a:
         lines += ["", "Check it on one replica (p50/p99 TTFT, TPOT and ITL, and the "

@@ -555,15 +555,21 @@ def replicas_text(n: int) -> str:
 
 def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
     """A configuration's arguments for ``engine`` (``sweep.cube.engines``),
-    replicas included."""
+    its model's quantisation and KV-cache dtype included, and its replicas."""
     cand = job.candidates[c.candidate]
     values = engines.flags(
         engine, tensor_parallel=cand.tp, concurrency=c.concurrency,
         token_budget=c.token_budget,
         gpu_memory_utilization=job.app.search.gpu_memory_utilization,
         memory_bytes=cand.hardware.memory_bytes,
-        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))))
+        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))),
+        weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype)
     return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
+
+
+def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str]:
+    """What ``serving_flags`` cannot say (``sweep.cube.engines.notes``)."""
+    return engines.notes(engine, job.candidates[c.candidate].model.weight_dtype)
 
 
 def bench_command(job: OptimizeJob, c: Config) -> str:
@@ -726,6 +732,8 @@ def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
         "chosen_cost_per_mtok_out_usd": c.cost_per_mtok_out_usd,
         "chosen_cost_per_month_usd": c.cost_per_month_usd,
         **{f"{e}_flags": serving_flags(job, c, e) for e in engines.ENGINES},
+        **{f"{e}_notes": "\n".join(serving_notes(job, c, e))
+           for e in engines.ENGINES if serving_notes(job, c, e)},
         "vllm_bench_command": bench_command(job, c),
         "rounds": out.rounds,
         "surrogate_evaluations": out.evaluations,
