@@ -194,7 +194,8 @@ CUBE_GRID = ["grid=small", "grid.hardware=[h100_sxm,l40s]", "model=qwen3_8b",
 """The session's roofline cube (``conftest.cube_path``)."""
 
 OPTIMIZE_QUICK = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
-                  "search.tensor_parallel=[1,2]", "search.verify_requests=200"]
+                  "search.tensor_parallel=[1,2]", "search.kv_dtype=[bf16,fp8]",
+                  "search.verify_requests=200"]
 """The session's ``sweep-optimize`` run (``conftest.optimize_run``)."""
 
 

@@ -166,7 +166,7 @@ def test_optimize_excludes_or_refuses_what_the_gpus_lack(hydra_ctx):
         "model.weight_dtype=fp8", "search.tensor_parallel=[1]"])
     job = optimize.prepare(base, hardware, models)
     assert [c.hardware.name for c in job.candidates] == ["h100_sxm"]
-    assert "a100_80gb_sxm x qwen3_8b: no fp8 tensor cores " \
+    assert "a100_80gb_sxm x qwen3_8b (fp8 weights, bf16 KV): no fp8 tensor cores " \
            "(hardware.fp8_flops_per_s = 0)" in job.excluded
 
 
@@ -189,6 +189,47 @@ def test_optimize_flags_carry_the_models_dtypes(hydra_ctx):
     assert optimize.serving_notes(job, c, "trtllm") == [
         "fp8 weights: TensorRT-LLM has no flag that quantises to fp8 as the model "
         "loads; serve an FP8 checkpoint of NVIDIA ModelOpt, whose config it reads"]
+
+
+def test_optimize_searches_the_dtypes(hydra_ctx):
+    """``search.weight_dtype`` x ``search.kv_dtype``: one candidate per
+    hardware x model x dtypes x TP; a GPU without the tensor cores of a weight
+    dtype is left out with one line per pair; a dtype no GPU runs is refused."""
+    from sweep.config.convert import model_params
+    from sweep.search import optimize
+
+    job = optimize.prepare(*optimize.options("optimize", [
+        "search.hardware=[a100_80gb_sxm,h100_sxm]", "model=qwen3_8b",
+        "search.weight_dtype=[bf16,fp8]", "search.kv_dtype=[bf16,fp8]",
+        "search.tensor_parallel=[1]"]))
+    assert [c.label for c in job.candidates] == [
+        "a100_80gb_sxm x qwen3_8b x TP 1",
+        "a100_80gb_sxm x qwen3_8b (bf16 weights, fp8 KV) x TP 1",
+        "h100_sxm x qwen3_8b x TP 1",
+        "h100_sxm x qwen3_8b (bf16 weights, fp8 KV) x TP 1",
+        "h100_sxm x qwen3_8b (fp8 weights, bf16 KV) x TP 1",
+        "h100_sxm x qwen3_8b (fp8 weights, fp8 KV) x TP 1"]
+    assert job.excluded == [
+        f"a100_80gb_sxm x qwen3_8b (fp8 weights, {kv} KV): no fp8 tensor cores "
+        "(hardware.fp8_flops_per_s = 0)" for kv in ("bf16", "fp8")]
+    fp8 = model_params(job.candidates[-1].model)
+    assert (fp8.weight_dtype_bytes, fp8.kv_dtype_bytes, fp8.weight_compute) == (
+        1.0, 1.0, 1.0)
+    c = optimize.Config(5, 64, 2048, 1, {}, 0.0, 0.0)
+    assert optimize.serving_flags(job, c) == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        "--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-utilization 0.9  "
+        "(x 1 replica)")
+    with pytest.raises(ConfigError) as e:
+        optimize.prepare(*optimize.options("optimize", [
+            "hardware=h100_sxm", "model=qwen3_8b", "search.weight_dtype=[bf16,fp4]"]))
+    assert str(e.value) == (
+        "search.weight_dtype = ['bf16', 'fp4']: no hardware searched has fp4 tensor "
+        "cores (hardware.fp4_flops_per_s = 0 on h100_sxm); allowed: bf16, fp8, "
+        "int4, or hardware with them")
+    with pytest.raises(ConfigError) as e:
+        optimize.options("optimize", ["search.kv_dtype=[int4]"])
+    assert str(e.value) == "search.kv_dtype = ['int4']: allowed: bf16, fp8"
 
 
 def _model(name: str, **kw) -> Model:

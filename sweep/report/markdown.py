@@ -48,7 +48,8 @@ CHOSEN_COLUMNS = (
     ("chosen_concurrency", "max_num_seqs", "{:g}"),
     ("chosen_token_budget", "max_num_batched_tokens", "{:g}"),
     ("chosen_cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
-    ("chosen_cost_per_month_usd", "USD / month", "{:,.0f}"))
+    ("chosen_cost_per_month_usd", "USD / month", "{:,.0f}"),
+    ("chosen_weight_dtype", "weights", "{}"), ("chosen_kv_dtype", "KV cache", "{}"))
 CANDIDATE_COLUMNS = (
     ("cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
     ("replicas", "replicas", "{:g}"), ("concurrency", "max_num_seqs", "{:g}"),
@@ -404,8 +405,9 @@ def engine_lines(a: dict) -> list[str]:
 
 def chosen_table(ds: xr.Dataset) -> list[str]:
     """The chosen deployment (the dataset's ``chosen_*`` attributes)."""
+    # a dataset written before the precision attributes existed shows dashes
     return md_table([c[1] for c in CHOSEN_COLUMNS],
-                    [[cell(ds.attrs[k], fmt) for k, _, fmt in CHOSEN_COLUMNS]])
+                    [[cell(ds.attrs.get(k, ""), fmt) for k, _, fmt in CHOSEN_COLUMNS]])
 
 
 def _cells(ds: xr.Dataset, cols, i: int) -> list[str]:
