@@ -147,7 +147,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                 f"tensor cores (hardware.{precision.rate_field(w)} = 0 on "
                 f"{', '.join(h.name for h in hardware)}); allowed: "
                 f"{', '.join(runs)}, or hardware with them")
-    too_long = {m.name for m in too_long}
+    rejecting = {m.name for m in too_long}
     variants = [dataclasses.replace(m, weight_dtype=w, kv_dtype=kv) for m in models
                 for w in s.weight_dtype or [m.weight_dtype]
                 for kv in s.kv_dtype or [m.kv_dtype]]
@@ -162,7 +162,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                     f"{h.name} x {model_label(m)}: no {m.weight_dtype} tensor cores "
                     f"(hardware.{precision.rate_field(m.weight_dtype)} = 0)")
                 continue
-            if m.name in too_long:
+            if m.name in rejecting:
                 excluded.append(
                     f"{h.name} x {m.name}: rejects {served[m.name][1]:.2%} of the "
                     f"requests (max_context_tokens {m.max_context_tokens:,}), more "
