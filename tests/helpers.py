@@ -158,6 +158,12 @@ def python_cube(job) -> dict:
     long prompt chunk by chunk), shaped like the cube (``sweep.model.point.DIMS``)."""
     import numpy as np
 
+    from sweep.grid import calibration
+
+    # the baseline knows the bound's step only (no kv_mbu, no per-sequence time)
+    assert not calibration.calibrated(job.calibration), (
+        "python_cube is the theoretical bound: compose the job with "
+        "calibration=roofline")
     nm = numpy_baseline()
     part = job.parts[0]
     shape = part.plan.shape
@@ -188,7 +194,8 @@ CUBE_GRID = ["grid=small", "grid.hardware=[h100_sxm,l40s]", "model=qwen3_8b",
 """The session's roofline cube (``conftest.cube_path``)."""
 
 OPTIMIZE_QUICK = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
-                  "search.tensor_parallel=[1,2]", "search.verify_requests=200"]
+                  "search.tensor_parallel=[1,2]", "search.kv_dtype=[bf16,fp8]",
+                  "search.verify_requests=200"]
 """The session's ``sweep-optimize`` run (``conftest.optimize_run``)."""
 
 

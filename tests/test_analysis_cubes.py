@@ -100,13 +100,19 @@ def test_report_on_p99_cubes(p99, tmp_path):
                             "traffic_tokens_per_day", "arrival_rate_per_s")}
     mask = expected_mask(ds, INTERACTIVE).isel(first)
     sub = ds.isel({d: 0 for d in first if d in ds.dims})
+    met = 0
     for h in ds.hardware.values:
         cost = xr.broadcast(sub.cost_per_mtok_out_usd, mask)[0].sel(
             hardware=h, batching="continuous")
         ok = mask.sel(hardware=h, batching="continuous")
-        want = np.nanmin(np.where(ok.values, cost.transpose(*ok.dims).values, np.nan))
         row = next(ln for ln in md.splitlines() if ln.startswith(f"| {h} |"))
+        if not ok.values.any():  # e.g. the measured L40S at 3 req/s: a row of dashes
+            assert set(row.strip("|").split("|")[2:]) == {" — "}, (kind, row)
+            continue
+        want = np.nanmin(np.where(ok.values, cost.transpose(*ok.dims).values, np.nan))
         assert f"| {want:.3f} |" in row, (kind, row, want)
+        met += 1
+    assert met > 0
 
 
 def table_rows(stdout: str) -> list[dict[str, str]]:

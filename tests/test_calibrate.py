@@ -299,19 +299,44 @@ def test_choice_rules():
 
 
 def test_roofline_is_the_bound(hydra_ctx):
-    """``calibration=roofline`` (the default, and the seed's) leaves the grid's
-    point functions exactly as they are."""
+    """``calibration=roofline`` (the seed's, even over the default) leaves the
+    grid's point functions exactly as they are, and its line says so."""
     from sweep.config.resolve import grid_options
     from sweep.grid import job as grid
     from sweep.model.point import grid_point
 
-    for args in ([], ["experiment=seed"]):
+    for args in (["calibration=roofline"], ["experiment=seed"]):
         base, options = grid_options("grid", ["hardware=h100_sxm", "model=qwen3_8b",
                                               "grid=small", *args])
         assert base.calibration.name == "roofline"
         job = grid.prepare(base, options)
         assert job.parts[0].point is grid_point
         assert list(job.parts[0].lookups) == ["static_utilization"]
+        assert calibration.line(base.calibration, job.calibration) == (
+            "calibration=roofline: no measured profile, the theoretical bound; "
+            "h100_sxm: hardware's own constants (mbu 1, mfu 1, overhead 0 ms)")
+
+
+def test_the_default_is_auto(hydra_ctx):
+    """Without ``calibration=``, both apps take the shipped measured profiles
+    of vLLM (``calibration.engine=`` picks another engine's)."""
+    from sweep.config.resolve import grid_options
+    from sweep.grid import job as grid
+    from sweep.search import optimize
+
+    auto = OmegaConf.load(Path(calibration.__file__).parents[2] / "conf"
+                          / "calibration" / "auto.yaml")
+    for engine, args in (("vllm", []), ("sglang", ["calibration.engine=sglang"])):
+        base, options = grid_options("grid", ["hardware=h100_sxm", "model=qwen3_8b",
+                                              "grid=small", *args])
+        assert (base.calibration.name, base.calibration.engine) == ("auto", engine)
+        (p,) = [p for p in auto.profiles if (p.hardware, p.model, p.engine)
+                == ("h100_sxm", "qwen3_8b", engine)]
+        (c,) = grid.prepare(base, options).calibration[0]
+        assert (c.mbu, c.mfu, c.kv_mbu, c.sequence_overhead_s) == (
+            p.mbu, p.mfu, p.kv_mbu, p.sequence_overhead_s)
+        app, *_ = optimize.options("optimize", ["hardware=h100_sxm", *args])
+        assert (app.calibration.name, app.calibration.engine) == ("auto", engine)
 
 
 def test_shipped_profiles_name_their_source(hydra_ctx):

@@ -133,7 +133,7 @@ def square_job():
             "grid.token_budget=[256,2048]", "grid.context_tokens=[1500]",
             "grid.long_prompt_tokens=[2048,8192]",
             "grid.batching=[static,continuous]", "latency=surrogate",
-            "workload=seed_chat"])
+            "workload=seed_chat", "calibration=roofline"])
     job = grid.prepare(app, options)
     part = job.parts[0]
     cube = {}

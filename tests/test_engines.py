@@ -60,3 +60,83 @@ def test_bench_command():
                  "--goodput ttft:1000 tpot:50", "--metric-percentiles 50,99",
                  "--save-result --save-detailed"):
         assert part in cmd
+
+
+def _cli(name: str, weights: str, kv: str) -> str:
+    return engines.command_line(engines.flags(
+        name, tensor_parallel=1, concurrency=64, token_budget=2048,
+        gpu_memory_utilization=0.9, memory_bytes=H100,
+        weight_bytes=8.19e9 * {"bf16": 2, "fp8": 1}.get(weights, 0.5625),
+        weight_dtype=weights, kv_dtype=kv))
+
+
+def test_fp8_weights_and_kv_cache_in_each_engines_words():
+    assert _cli("vllm", "fp8", "fp8") == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        "--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-utilization 0.9")
+    assert _cli("sglang", "fp8", "fp8") == (
+        "--tp-size 1 --max-running-requests 64 --chunked-prefill-size 2048 "
+        "--quantization fp8 --kv-cache-dtype fp8_e5m2 --mem-fraction-static 0.9")
+    # 8.19 GB of FP8 weights: (72 - 8.19) / (80 - 8.19) of what they leave
+    assert _cli("trtllm", "fp8", "fp8") == (
+        "--tp_size 1 --max_batch_size 64 --max_num_tokens 2048 --kv_cache_dtype fp8 "
+        "--kv_cache_free_gpu_memory_fraction 0.8886")
+    # an FP8 cache beside bf16 weights; bf16 adds nothing
+    assert _cli("vllm", "bf16", "fp8") == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        "--kv-cache-dtype fp8 --gpu-memory-utilization 0.9")
+    assert "quantization" not in _cli("sglang", "bf16", "bf16")
+    assert "dtype" not in _cli("trtllm", "bf16", "bf16")
+    assert engines.notes("vllm", "fp8") == engines.notes("sglang", "fp8") == []
+    assert engines.notes("vllm", "bf16") == engines.notes("trtllm", "bf16") == []
+    assert engines.notes("trtllm", "fp8") == [
+        "fp8 weights: TensorRT-LLM has no flag that quantises to fp8 as the model "
+        "loads; serve an FP8 checkpoint of NVIDIA ModelOpt, whose config it reads"]
+
+
+def test_four_bit_weights_need_a_checkpoint_except_sglangs_int4():
+    assert _cli("sglang", "int4", "bf16") == (
+        "--tp-size 1 --max-running-requests 64 --chunked-prefill-size 2048 "
+        "--torchao-config int4wo-128 --mem-fraction-static 0.9")
+    assert engines.notes("sglang", "int4") == []
+    assert _cli("vllm", "int4", "bf16") == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        "--gpu-memory-utilization 0.9")
+    assert engines.notes("vllm", "int4") == [
+        "int4 weights: vLLM has no flag that quantises to int4 as the model loads; "
+        "serve a GPTQ or AWQ checkpoint (4-bit, group size 128), whose config it "
+        "reads"]
+    assert engines.notes("vllm", "fp4") == [
+        "fp4 weights: vLLM has no flag that quantises to fp4 as the model loads; "
+        "serve an NVFP4 checkpoint (NVIDIA ModelOpt or llm-compressor), whose "
+        "config it reads"]
+    assert engines.notes("sglang", "fp4") == [
+        "fp4 weights: SGLang has no flag that quantises to fp4 as the model loads; "
+        "serve an NVFP4 checkpoint (NVIDIA ModelOpt), whose config it reads"]
+    assert engines.notes("trtllm", "int4") == [
+        "int4 weights: TensorRT-LLM has no flag that quantises to int4 as the model "
+        "loads; serve a W4A16 AWQ checkpoint of NVIDIA ModelOpt, whose config it "
+        "reads"]
+    assert "--quantization" not in _cli("vllm", "fp4", "fp8")
+
+
+def test_every_engine_names_a_way_to_every_quantised_dtype():
+    """A flag, or a checkpoint to serve: never neither (nor both)."""
+    from sweep.model import precision
+
+    for name, e in engines.ENGINES.items():
+        for w in precision.WEIGHT_DTYPES[1:]:
+            assert (w in e.weight_quantization) != (w in e.checkpoints), (name, w)
+        for kv in precision.KV_DTYPES[1:]:
+            assert kv in e.kv_cache_dtype, (name, kv)
+
+
+def test_optimize_report_shows_each_engines_notes():
+    from sweep.report.markdown import engine_lines
+
+    lines = engine_lines({"vllm_flags": "--quantization fp8",
+                          "trtllm_flags": "--tp_size 1",
+                          "trtllm_notes": "fp8 weights: serve a checkpoint"})
+    assert lines == ["* vLLM flags: `--quantization fp8`",
+                     "* TensorRT-LLM flags: `--tp_size 1`; fp8 weights: serve a "
+                     "checkpoint"]

@@ -24,6 +24,7 @@ from sweep.model.point import DIMS, evaluate_point
 SMALL = [
     "grid=small", "grid.hardware=[h100_sxm,l40s]", "grid.model=[qwen3_8b,mixtral_8x7b]",
     "grid.batching=[request,static,continuous]", "grid.chunk_points=12",
+    "calibration=roofline",  # the loop below runs the bare point function
 ]
 
 

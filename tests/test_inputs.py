@@ -238,5 +238,5 @@ def test_optimize_says_replicas_max_binds(optimize_run, tmp_path):
     assert "slo.ttft_p99_s >=" not in proc.stderr
     first = proc.stderr.splitlines()[0]
     assert re.match(r"sweep-optimize: seed_chat at 1e\+09 req/s; 0 candidate\(s\) "
-                    r"excluded \(do not fit\); 2 candidate\(s\) x 2 restarts: ", first)
+                    r"excluded \(do not fit\); 4 candidate\(s\) x 2 restarts: ", first)
     assert "Unable to initialize backend" not in proc.stdout + proc.stderr

@@ -33,6 +33,7 @@ OVERRIDES = [
     "grid.spec_tokens=[0,3]",
     "grid.spec_acceptance=[0.6,1.0]",
     "grid.chunk_points=5000",
+    "calibration=roofline",  # the baseline is the bound
 ]
 
 

@@ -109,6 +109,15 @@ def test_run_writes_dataset_and_flags(optimize_run):
     # every latency percentile of both models: the E2E median below its p99
     assert float(chosen.simulated_e2e_p50_s) <= float(chosen.simulated_e2e_p99_s)
     assert float(chosen.surrogate_e2e_p50_s) <= float(chosen.surrogate_e2e_p99_s)
+    # search.kv_dtype=[bf16,fp8]: both caches at TP 1 and 2; the chosen one's in
+    # its attributes and flags
+    assert sorted(zip(ds.tensor_parallel.values.tolist(), ds.kv_dtype.values)) == [
+        (1, "bf16"), (1, "fp8"), (2, "bf16"), (2, "fp8")]
+    assert (ds.weight_dtype == "bf16").all()
+    assert str(chosen.kv_dtype.values) == a["chosen_kv_dtype"]
+    fp8 = "--kv-cache-dtype fp8 " in a["vllm_flags"]
+    assert fp8 == (a["chosen_kv_dtype"] == "fp8")
+    assert ("--kv_cache_dtype fp8 " in a["trtllm_flags"]) == fp8
     # the searched specs (hardware=h100_sxm model=qwen3_8b) and the units' meaning
     assert yaml.safe_load(a["hardware_specs"])["h100_sxm"]["memory_bytes"] == 8e10
     assert list(yaml.safe_load(a["model_specs"])) == ["qwen3_8b"]

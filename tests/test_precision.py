@@ -19,6 +19,7 @@ import pytest
 import xarray as xr
 from omegaconf import OmegaConf
 
+import sweep  # noqa: F401  (ds.sweep)
 from sweep.config.schema import ConfigError, Grid, Model
 
 # bytes per weight: int4 with one bf16 scale per 128 weights, fp4 (NVFP4) with
@@ -50,7 +51,7 @@ def test_precision_axes_in_sweep_grid_by_hand(tmp_path):
         "grid.token_budget=[2048]", "grid.context_tokens=[1500]",
         "grid.batching=[continuous]", "grid.long_prompt_tokens=[8192]",
         "grid.traffic_tokens_per_day=[1e9]", "grid.weight_dtype=[bf16,fp8,int4,fp4]",
-        "grid.kv_dtype=[bf16,fp8]", "out=c.zarr"], tmp_path)
+        "grid.kv_dtype=[bf16,fp8]", "calibration=roofline", "out=c.zarr"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     ds = xr.open_zarr(tmp_path / "c.zarr")
     assert list(ds.weight_dtype.values) == ["bf16", "fp8", "int4", "fp4"]
@@ -83,6 +84,27 @@ def test_precision_axes_in_sweep_grid_by_hand(tmp_path):
         assert float(ds.kv_bytes_per_token.sel(model="qwen3_8b", kv_dtype=kv)) == (
             KV_VALUES * KV_BYTES[kv])
     assert ds.weight_dtype.attrs["long_name"].startswith("weight precision")
+    # each point's serving flags carry its dtypes (grid.gpu_memory_utilization 1)
+    at = dict(hardware="b200", model="qwen3_8b", workload="seed_chat",
+              tensor_parallel=1, concurrency=64, token_budget=2048,
+              context_tokens=1500, batching="continuous", long_prompt_tokens=8192,
+              traffic_tokens_per_day=1e9, spec_tokens=0, spec_acceptance=0.7)
+    fp8 = ds.sweep.to_serving_flags(weight_dtype="fp8", kv_dtype="fp8", **at)
+    assert fp8.cli == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        "--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-utilization 1")
+    assert fp8.notes == ()
+    fp4 = ds.sweep.to_serving_flags(engine="sglang", weight_dtype="fp4",
+                                    kv_dtype="bf16", **at)
+    assert fp4.cli == ("--tp-size 1 --max-running-requests 64 --chunked-prefill-size "
+                       "2048 --mem-fraction-static 1")
+    assert fp4.notes == (
+        "fp4 weights: SGLang has no flag that quantises to fp4 as the model loads; "
+        "serve an NVFP4 checkpoint (NVIDIA ModelOpt), whose config it reads",)
+    trt = ds.sweep.to_serving_flags(engine="trtllm", weight_dtype="int4",
+                                    kv_dtype="fp8", **at)
+    assert trt.cli == ("--tp_size 1 --max_batch_size 64 --max_num_tokens 2048 "
+                       "--kv_cache_dtype fp8 --kv_cache_free_gpu_memory_fraction 1")
 
 
 @pytest.mark.slow
@@ -144,8 +166,70 @@ def test_optimize_excludes_or_refuses_what_the_gpus_lack(hydra_ctx):
         "model.weight_dtype=fp8", "search.tensor_parallel=[1]"])
     job = optimize.prepare(base, hardware, models)
     assert [c.hardware.name for c in job.candidates] == ["h100_sxm"]
-    assert "a100_80gb_sxm x qwen3_8b: no fp8 tensor cores " \
+    assert "a100_80gb_sxm x qwen3_8b (fp8 weights, bf16 KV): no fp8 tensor cores " \
            "(hardware.fp8_flops_per_s = 0)" in job.excluded
+
+
+def test_optimize_flags_carry_the_models_dtypes(hydra_ctx):
+    from sweep.search import optimize
+
+    job = optimize.prepare(*optimize.options("optimize", [
+        "hardware=h100_sxm", "model=qwen3_8b", "model.weight_dtype=fp8",
+        "model.kv_dtype=fp8", "search.tensor_parallel=[1]"]))
+    c = optimize.Config(0, 64, 2048, 2, {}, 0.0, 0.0)
+    assert optimize.serving_flags(job, c, "vllm") == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        "--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-utilization 0.9  "
+        "(x 2 replicas)")
+    # 8.19 GB of FP8 weights: (0.9 x 80 - 8.19) / (80 - 8.19)
+    assert optimize.serving_flags(job, c, "trtllm") == (
+        "--tp_size 1 --max_batch_size 64 --max_num_tokens 2048 --kv_cache_dtype fp8 "
+        "--kv_cache_free_gpu_memory_fraction 0.8886  (x 2 replicas)")
+    assert optimize.serving_notes(job, c, "vllm") == []
+    assert optimize.serving_notes(job, c, "trtllm") == [
+        "fp8 weights: TensorRT-LLM has no flag that quantises to fp8 as the model "
+        "loads; serve an FP8 checkpoint of NVIDIA ModelOpt, whose config it reads"]
+
+
+def test_optimize_searches_the_dtypes(hydra_ctx):
+    """``search.weight_dtype`` x ``search.kv_dtype``: one candidate per
+    hardware x model x dtypes x TP; a GPU without the tensor cores of a weight
+    dtype is left out with one line per pair; a dtype no GPU runs is refused."""
+    from sweep.config.convert import model_params
+    from sweep.search import optimize
+
+    job = optimize.prepare(*optimize.options("optimize", [
+        "search.hardware=[a100_80gb_sxm,h100_sxm]", "model=qwen3_8b",
+        "search.weight_dtype=[bf16,fp8]", "search.kv_dtype=[bf16,fp8]",
+        "search.tensor_parallel=[1]"]))
+    assert [c.label for c in job.candidates] == [
+        "a100_80gb_sxm x qwen3_8b x TP 1",
+        "a100_80gb_sxm x qwen3_8b (bf16 weights, fp8 KV) x TP 1",
+        "h100_sxm x qwen3_8b x TP 1",
+        "h100_sxm x qwen3_8b (bf16 weights, fp8 KV) x TP 1",
+        "h100_sxm x qwen3_8b (fp8 weights, bf16 KV) x TP 1",
+        "h100_sxm x qwen3_8b (fp8 weights, fp8 KV) x TP 1"]
+    assert job.excluded == [
+        f"a100_80gb_sxm x qwen3_8b (fp8 weights, {kv} KV): no fp8 tensor cores "
+        "(hardware.fp8_flops_per_s = 0)" for kv in ("bf16", "fp8")]
+    fp8 = model_params(job.candidates[-1].model)
+    assert (fp8.weight_dtype_bytes, fp8.kv_dtype_bytes, fp8.weight_compute) == (
+        1.0, 1.0, 1.0)
+    c = optimize.Config(5, 64, 2048, 1, {}, 0.0, 0.0)
+    assert optimize.serving_flags(job, c) == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        "--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-utilization 0.9  "
+        "(x 1 replica)")
+    with pytest.raises(ConfigError) as e:
+        optimize.prepare(*optimize.options("optimize", [
+            "hardware=h100_sxm", "model=qwen3_8b", "search.weight_dtype=[bf16,fp4]"]))
+    assert str(e.value) == (
+        "search.weight_dtype = ['bf16', 'fp4']: no hardware searched has fp4 tensor "
+        "cores (hardware.fp4_flops_per_s = 0 on h100_sxm); allowed: bf16, fp8, "
+        "int4, or hardware with them")
+    with pytest.raises(ConfigError) as e:
+        optimize.options("optimize", ["search.kv_dtype=[int4]"])
+    assert str(e.value) == "search.kv_dtype = ['int4']: allowed: bf16, fp8"
 
 
 def _model(name: str, **kw) -> Model:

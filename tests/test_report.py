@@ -162,6 +162,8 @@ def test_optimize_report(optimize_report, optimize_run):
     assert f"`{a['vllm_flags']}`" in md
     assert a["log"] in md and f"`{a['sweep_version']}`" in md
     assert "| h100_sxm x qwen3_8b x TP 1 |" in md and "Skipped charts" not in md
+    assert "| h100_sxm x qwen3_8b (bf16 weights, fp8 KV) x TP 1 |" in md
+    assert md.count(f"| {a['chosen_weight_dtype']} | {a['chosen_kv_dtype']} |") == 1
     assert "## Verification rounds" in md
 
 

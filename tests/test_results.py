@@ -17,7 +17,7 @@ from sweep.cube import outputs, results
 from sweep.grid import job as grid
 
 ARGS = ["grid=small", "hardware=h100_sxm", "grid.model=[qwen3_8b,llama3_1_8b]",
-        "grid.chunk_points=12"]
+        "grid.chunk_points=12", "calibration=roofline"]  # the baseline is the bound
 
 # the coordinates ARGS and conf/grid/small.yaml give, as typed there
 COORDS = {

@@ -78,7 +78,9 @@ def replayed(tmp_path_factory):
         "grid.concurrency=[8]", "grid.token_budget=[2048]",
         "grid.batching=[continuous]", "grid.context_tokens=[1500]",
         "grid.long_prompt_tokens=[1024]", "grid.traffic_tokens_per_day=[1e8]",
-        "latency=simulate", "latency.num_requests=4", "out=tiny.zarr"], root)
+        "latency=simulate", "latency.num_requests=4",
+        "calibration=roofline",  # expect() times the bound's steps
+        "out=tiny.zarr"], root)
     assert proc.returncode == 0, proc.stderr
     return sweep.open_cube(root / "tiny.zarr").load().squeeze()
 

@@ -77,9 +77,6 @@ def _grid_app(cfg: DictConfig) -> None:
         yaml_text, job.app.seed,
         [o for o in restore(overrides()) if not o.startswith("shard=")], options)
     attrs.update(calibration.attrs(base.calibration, job.calibration))
-    if calibration.calibrated(job.calibration):
-        console.print(calibration.line(base.calibration, job.calibration),
-                      markup=False, highlight=False, soft_wrap=True)
     plan = grid_plan(base, options)
     what = f"shard {shard[0]}/{shard[1]} of " if shard else ""
     progress = BlockProgress(console, "sweep-grid",
@@ -88,6 +85,8 @@ def _grid_app(cfg: DictConfig) -> None:
         with outputs.lock(out, fingerprint, shared=shard is not None):
             console.print(f"sweep-grid: {what}{plan.line(jax.default_backend())} -> "
                           f"{out}", markup=False, highlight=False, soft_wrap=True)
+            console.print(calibration.line(base.calibration, job.calibration),
+                          markup=False, highlight=False, soft_wrap=True)
             try:
                 ds = grid.run(job, out, attrs, yaml_text, progress=progress,
                               shard=shard)

@@ -61,13 +61,13 @@ def _pair(metrics, name: str) -> str:
 
 def result_table(job, out) -> Table:
     """The chosen configuration first, then the other candidates by cost."""
-    from sweep.search.optimize import met
+    from sweep.search.optimize import met, model_label
 
     slo = job.app.slo
     table = Table(title=f"cheapest deployment of {job.app.workload.name} at "
                   f"{job.app.workload.arrival_rate_per_s:g} req/s within p99 TTFT "
                   f"{slo.ttft_p99_s:g} s, p99 ITL {slo.itl_p99_s * 1e3:g} ms")
-    models = len({c.model.name for c in job.candidates}) > 1
+    models = len({model_label(c.model) for c in job.candidates}) > 1
     cols = ["", "hardware", *(["model"] if models else []), "TP", "replicas",
             "max seqs", "max batched tok", "USD/1M out", "USD/month",
             "TTFT p50/p99 ms: surrogate | sim", "ITL p50/p99 ms: surrogate | sim",
@@ -86,7 +86,8 @@ def result_table(job, out) -> Table:
         if sim is not None and rank > 0:
             mark += " ok" if met(job, sim) else " missed"
         table.add_row(
-            mark, cand.hardware.name, *([cand.model.name] if models else []),
+            mark, cand.hardware.name,
+            *([model_label(cand.model)] if models else []),
             str(cand.tp), str(a.replicas), str(a.concurrency), str(a.token_budget),
             f"{a.cost_per_mtok_out_usd:.3f}", f"{a.cost_per_month_usd:,.0f}",
             f"{_pair(sur, 'ttft')} | {_pair(sim, 'ttft')}",
@@ -114,16 +115,15 @@ def _optimize_app(cfg: DictConfig) -> None:
     hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
     models = list({c.model.name: c.model for c in job.candidates}.values())
     choices = calibration.choose(job.app.calibration, hardware, models)
-    if calibration.calibrated(choices):
-        err.print(calibration.line(job.app.calibration, choices), markup=False,
-                  highlight=False, soft_wrap=True)
-    err.print(f"{COMMAND.name}: {job.app.workload.name} at "
-              f"{job.app.workload.arrival_rate_per_s:g} req/s; "
-              f"{len(job.excluded)} candidate(s) excluded (do not fit); "
-              f"{plan.line(jax.default_backend())}",
-              markup=False, highlight=False, soft_wrap=True)
     try:
         with outputs.lock(out):  # held from before the search to the write
+            err.print(f"{COMMAND.name}: {job.app.workload.name} at "
+                      f"{job.app.workload.arrival_rate_per_s:g} req/s; "
+                      f"{len(job.excluded)} candidate(s) excluded (do not fit); "
+                      f"{plan.line(jax.default_backend())}",
+                      markup=False, highlight=False, soft_wrap=True)
+            err.print(calibration.line(job.app.calibration, choices), markup=False,
+                      highlight=False, soft_wrap=True)
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
                                        restore(overrides()), job.specs)
@@ -141,6 +141,8 @@ def _optimize_app(cfg: DictConfig) -> None:
     for name, engine in engines.ENGINES.items():
         console.print(f"{engine.label} flags: "
                       f"{optimize.serving_flags(job, chosen, name)}", markup=False)
+        for note in optimize.serving_notes(job, chosen, name):
+            console.print(f"  note: {note}", markup=False, soft_wrap=True)
     console.print(f"check on one replica: {optimize.bench_command(job, chosen)}",
                   markup=False, soft_wrap=True)
     console.print(f"{outcome.rounds} round(s), {outcome.evaluations:,} surrogate "

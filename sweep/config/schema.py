@@ -366,6 +366,17 @@ def _numeric_axis(spec: Any, key: str, *, integer: bool, low: float,
     return sorted(set(out))
 
 
+def _check_precision_axes(section, prefix: str) -> None:
+    """``weight_dtype`` and ``kv_dtype`` lists: known dtypes, each once."""
+    for name, allowed in (("weight_dtype", precision.WEIGHT_DTYPES),
+                          ("kv_dtype", precision.KV_DTYPES)):
+        values = list(getattr(section, name))
+        bad = [v for v in values if v not in allowed]
+        _check(not bad, f"{prefix}.{name}", values, f"allowed: {', '.join(allowed)}")
+        _check(len(set(values)) == len(values), f"{prefix}.{name}", values,
+               "values must be distinct")
+
+
 @dataclass
 class Grid:
     hardware: list[str] = field(
@@ -409,6 +420,11 @@ class Grid:
         default=1.0,
         metadata={"help": "share of GPU memory for weights + KV (vLLM default 0.9)"},
     )
+    sensitivity: bool = field(
+        default=False,
+        metadata={"help": "also store d_cost_d_<constant>: the cost's elasticity to "
+                  "each hardware and calibration constant (jax.grad; +56 % bytes "
+                  "per point)"})
     chunk_points: int = field(
         default=1 << 21, metadata={"help": "grid points evaluated per compiled call"}
     )
@@ -425,15 +441,14 @@ class Grid:
                 low=a.low, high=MAX_TOKENS if a.high is None else a.high)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
-        for name, allowed in (("weight_dtype", precision.WEIGHT_DTYPES),
-                              ("kv_dtype", precision.KV_DTYPES)):
-            values = list(getattr(self, name))
-            bad = [v for v in values if v not in allowed]
-            _check(not bad, f"grid.{name}", values, f"allowed: {', '.join(allowed)}")
-            _check(len(set(values)) == len(values), f"grid.{name}", values,
-                   "values must be distinct")
+        _check_precision_axes(self, "grid")
         _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
         _in_range(self, "grid", "chunk_points", 1, 2**31 - 1)
+
+    @property
+    def optional_variables(self) -> frozenset[str]:
+        """The cube's optional variables asked for (``contract.Metric.option``)."""
+        return frozenset({contract.SENSITIVITY_OPTION} if self.sensitivity else ())
 
     def precision(self, name: str, models: list[Model]) -> list[str]:
         """The values of a precision axis (``weight_dtype``, ``kv_dtype``): the
@@ -616,6 +631,14 @@ class Search:
         metadata={"help": "model variants to compare; empty: the chosen `model`"},
     )
     tensor_parallel: Any = field(default_factory=lambda: [1, 2, 4, 8])
+    weight_dtype: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"weight precisions to compare "
+                  f"({', '.join(precision.WEIGHT_DTYPES)}); empty: the model's own"})
+    kv_dtype: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"KV cache precisions to compare "
+                  f"({', '.join(precision.KV_DTYPES)}); empty: the model's own"})
     optimizer: str = field(default="adam", metadata={"help": "an optax alias name"})
     optimizer_options: dict[str, float] = field(
         default_factory=lambda: {"b2": 0.9},
@@ -690,6 +713,7 @@ class Search:
             listed = list(getattr(self, group))
             _check(len(set(listed)) == len(listed), f"search.{group}", listed,
                    "options must be distinct")
+        _check_precision_axes(self, "search")
 
 
 @dataclass

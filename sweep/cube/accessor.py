@@ -75,9 +75,11 @@ class ServingFlags(NamedTuple):
     """A serving engine's arguments for one cube point."""
 
     engine: str  # vllm, sglang or trtllm
-    flags: dict[str, int | float]  # flag -> value, e.g. {"--max-num-seqs": 64}
+    flags: dict[str, int | float | str]  # flag -> value, e.g. {"--max-num-seqs": 64}
     cli: str  # the same flags as one command-line string
     replicas: int | None  # replicas the cube's traffic needs, when it has them
+    # what no flag says: the pre-quantised checkpoint a weight dtype needs
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.cli
@@ -117,6 +119,16 @@ def config_value(ds: xr.Dataset, key: str):
 
     text = ds.attrs.get("config_yaml")
     return find(yaml.safe_load(text)) if text else None
+
+
+def point_dtype(ds: xr.Dataset, pt: xr.Dataset, name: str) -> str:
+    """A point's ``weight_dtype`` or ``kv_dtype``: its coordinate (or
+    variable), else, where that says ``own``, its model's (``model_specs``)."""
+    if name in pt.variables and str(pt[name].values) != "own":
+        return str(pt[name].values)
+    specs = yaml.safe_load(ds.attrs.get("model_specs") or "{}") or {}
+    model = str(pt["model"].values) if "model" in pt.variables else ""
+    return str(specs.get(model, {}).get(name, engines.PLAIN))
 
 
 def cube_slo(ds: xr.Dataset) -> dict[str, float]:
@@ -358,7 +370,10 @@ class SweepAccessor:
           (when the cube has those dims) and the memory share (from the run's
           ``gpu_memory_utilization``; TensorRT-LLM's from it, the GPU's memory
           and the weights) in the engine's names, with the replicas the
-          traffic needs when the cube has them.
+          traffic needs when the cube has them; where the point's
+          ``weight_dtype`` or ``kv_dtype`` is not bf16, the engine's
+          quantisation and KV-cache dtype flags, and in ``notes`` the
+          pre-quantised checkpoint a weight dtype needs where no flag exists.
         """
         engines.engine(engine)  # an unknown name fails before any reading
         ds = self._ds
@@ -392,12 +407,16 @@ class SweepAccessor:
                     and np.isfinite(float(pt[name])) else None)
 
         util = config_value(self._ds, "gpu_memory_utilization")
+        weights, kv = (point_dtype(self._ds, pt, d) for d in ("weight_dtype",
+                                                              "kv_dtype"))
         flags = engines.flags(
             engine, tensor_parallel=int(pt["tensor_parallel"]),
             concurrency=value("concurrency"), token_budget=value("token_budget"),
             gpu_memory_utilization=None if util is None else float(util),
-            memory_bytes=value("memory_bytes"), weight_bytes=value("weight_bytes"))
+            memory_bytes=value("memory_bytes"), weight_bytes=value("weight_bytes"),
+            weight_dtype=weights, kv_dtype=kv)
         replicas = value("replicas")
         return ServingFlags(engine, flags, engines.command_line(flags),
-                            None if replicas is None else int(replicas))
+                            None if replicas is None else int(replicas),
+                            tuple(engines.notes(engine, weights)))
 

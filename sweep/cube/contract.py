@@ -125,6 +125,8 @@ class Metric:
     slo: bool = False  # an SLO limit of ``conf/slo`` bounds it
     flags: bool = False  # a ``sweep.cube.status`` bit mask (CF flag attributes)
     column: Column | None = None  # shown in the summary table
+    # a variable only the cubes that ask for it hold (``grid.<option>=true``)
+    option: str = ""
 
     @property
     def key(self) -> str:
@@ -140,6 +142,33 @@ class Metric:
 
 def _attrs(units: str, long_name: str) -> dict[str, str]:
     return {**({"units": units} if units else {}), "long_name": long_name}
+
+
+SENSITIVITY: tuple[tuple[str, str], ...] = (
+    ("memory_bandwidth_bytes_per_s", "memory bandwidth"),
+    ("peak_flops_per_s", "peak FLOP/s (every tensor-core rate: BF16, FP8, FP4)"),
+    ("interconnect_bytes_per_s", "interconnect bandwidth"),
+    ("mbu", "the weights' memory bandwidth utilisation (mbu)"),
+    ("kv_mbu", "the KV cache's memory bandwidth utilisation (kv_mbu)"),
+    ("mfu", "FLOP/s utilisation (mfu)"),
+    ("step_overhead_s", "the fixed time per step (step_overhead_s)"),
+    ("sequence_overhead_s", "the fixed time per sequence in a step "
+     "(sequence_overhead_s)"),
+)
+"""The hardware and calibration constants whose cost elasticity each roofline
+point carries with ``grid.sensitivity=true``, as ``d_cost_d_<name>`` = d ln
+``cost_per_mtok_out_usd`` / d ln constant
+(``sweep.model.point.cost_elasticities``): -0.9 means 10 % more of it cuts
+the cost by about 9 %, 0 that the cost does not depend on it there (an
+overhead that is 0 has elasticity 0). The price is left out: cost is
+proportional to ``usd_per_gpu_hour`` (elasticity exactly 1)."""
+SENSITIVITY_OPTION = "sensitivity"
+"""The ``option`` of the elasticities: ``grid.sensitivity=true``."""
+
+
+def sensitivity(param: str) -> str:
+    """The cube variable holding the cost elasticity to ``param``."""
+    return f"d_cost_d_{param}"
 
 
 AXES: tuple[Axis, ...] = (
@@ -197,6 +226,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv_fits", "1", "KV cache fits in memory", dtype="bool"),
     Metric("max_concurrency_fit", "sequence", "largest concurrency that fits",
            column=Column("max conc.", "{:,.0f}", section=COST)),
+    *(Metric(sensitivity(p), "1", f"elasticity of cost per 1M output tokens to "
+             f"{what} (d ln cost / d ln {p})", option=SENSITIVITY_OPTION)
+      for p, what in SENSITIVITY),
     # the p99 part (sweep.latency.p99: the simulator or the surrogate)
     Metric("ttft_p50_s", "s", "p50 time to first token", P99, latency=True),
     Metric("ttft_p99_s", "s", "p99 time to first token", P99, latency=True, slo=True,
@@ -273,9 +305,11 @@ def dims(part: str) -> tuple[str, ...]:
     return tuple(a.name for a in AXES if part in a.parts)
 
 
-def metrics(over: str) -> tuple[Metric, ...]:
-    """The variables of one part (or over one axis), in declaration order."""
-    return tuple(m for m in METRICS if m.over == over)
+def metrics(over: str, options: frozenset[str] = frozenset()) -> tuple[Metric, ...]:
+    """The variables of one part (or over one axis), in declaration order,
+    those of an ``option`` only when ``options`` has it."""
+    return tuple(m for m in METRICS
+                 if m.over == over and (not m.option or m.option in options))
 
 
 def names(items) -> tuple[str, ...]:

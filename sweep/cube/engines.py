@@ -10,10 +10,30 @@ SGLang; TensorRT-LLM):
   ``--max_num_tokens``
 * gpu_memory_utilization: ``--gpu-memory-utilization``;
   ``--mem-fraction-static``; ``--kv_cache_free_gpu_memory_fraction``
+* weight_dtype, where it is not bf16: ``--quantization fp8`` (W8A8, the
+  weights quantised as they load); ``--quantization fp8``, and
+  ``--torchao-config int4wo-128`` for int4 (weight-only, one scale per 128
+  weights, as the model counts them); none (TensorRT-LLM's PyTorch backend
+  takes the quantisation from the checkpoint)
+* kv_dtype ``fp8``: ``--kv-cache-dtype fp8`` (E4M3); ``--kv-cache-dtype
+  fp8_e5m2`` (the format SGLang's docs give for an FP8 cache without
+  calibrated scales); ``--kv_cache_dtype fp8``
 
-Sources: vLLM's engine arguments; SGLang's server arguments
-(docs.sglang.io, "Server Arguments"); ``trtllm-serve --help`` (TensorRT-LLM
-docs, "trtllm-serve").
+A weight dtype an engine cannot quantise to at load needs a checkpoint
+quantised beforehand, whose config the engine reads (no flag): GPTQ or AWQ
+for int4 in vLLM, NVFP4 (NVIDIA ModelOpt) for fp4 in vLLM and SGLang, a
+ModelOpt FP8, NVFP4 or W4A16-AWQ checkpoint in TensorRT-LLM. ``notes`` says
+so in one line per engine instead of inventing a flag.
+
+Sources: vLLM's engine arguments (docs.vllm.ai, "Engine Arguments";
+"Quantized KV Cache"); SGLang's server arguments (docs.sglang.io, "Server
+Arguments": "To enable fp8 weight quantization, add ``--quantization fp8``
+on a fp16 checkpoint", "``--torchao-config int4wo-128``", "To enable fp8 kv
+cache quantization, add ``--kv-cache-dtype fp8_e5m2``"); ``trtllm-serve
+--help`` (TensorRT-LLM docs, "trtllm-serve"; ``--kv_cache_dtype`` with
+``auto``, ``fp8``, ``nvfp4`` since NVIDIA/TensorRT-LLM#11487, March 2026,
+earlier ``kv_cache_config: {dtype: fp8}`` in ``--extra_llm_api_options``;
+"Quantization": pre-quantised ModelOpt checkpoints).
 
 vLLM's and SGLang's memory settings are both the share of a GPU's memory
 for weights plus KV cache (SGLang: "static" memory, the weights and the KV
@@ -43,17 +63,38 @@ class Engine(NamedTuple):
     token_budget: str
     memory: str
     memory_after_weights: bool  # the memory share is of what the weights leave
+    # weight dtype -> (flag, value) that quantises bf16 weights as they load;
+    # a dtype missing here needs a pre-quantised checkpoint (CHECKPOINTS)
+    weight_quantization: dict[str, tuple[str, str]]
+    kv_cache_dtype: dict[str, tuple[str, str]]  # KV dtype -> (flag, value)
+    checkpoints: dict[str, str]  # weight dtype -> the checkpoint it serves
 
 
 ENGINES = {
-    "vllm": Engine("vLLM", "--tensor-parallel-size", "--max-num-seqs",
-                   "--max-num-batched-tokens", "--gpu-memory-utilization", False),
-    "sglang": Engine("SGLang", "--tp-size", "--max-running-requests",
-                     "--chunked-prefill-size", "--mem-fraction-static", False),
-    "trtllm": Engine("TensorRT-LLM", "--tp_size", "--max_batch_size",
-                     "--max_num_tokens", "--kv_cache_free_gpu_memory_fraction", True),
+    "vllm": Engine(
+        "vLLM", "--tensor-parallel-size", "--max-num-seqs",
+        "--max-num-batched-tokens", "--gpu-memory-utilization", False,
+        {"fp8": ("--quantization", "fp8")}, {"fp8": ("--kv-cache-dtype", "fp8")},
+        {"int4": "a GPTQ or AWQ checkpoint (4-bit, group size 128)",
+         "fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt or llm-compressor)"}),
+    "sglang": Engine(
+        "SGLang", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
+        "--mem-fraction-static", False,
+        {"fp8": ("--quantization", "fp8"), "int4": ("--torchao-config", "int4wo-128")},
+        {"fp8": ("--kv-cache-dtype", "fp8_e5m2")},
+        {"fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt)"}),
+    "trtllm": Engine(
+        "TensorRT-LLM", "--tp_size", "--max_batch_size", "--max_num_tokens",
+        "--kv_cache_free_gpu_memory_fraction", True,
+        {}, {"fp8": ("--kv_cache_dtype", "fp8")},
+        {"fp8": "an FP8 checkpoint of NVIDIA ModelOpt",
+         "int4": "a W4A16 AWQ checkpoint of NVIDIA ModelOpt",
+         "fp4": "an NVFP4 checkpoint of NVIDIA ModelOpt"}),
 }
 """Engine name (what ``engine=`` takes) -> its argument names."""
+
+PLAIN = "bf16"
+"""The dtype no flag names: the checkpoint's own (every shipped model's)."""
 
 
 def engine(name: str) -> Engine:
@@ -74,18 +115,26 @@ def kv_free_fraction(gpu_memory_utilization: float, memory_bytes: float,
 
 def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
           token_budget: int | None, gpu_memory_utilization: float | None,
-          memory_bytes: float | None = None,
-          weight_bytes: float | None = None) -> dict[str, int | float]:
+          memory_bytes: float | None = None, weight_bytes: float | None = None,
+          weight_dtype: str = PLAIN, kv_dtype: str = PLAIN
+          ) -> dict[str, int | float | str]:
     """One deployment's arguments for engine ``name`` (``None``: not set).
 
     ``weight_bytes`` is the whole model's; TensorRT-LLM's memory fraction
     needs it and ``memory_bytes`` (one GPU's), and is left out without them.
+    A ``weight_dtype`` or ``kv_dtype`` other than bf16 adds the engine's
+    flag for it where it has one (``notes``: where it has none).
     """
     e = engine(name)
-    out: dict[str, int | float] = {e.tensor_parallel: int(tensor_parallel)}
+    out: dict[str, int | float | str] = {e.tensor_parallel: int(tensor_parallel)}
     for flag, value in ((e.concurrency, concurrency), (e.token_budget, token_budget)):
         if value is not None and math.isfinite(value):
             out[flag] = int(value)
+    for table, dtype in ((e.weight_quantization, weight_dtype),
+                         (e.kv_cache_dtype, kv_dtype)):
+        if dtype in table:
+            flag, value = table[dtype]
+            out[flag] = value
     if gpu_memory_utilization is None:
         return out
     if not e.memory_after_weights:
@@ -96,7 +145,19 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
     return out
 
 
-def command_line(values: dict[str, int | float]) -> str:
+def notes(name: str, weight_dtype: str = PLAIN) -> list[str]:
+    """What the flags cannot say: the checkpoint quantised beforehand that a
+    weight dtype needs in engine ``name`` (none for bf16, or where a flag
+    quantises at load)."""
+    e = engine(name)
+    if weight_dtype == PLAIN or weight_dtype in e.weight_quantization:
+        return []
+    return [f"{weight_dtype} weights: {e.label} has no flag that quantises to "
+            f"{weight_dtype} as the model loads; serve {e.checkpoints[weight_dtype]}, "
+            "whose config it reads"]
+
+
+def command_line(values: dict[str, int | float | str]) -> str:
     """``--flag value ...`` (floats as ``%g``)."""
     return " ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
                     for k, v in values.items())

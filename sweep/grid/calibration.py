@@ -8,15 +8,17 @@ hardware x model takes, among the profiles of its hardware and the config's
 ``engine``: the model's own; else one for any model (``model: ""``); else the
 one whose model size (active parameters) is nearest in ratio. Hardware with
 no profile keeps its own constants: the theoretical bound as shipped
-(``calibration=roofline`` has no profile at all).
+(``calibration=roofline`` has no profile at all). The apps' default is
+``calibration=auto``, the shipped measured profiles (engine vLLM); the seed
+experiment pins ``roofline``.
 
 The grid gets the constants as a table over (hardware, model) that replaces
 the three leaves of ``HardwareParams`` inside each point function
 (``Calibrated``), so one compiled program serves every pair; with no profile
 the parts are left exactly as they were. ``sweep-optimize`` gets them in each
-candidate's hardware. The choice is printed in one line and recorded in the
-output's attributes (``attrs``). ``sweep-calibrate`` writes such configs
-(``sweep.cli.calibrate_io.write_profile``).
+candidate's hardware. The choice is printed in one line (``line``), whatever
+the calibration, and recorded in the output's attributes (``attrs``).
+``sweep-calibrate`` writes such configs (``sweep.cli.calibrate_io.write_profile``).
 """
 
 from __future__ import annotations
@@ -87,16 +89,22 @@ def table(choices: list[list[Choice]]) -> np.ndarray:
                      for row in choices], np.float32)
 
 
+def _own(c: Choice) -> str:
+    return (f"hardware's own constants (mbu {c.mbu:.3g}, mfu {c.mfu:.3g}, overhead "
+            f"{c.step_overhead_s * 1e3:.3g} ms)")
+
+
 def line(cal: Calibration, choices: list[list[Choice]]) -> str:
     """One line: the constants each hardware runs with, and their source."""
+    if not cal.profiles:
+        return (f"calibration={cal.name}: no measured profile, the theoretical "
+                "bound; " + "; ".join(f"{row[0].hardware}: {_own(row[0])}"
+                                     for row in choices))
     parts = []
     for row in choices:
         taken = [c for c in row if c.profile is not None]
         if not taken:
-            c = row[0]
-            parts.append(f"{c.hardware}: no {cal.engine} profile, hardware's own "
-                         f"constants (mbu {c.mbu:.3g}, mfu {c.mfu:.3g}, overhead "
-                         f"{c.step_overhead_s * 1e3:.3g} ms)")
+            parts.append(f"{row[0].hardware}: no {cal.engine} profile, {_own(row[0])}")
             continue
         if len(taken) > 2:  # the attributes keep each model's constants
 
@@ -130,6 +138,7 @@ def attrs(cal: Calibration, choices: list[list[Choice]]) -> dict[str, str]:
              "profile": None if c.profile is None else dataclasses.asdict(c.profile)}
             for row in choices for c in row]
     return {"calibration": cal.name, "calibration_engine": cal.engine,
+            "calibration_choice": line(cal, choices),
             "calibration_constants": json.dumps(rows)}
 
 

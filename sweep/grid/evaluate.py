@@ -97,6 +97,8 @@ class Part:
     lookups: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)  # added to each of its variables
     batch_points: int | None = None  # per compiled call; None: a whole write block
+    # the optional variables it computes (``contract.Metric.option``)
+    options: frozenset[str] = frozenset()
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -111,7 +113,7 @@ class Part:
 
     @property
     def variables(self) -> tuple[contract.Metric, ...]:
-        return contract.metrics(self.name)
+        return contract.metrics(self.name, self.options)
 
     @property
     def fn(self) -> Named:

@@ -40,7 +40,7 @@ from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import batching, precision
 from sweep.model.cost import static_slot_utilization
 from sweep.model.params import WorkloadParams, stack
-from sweep.model.point import grid_point
+from sweep.model.point import grid_point, grid_point_with_sensitivity
 from sweep.model.roofline import weight_bytes
 
 
@@ -214,10 +214,12 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     }
     util = _static_utilization(tables, axes["concurrency"])
     shape = tuple(len(coords[d]) for d in roofline_dims)
-    parts = [Part(contract.ROOFLINE, grid_point,
+    parts = [Part(contract.ROOFLINE,
+                  grid_point_with_sensitivity if app.grid.sensitivity else grid_point,
                   {d: inputs[d] for d in roofline_dims},
                   blocking(shape, app.grid.chunk_points),
-                  lookups={"static_utilization": (util, ("workload", "concurrency"))})]
+                  lookups={"static_utilization": (util, ("workload", "concurrency"))},
+                  options=app.grid.optional_variables)]
     if app.latency.method != LatencyMethod.none:
         part, rate_coord = p99.part(app, workloads, tables, models, inputs, coords)
         coords["arrival_rate_per_s"] = rate_coord

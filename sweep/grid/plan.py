@@ -169,9 +169,9 @@ def budget(max_memory_gb: float) -> tuple[float, str]:
                                   f"{gb(total)}; set max_memory_gb to change it")
 
 
-def _disk_bytes(part: str) -> int:
+def _disk_bytes(part: str, options: frozenset[str] = frozenset()) -> int:
     """Bytes per point of a cube part's variables before compression."""
-    return sum(np.dtype(m.dtype).itemsize for m in contract.metrics(part))
+    return sum(np.dtype(m.dtype).itemsize for m in contract.metrics(part, options))
 
 
 def _padded(plan: Blocking) -> int:
@@ -207,10 +207,15 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
     shape = tuple(sizes[d] for d in contract.dims(contract.ROOFLINE))
     roof = blocking(shape, g.chunk_points)
     points = math.prod(shape)
-    time_s = ROOFLINE_FIXED_S + _padded(roof) / ROOFLINE_POINTS_PER_S
-    block_bytes = roof.size * ROOFLINE_BYTES_PER_POINT
+    # optional variables (the elasticities) scale the evaluation, its output
+    # buffers and the write with the bytes per point (benchmarks/README.md,
+    # "Cost elasticities")
+    bytes_per_point = _disk_bytes(contract.ROOFLINE, g.optional_variables)
+    more = bytes_per_point / _disk_bytes(contract.ROOFLINE)
+    time_s = ROOFLINE_FIXED_S + _padded(roof) / ROOFLINE_POINTS_PER_S * more
+    block_bytes = roof.size * ROOFLINE_BYTES_PER_POINT * more
     memory, driver = block_bytes, f"grid.chunk_points = {g.chunk_points}"
-    disk = points * _disk_bytes(contract.ROOFLINE)
+    disk = points * bytes_per_point
     what = f"{points:,} points in {len(roof):,} block(s)"
     method = app.latency.method
     if method != LatencyMethod.none:

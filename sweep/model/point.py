@@ -4,10 +4,15 @@ One pure function of scalar pytrees; ``sweep.grid.evaluate`` vmaps it over the
 cube's axes (``grid_point`` takes one keyword argument per axis). Points whose
 KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
 get NaN for every other metric (SPEC: infeasible is data, not an exception).
+With ``grid.sensitivity=true`` each point also carries the elasticities of
+its cost to the hardware and calibration constants (``cost_elasticities``),
+by ``jax.grad`` inside the same function: the grid's one ``jit`` compiles
+them with the rest.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from sweep.cube import contract
@@ -18,25 +23,71 @@ DIMS = contract.dims(contract.ROOFLINE)
 """The roofline cube's axes, in order."""
 
 
-def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilization):
+SCALED: dict[str, tuple[str, ...]] = {
+    "memory_bandwidth_bytes_per_s": ("memory_bandwidth_bytes_per_s",),
+    "peak_flops_per_s": ("peak_flops_per_s", "fp8_flops_per_s", "fp4_flops_per_s"),
+    "interconnect_bytes_per_s": ("interconnect_bytes_per_s",),
+    "mbu": ("mbu",),
+    "kv_mbu": ("kv_mbu",),
+    "mfu": ("mfu",),
+    "step_overhead_s": ("step_overhead_s",),
+    "sequence_overhead_s": ("sequence_overhead_s",),
+}
+"""The ``HardwareParams`` leaves each constant of ``contract.SENSITIVITY``
+scales (together: a GPU with 10 % more FLOP/s has every tensor-core rate
+10 % higher)."""
+
+
+def _decode(hw, model, pt: GridPoint, static_utilization):
+    """The decode step and what it yields: ``(running sequences, step_s,
+    tokens gained per sequence, slot utilisation, replica output rate)``."""
+    running = batching.running(pt.batching, pt.concurrency)
+    # with speculation a step verifies k proposals per sequence and yields
+    # ``gained`` tokens on average, delivered together: the gap between them
+    # (the ITL) is the whole step, the per-user rate ``gained / step``
+    step = roofline.speculative_step_s(hw, model, pt.tensor_parallel, running,
+                                       pt.context_tokens, pt.spec_tokens)
+    gained = roofline.tokens_per_step(pt.spec_tokens, pt.spec_acceptance)
+    utilization = batching.slot_utilization(pt.batching, static_utilization)
+    return running, step, gained, utilization, running * gained / step * utilization
+
+
+def cost_elasticities(hw, model, pt: GridPoint, static_utilization) -> dict:
+    """``d ln cost_per_mtok_out_usd / d ln p`` for each constant ``p`` of
+    ``contract.SENSITIVITY`` (``d_cost_d_<p>``), by ``jax.grad`` of the log
+    cost with respect to log scales of the constants' leaves (``SCALED``) at
+    1: an elasticity, finite where a constant is 0 (then 0).
+
+    Args:
+      model: at the point's precision (``precision.apply``).
+    """
+    names = tuple(SCALED)
+
+    def log_cost(log_scale):
+        scaled = hw._replace(**{leaf: getattr(hw, leaf) * jnp.exp(log_scale[i])
+                                for i, n in enumerate(names) for leaf in SCALED[n]})
+        rate = _decode(scaled, model, pt, static_utilization)[-1]
+        return jnp.log(cost.cost_per_mtok_usd(scaled.usd_per_gpu_hour,
+                                              pt.tensor_parallel, rate))
+
+    grad = jax.grad(log_cost)(jnp.zeros(len(names), jnp.result_type(hw.mbu)))
+    return {contract.sensitivity(n): grad[i] for i, n in enumerate(names)}
+
+
+def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilization,
+                   sensitivity: bool = False):
     """Metrics of one point (a dict of scalars; names carry units).
 
     Args:
       static_utilization: ``E[out] / E[max of concurrency outputs]`` for this
         workload and concurrency, computed once per (workload, concurrency);
         the batching policy (``sweep.model.batching``) decides what it costs.
+      sensitivity: also the cost elasticities (``cost_elasticities``).
     """
     model = precision.apply(model, pt.weight_dtype, pt.kv_dtype)
     tp = pt.tensor_parallel
-    running = batching.running(pt.batching, pt.concurrency)
-    # with speculation a step verifies k proposals per sequence and yields
-    # ``gained`` tokens on average, delivered together: the gap between them
-    # (the ITL) is the whole step, the per-user rate ``gained / step``
-    step = roofline.speculative_step_s(hw, model, tp, running, pt.context_tokens,
-                                       pt.spec_tokens)
-    gained = roofline.tokens_per_step(pt.spec_tokens, pt.spec_acceptance)
-    utilization = batching.slot_utilization(pt.batching, static_utilization)
-    output_rate = running * gained / step * utilization
+    running, step, gained, utilization, output_rate = _decode(
+        hw, model, pt, static_utilization)
     prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens)
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = roofline.chunked_prefill(
@@ -70,6 +121,8 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
             hw.usd_per_gpu_hour, tp, replicas, pt.traffic_tokens_per_day
         ),
     }
+    if sensitivity:
+        metrics.update(cost_elasticities(hw, model, pt, static_utilization))
     metrics = {k: jnp.where(fits, v, jnp.nan) for k, v in metrics.items()}
     metrics["kv_fits"] = fits
     metrics["max_concurrency_fit"] = roofline.max_concurrency_fit(hw, model, tp, cached)
@@ -82,3 +135,10 @@ def grid_point(*, hardware, model, workload: WorkloadParams, static_utilization,
     the serving settings are the ``GridPoint`` fields, by name."""
     return evaluate_point(hardware, model, workload, GridPoint(**settings),
                           static_utilization)
+
+
+def grid_point_with_sensitivity(*, hardware, model, workload: WorkloadParams,
+                                static_utilization, **settings):
+    """``grid_point`` and the cost elasticities (``grid.sensitivity=true``)."""
+    return evaluate_point(hardware, model, workload, GridPoint(**settings),
+                          static_utilization, sensitivity=True)

@@ -91,3 +91,11 @@ def apply(model, weight_dtype, kv_dtype):
                                  jnp.asarray(_WEIGHT_COMPUTE, dt)[w]),
         kv_dtype_bytes=jnp.where(own_kv, model.kv_dtype_bytes,
                                  jnp.asarray(_KV_BYTES, dt)[kv]))
+
+
+def label(model: str, weight_dtype: str, kv_dtype: str) -> str:
+    """A model's name with its precision, unless it is bf16 throughout
+    (how ``sweep-optimize`` and its report name a candidate's model)."""
+    if (weight_dtype, kv_dtype) == (WEIGHT_DTYPES[0], KV_DTYPES[0]):
+        return model
+    return f"{model} ({weight_dtype} weights, {kv_dtype} KV)"

@@ -38,7 +38,8 @@ CORE_VARIABLES = ("cost_per_mtok_out_usd", "kv_fits", "step_s", "output_tokens_p
                   "user_tokens_per_s")
 CORE_DIMS = ("concurrency",)
 PROVENANCE = ("sweep_version", "created_utc", "git_sha", "jax_version", "jax_backend",
-              "x64", "seed", "hydra_overrides", "calibration", "calibration_engine")
+              "x64", "seed", "hydra_overrides", "calibration", "calibration_engine",
+              "calibration_choice")
 
 # the optimize report's tables (``sweep.search.optimize.to_dataset``): (name, header,
 # format); seconds are shown in ms
@@ -48,7 +49,8 @@ CHOSEN_COLUMNS = (
     ("chosen_concurrency", "max_num_seqs", "{:g}"),
     ("chosen_token_budget", "max_num_batched_tokens", "{:g}"),
     ("chosen_cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
-    ("chosen_cost_per_month_usd", "USD / month", "{:,.0f}"))
+    ("chosen_cost_per_month_usd", "USD / month", "{:,.0f}"),
+    ("chosen_weight_dtype", "weights", "{}"), ("chosen_kv_dtype", "KV cache", "{}"))
 CANDIDATE_COLUMNS = (
     ("cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
     ("replicas", "replicas", "{:g}"), ("concurrency", "max_num_seqs", "{:g}"),
@@ -248,7 +250,47 @@ def serving_line(ds: xr.Dataset, best: xr.Dataset, h: str, m: str) -> str:
     except ValueError as e:
         return f"No vLLM flags for the best point of {h} x {m}: {e}."
     replicas = f", x {flags.replicas} replica(s)" if flags.replicas else ""
-    return f"vLLM flags for the cheapest point of {h} x {m}: `{flags.cli}`{replicas}"
+    notes = "".join(f"; {note}" for note in flags.notes)
+    return (f"vLLM flags for the cheapest point of {h} x {m}: `{flags.cli}`"
+            f"{replicas}{notes}")
+
+
+SHORT = {"memory_bandwidth_bytes_per_s": "memory bandwidth",
+         "peak_flops_per_s": "peak FLOP/s", "interconnect_bytes_per_s": "interconnect",
+         "step_overhead_s": "step overhead", "sequence_overhead_s": "sequence overhead"}
+"""How the sensitivity line names each constant of ``contract.SENSITIVITY``."""
+
+
+def _ten_percent_more(e: float) -> str:
+    """What 10 % more of a constant of elasticity ``e`` does to the cost:
+    ``1.1^e - 1`` (exact where the cost is a power of it, first-order
+    otherwise)."""
+    change = (1.1**e - 1.0) * 100.0
+    if abs(change) < 0.05:
+        return "leaves its cost unchanged"
+    return f"{'lowers' if change < 0 else 'raises'} its cost by {abs(change):.1f} %"
+
+
+def sensitivity_line(best: xr.Dataset, h: str, m: str) -> str:
+    """What 10 % more memory bandwidth and FLOP/s would do to the cost of the
+    cheapest feasible point of ``h`` x ``m``, from its ``d_cost_d_*``
+    elasticities (a markdown line; empty for a cube without them)."""
+    pt = best.sel(hardware=h, model=m)
+    names = {p: contract.sensitivity(p) for p, _ in contract.SENSITIVITY}
+    if any(n not in pt for n in names.values()) or not np.isfinite(
+            float(pt["cost_per_mtok_out_usd"])):
+        return ""
+    e = {p: float(pt[n]) for p, n in names.items()}
+    listed = ", ".join(f"{SHORT.get(p, p)} {v:+.3f}" for p, v in e.items())
+    return (f"Sensitivity of the cheapest feasible point of {h} x {m} "
+            f"({float(pt['cost_per_mtok_out_usd']):.3f} USD / 1M output tokens): "
+            f"10 % more memory bandwidth "
+            f"{_ten_percent_more(e['memory_bandwidth_bytes_per_s'])}, 10 % more peak "
+            f"FLOP/s {_ten_percent_more(e['peak_flops_per_s'])}. Elasticities "
+            f"d ln cost / d ln x (`d_cost_d_*`): {listed}; 10 % more of x changes "
+            "the cost by "
+            "1.1^e - 1 (exact where the cost is a power of x, first-order "
+            "otherwise).")
 
 
 def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
@@ -274,6 +316,7 @@ def write_cube_report(ds: xr.Dataset, path: Path, out: Path,
                                            limits)
     _, notes = plots.scenario(ds)
     criterion = ds.sweep.feasible_mask(**limits).attrs["feasible"]
+    sensitivity = sensitivity_line(best, h, m)
     dims = []
     for d in ds.dims:
         values = [plots.format_value(v) for v in ds[d].values]
@@ -292,7 +335,9 @@ def write_cube_report(ds: xr.Dataset, path: Path, out: Path,
            f"- single-panel charts show {h} x {m} (the cheapest feasible pair"
            f"{', as asked' if args.hardware or args.model else ''})", "",
            "## Cheapest feasible configuration per hardware x model", "", table, "",
-           serving_line(ds, best, h, m), "", "## Charts", "", *sections]
+           serving_line(ds, best, h, m), "",
+           *([sensitivity, ""] if sensitivity else []),
+           "## Charts", "", *sections]
     if skipped:
         md += ["## Skipped charts", "", *skipped, ""]
     (out / "report.md").write_text("\n".join(md) + "\n")
@@ -373,6 +418,8 @@ def engine_lines(a: dict) -> list[str]:
     """The chosen deployment's flags per engine and the benchmark that checks
     it (datasets written before these attributes existed show vLLM's only)."""
     lines = [f"* {e.label} flags: `{a[f'{name}_flags']}`"
+             + "".join(f"; {note}" for note in a.get(f"{name}_notes", "").split("\n")
+                       if note)
              for name, e in engines.ENGINES.items() if f"{name}_flags" in a]
     if "vllm_bench_command" in a:
         lines += ["", "Check it on one replica (p50/p99 TTFT, TPOT and ITL, and the "
@@ -383,8 +430,9 @@ def engine_lines(a: dict) -> list[str]:
 
 def chosen_table(ds: xr.Dataset) -> list[str]:
     """The chosen deployment (the dataset's ``chosen_*`` attributes)."""
+    # a dataset written before the precision attributes existed shows dashes
     return md_table([c[1] for c in CHOSEN_COLUMNS],
-                    [[cell(ds.attrs[k], fmt) for k, _, fmt in CHOSEN_COLUMNS]])
+                    [[cell(ds.attrs.get(k, ""), fmt) for k, _, fmt in CHOSEN_COLUMNS]])
 
 
 def _cells(ds: xr.Dataset, cols, i: int) -> list[str]:

@@ -51,7 +51,7 @@ from matplotlib.ticker import (
 
 import sweep.cube.accessor  # noqa: F401  (registers ds.sweep)
 from sweep.cube.accessor import CONFIG_DIMS, SCENARIO_DIMS
-from sweep.model import batching
+from sweep.model import batching, precision
 
 COST = "cost_per_mtok_out_usd"
 PER_GPU = "output_tokens_per_s_per_gpu"
@@ -469,9 +469,14 @@ STATUS_COLORS = {  # a candidate's status (``candidate_status``) -> bar colour
 
 
 def candidate_labels(ds: xr.Dataset) -> list[str]:
-    """``hardware x model x TP n`` per candidate, as ``sweep-optimize`` names them."""
-    return [f"{h} x {m} x TP {format_value(tp)}" for h, m, tp in zip(
-        ds["hardware"].values, ds["model"].values, ds["tensor_parallel"].values)]
+    """``hardware x model x TP n`` per candidate, as ``sweep-optimize`` names them
+    (a model's precision after it unless bf16 throughout)."""
+    n = ds.sizes["candidate"]
+    weights, kv = (ds[d].values if d in ds else ["bf16"] * n  # older datasets
+                   for d in ("weight_dtype", "kv_dtype"))
+    return [f"{h} x {precision.label(m, w, k)} x TP {format_value(tp)}"
+            for h, m, w, k, tp in zip(ds["hardware"].values, ds["model"].values,
+                                       weights, kv, ds["tensor_parallel"].values)]
 
 
 def candidate_status(ds: xr.Dataset) -> list[str]:

@@ -1,7 +1,9 @@
 """The ``sweep-optimize`` job: cheapest deployment within a p99 SLO, verified.
 
-1. **Candidates.** Every hardware x model x tensor parallelism of the search
-   space whose weights and one average request's KV fit in
+1. **Candidates.** Every hardware x model (at each weight x KV dtype of
+   ``search.weight_dtype`` / ``search.kv_dtype``, default the model's own)
+   x tensor parallelism of the search space whose weights and one average
+   request's KV fit in
    ``gpu_memory_utilization`` of the replica's memory (others are listed as
    excluded). They are stacked, padded to a multiple of ``descent.PAD`` (fewer
    distinct shapes to compile), with per-candidate surrogate targets that
@@ -34,6 +36,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import time
@@ -72,15 +75,20 @@ class Infeasible(Exception):
     """No configuration meets the SLO; the message names the binding constraint."""
 
 
+def model_label(m: Model) -> str:
+    """The model's name, with its precision unless it is bf16 throughout."""
+    return precision.label(m.name, m.weight_dtype, m.kv_dtype)
+
+
 @dataclass
 class Candidate:
     hardware: Hardware
-    model: Model
+    model: Model  # at the candidate's weight and KV dtypes
     tp: int
 
     @property
     def label(self) -> str:
-        return f"{self.hardware.name} x {self.model.name} x TP {self.tp}"
+        return f"{self.hardware.name} x {model_label(self.model)} x TP {self.tp}"
 
 
 @dataclass
@@ -127,27 +135,34 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             "workload.overlong=truncate, or a model with a longer context")
     request_kv = tables.mean_prompt_tokens + tables.mean_output_tokens
     for m in models:
-        w = m.weight_dtype
-        if not any(precision.supported(h, w) for h in hardware):
+        for w in s.weight_dtype or [m.weight_dtype]:
+            if any(precision.supported(h, w) for h in hardware):
+                continue
             runs = [d for d in precision.WEIGHT_DTYPES
                     if any(precision.supported(h, d) for h in hardware)]
+            key = (f"search.weight_dtype = {list(s.weight_dtype)}" if s.weight_dtype
+                   else f"model[{m.name}].weight_dtype = {w}")
             raise ConfigError(
-                f"model[{m.name}].weight_dtype = {w}: no hardware searched has {w} "
+                f"{key}: no hardware searched has {w} "
                 f"tensor cores (hardware.{precision.rate_field(w)} = 0 on "
                 f"{', '.join(h.name for h in hardware)}); allowed: "
                 f"{', '.join(runs)}, or hardware with them")
+    rejecting = {m.name for m in too_long}
+    variants = [dataclasses.replace(m, weight_dtype=w, kv_dtype=kv) for m in models
+                for w in s.weight_dtype or [m.weight_dtype]
+                for kv in s.kv_dtype or [m.kv_dtype]]
     keep, excluded = [], []
-    chosen = calibration.choose(app.calibration, hardware, models)
+    chosen = calibration.choose(app.calibration, hardware, variants)
     for h, row in zip(hardware, chosen):
         hp = hardware_params(h, s.gpu_memory_utilization)
-        for m, choice in zip(models, row):
+        for m, choice in zip(variants, row):
             mp = model_params(m)
             if not precision.supported(h, m.weight_dtype):
                 excluded.append(
-                    f"{h.name} x {m.name}: no {m.weight_dtype} tensor cores "
+                    f"{h.name} x {model_label(m)}: no {m.weight_dtype} tensor cores "
                     f"(hardware.{precision.rate_field(m.weight_dtype)} = 0)")
                 continue
-            if m in too_long:
+            if m.name in rejecting:
                 excluded.append(
                     f"{h.name} x {m.name}: rejects {served[m.name][1]:.2%} of the "
                     f"requests (max_context_tokens {m.max_context_tokens:,}), more "
@@ -555,15 +570,21 @@ def replicas_text(n: int) -> str:
 
 def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
     """A configuration's arguments for ``engine`` (``sweep.cube.engines``),
-    replicas included."""
+    its model's quantisation and KV-cache dtype included, and its replicas."""
     cand = job.candidates[c.candidate]
     values = engines.flags(
         engine, tensor_parallel=cand.tp, concurrency=c.concurrency,
         token_budget=c.token_budget,
         gpu_memory_utilization=job.app.search.gpu_memory_utilization,
         memory_bytes=cand.hardware.memory_bytes,
-        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))))
+        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))),
+        weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype)
     return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
+
+
+def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str]:
+    """What ``serving_flags`` cannot say (``sweep.cube.engines.notes``)."""
+    return engines.notes(engine, job.candidates[c.candidate].model.weight_dtype)
 
 
 def bench_command(job: OptimizeJob, c: Config) -> str:
@@ -702,6 +723,8 @@ def _candidate_coords(job: OptimizeJob) -> dict:
         "hardware": _var(cd, np.array([c.hardware.name for c in cands]), "hardware"),
         "model": _var(cd, np.array([c.model.name for c in cands]), "model"),
         "tensor_parallel": _var(cd, [c.tp for c in cands], "tensor_parallel"),
+        **{d: _var(cd, np.array([getattr(c.model, d) for c in cands]), d)
+           for d in ("weight_dtype", "kv_dtype")},
     }
 
 
@@ -719,6 +742,8 @@ def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
         "slo_itl_p99_s": slo.itl_p99_s,
         "chosen_hardware": cand.hardware.name,
         "chosen_model": cand.model.name,
+        "chosen_weight_dtype": cand.model.weight_dtype,
+        "chosen_kv_dtype": cand.model.kv_dtype,
         "chosen_tensor_parallel": cand.tp,
         "chosen_replicas": c.replicas,
         "chosen_concurrency": c.concurrency,
@@ -726,6 +751,8 @@ def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
         "chosen_cost_per_mtok_out_usd": c.cost_per_mtok_out_usd,
         "chosen_cost_per_month_usd": c.cost_per_month_usd,
         **{f"{e}_flags": serving_flags(job, c, e) for e in engines.ENGINES},
+        **{f"{e}_notes": "\n".join(serving_notes(job, c, e))
+           for e in engines.ENGINES if serving_notes(job, c, e)},
         "vllm_bench_command": bench_command(job, c),
         "rounds": out.rounds,
         "surrogate_evaluations": out.evaluations,
