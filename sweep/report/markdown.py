@@ -170,7 +170,8 @@ def summary(ds: xr.Dataset, limits: dict) -> tuple[str, xr.Dataset]:
     best = fixed.sweep.cheapest(over) if over else fixed
     shown = ("cost_per_mtok_out_usd", "step_s", "ttft_p99_s", "itl_p99_s",
              "user_tokens_per_s", "output_tokens_per_s", "cost_per_mtok_in_usd",
-             "replicas", *(f"best_{d}" for d in over))
+             "replicas", *(f"best_{d}" for d in over),
+             *(contract.sensitivity(p) for p, _ in contract.SENSITIVITY))
     # the reduced cube only, and of it only the columns: one read of each
     best = best[[v for v in shown if v in best]].compute()
     tp = best["best_tensor_parallel"] if "best_tensor_parallel" in best else 1
