@@ -1,8 +1,10 @@
 """Several devices, one host: blocks spread over 4 virtual CPU devices give
-the cube of one device: bit for bit for the roofline and the surrogate; for
-the simulator, its float32 TTFT and E2E percentiles within a few units in
-the last place (XLA compiles the simulator's loop differently in a
-4-device program; measured <= 6e-7 relative), everything else bit for bit."""
+the cube of one device: the roofline bit for bit; the p99 part's float32
+figures (surrogate and simulator) within a few units in the last place, the
+rest of it bit for bit. XLA compiles the p99 programs differently in a
+4-device program: measured <= 6e-7 relative for the simulator's TTFT and
+E2E percentiles, <= 3.8e-6 for the surrogate's under a measured
+calibration (its goodput), 0 under the bound."""
 
 from __future__ import annotations
 
@@ -74,10 +76,11 @@ def test_four_host_devices_give_the_one_device_cube(tmp_path):
     for name, one in ones.items():
         with xr.open_zarr(tmp_path / f"{name}4.zarr") as ds:
             four_ds = _values(ds)
-        if name == "simulate":
-            loose = [v for v in one.data_vars if v.startswith(("ttft_", "e2e_"))]
-            for v in loose:
-                np.testing.assert_allclose(four_ds[v], one[v], rtol=2e-6, err_msg=v)
-            four_ds, one = four_ds.drop_vars(loose), one.drop_vars(loose)
-        xr.testing.assert_identical(four_ds, one)
+        # the p99 part's floats (on the arrival-rate axis) within a few float32
+        # units in the last place; everything else bit for bit
+        loose = [v for v, a in one.data_vars.items()
+                 if "arrival_rate_per_s" in a.dims and a.dtype.kind == "f"]
+        for v in loose:
+            np.testing.assert_allclose(four_ds[v], one[v], rtol=1e-5, err_msg=v)
+        xr.testing.assert_identical(four_ds.drop_vars(loose), one.drop_vars(loose))
 
