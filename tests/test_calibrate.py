@@ -296,6 +296,14 @@ def test_choice_rules():
         "+ 0 us/sequence (as large)")
     assert line.endswith("l40s: no vllm profile, hardware's own constants (mbu 1, "
                          "mfu 1, overhead 0 ms)")
+    assert calibration.mixed(cal, rows) == (
+        "note: l40s without a measured vllm profile: l40s at the hardware's own "
+        "constants "
+        "(mbu 1, mfu 1, overhead 0 ms); the other hardware runs with measured "
+        "profiles, so these rows read cheaper and faster than a measured engine "
+        "would")
+    assert calibration.mixed(cal, rows[:1]) == ""  # every hardware measured
+    assert calibration.mixed(cal, rows[1:]) == ""  # none: the line says the bound
 
 
 def test_roofline_is_the_bound(hydra_ctx):

@@ -105,6 +105,8 @@ def _grid_app(cfg: DictConfig) -> None:
     Console(width=max(Console().width, 200)).print(table)
     for note in notes:
         console.print(note, markup=False)
+    if warning := calibration.mixed(base.calibration, job.calibration):
+        console.print(warning, markup=False, highlight=False, soft_wrap=True)
     console.print("USD/1M out: at full load (every slot busy); replicas: for the "
                   "row's traffic; effective_cost_per_mtok_out_usd in the cube "
                   "prices the traffic")

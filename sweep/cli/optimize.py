@@ -137,6 +137,8 @@ def _optimize_app(cfg: DictConfig) -> None:
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     console = Console(width=max(Console().width, 200))
     console.print(result_table(job, outcome))
+    if warning := calibration.mixed(job.app.calibration, choices):
+        err.print(warning, markup=False, highlight=False, soft_wrap=True)
     chosen = outcome.chosen
     for name, engine in engines.ENGINES.items():
         console.print(f"{engine.label} flags: "

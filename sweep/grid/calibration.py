@@ -131,6 +131,19 @@ def line(cal: Calibration, choices: list[list[Choice]]) -> str:
     return f"calibration={cal.name} (engine {cal.engine}): " + "; ".join(parts)
 
 
+def mixed(cal: Calibration, choices: list[list[Choice]]) -> str:
+    """A warning line when some hardware runs with measured profiles and some
+    without (their rows are not comparable: the bound is optimistic); else ""."""
+    bare = [row[0] for row in choices if all(c.profile is None for c in row)]
+    if not bare or len(bare) == len(choices):
+        return ""
+    return (f"note: {', '.join(c.hardware for c in bare)} without a measured "
+            f"{cal.engine} profile: "
+            + "; ".join(f"{c.hardware} at the {_own(c)}" for c in bare)
+            + "; the other hardware runs with measured profiles, so these rows "
+            "read cheaper and faster than a measured engine would")
+
+
 def attrs(cal: Calibration, choices: list[list[Choice]]) -> dict[str, str]:
     """Output attributes recording the calibration and every pair's constants."""
     rows = [{"hardware": c.hardware, "model": c.model,
