@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 import sweep
 from sweep.cube import contract
-from sweep.model import point
+from sweep.model import sensitivity
 
 PROFILE = {"mbu": 0.8, "kv_mbu": 0.9, "mfu": 0.7, "step_overhead_s": 1e-3,
            "sequence_overhead_s": 1e-5}
@@ -91,7 +91,7 @@ def test_every_constant_has_its_variable_when_asked_for(hydra_ctx):
 
     asked = contract.metrics(contract.ROOFLINE, frozenset({"sensitivity"}))
     declared = [m.name for m in asked if m.name.startswith("d_cost_d_")]
-    assert declared == [contract.sensitivity(p) for p in point.SCALED]
+    assert declared == [contract.sensitivity(p) for p in sensitivity.SCALED]
     for name in declared:
         assert contract.METRIC[name].units == "1"
     assert not any(m.name.startswith("d_cost_d_")
@@ -125,14 +125,14 @@ def test_elasticities_match_central_differences(run, hardware, tp, n, ctx, batch
     # the cube's cost is the hand calculation's (float32 against float64)
     assert float(pt.cost_per_mtok_out_usd) == pytest.approx(
         cost(c, n, ctx, tp, util), rel=1e-5)
-    for param, leaves in point.SCALED.items():
+    for param, leaves in sensitivity.SCALED.items():
         want = elasticity(c, leaves[0], n, ctx, tp, util)
         got = float(pt[contract.sensitivity(param)])
         assert got == pytest.approx(want, rel=1e-3, abs=1e-5), param
     # every constant in a step's time: the elasticities of bandwidth and
     # FLOP/s are those of their utilisations; with the overheads they sum to -1
     # (doubling every rate and halving every time halves the cost)
-    e = {p: float(pt[contract.sensitivity(p)]) for p in point.SCALED}
+    e = {p: float(pt[contract.sensitivity(p)]) for p in sensitivity.SCALED}
     assert e["memory_bandwidth_bytes_per_s"] == pytest.approx(
         e["mbu"] + e["kv_mbu"], abs=1e-5)
     assert e["peak_flops_per_s"] == pytest.approx(e["mfu"], abs=1e-5)
@@ -147,7 +147,7 @@ def test_points_that_do_not_fit_have_none(run):
     _, ds = run
     gone = ~ds.kv_fits
     assert bool(gone.any())
-    for p in point.SCALED:
+    for p in sensitivity.SCALED:
         values = ds[contract.sensitivity(p)].where(gone)
         assert bool(np.isnan(values.values[gone.values]).all()), p
 
@@ -180,7 +180,7 @@ def test_report_states_what_ten_percent_more_does(run, tmp_path):
         return ("leaves its cost unchanged" if abs(x) < 0.05 else
                 f"{'lowers' if x < 0 else 'raises'} its cost by {abs(x):.1f} %")
 
-    e = {p: float(first[contract.sensitivity(p)].sel(at)) for p in point.SCALED}
+    e = {p: float(first[contract.sensitivity(p)].sel(at)) for p in sensitivity.SCALED}
     cost = float(first.cost_per_mtok_out_usd.sel(at))
     assert (f"({cost:.3f} USD / 1M output tokens): 10 % more memory bandwidth "
             f"{effect(e['memory_bandwidth_bytes_per_s'])}, 10 % more peak FLOP/s "
@@ -203,3 +203,100 @@ def test_off_by_default(cube_path, tmp_path):
     assert not any(v.startswith("d_cost_d_") for v in sweep.open_cube(cube_path))
     h.report([cube_path, "--out", tmp_path / "r"])
     assert "Sensitivity of" not in (tmp_path / "r" / "report.md").read_text()
+
+
+# the p99 elasticities: the surrogate's p99s at every constant scaled by
+# 1 +- REL, in float64, against the cube's (central differences at +-1 % in
+# float32)
+REL = 1e-4
+SURROGATE = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
+             "grid.tensor_parallel=[1]", "grid.concurrency=[16,256]",
+             "grid.token_budget=[512,8192]", "grid.context_tokens=[1500]",
+             "grid.batching=[continuous]", "grid.long_prompt_tokens=[8192]",
+             "grid.traffic_tokens_per_day=[1e8]", "grid.arrival_rate_per_s=[3,24]",
+             "latency=surrogate", "grid.sensitivity=true"]
+
+
+@pytest.fixture(scope="module")
+def surrogate_run(run):
+    root, _ = run
+    proc = h.run_script("sweep-grid", [f"hydra.searchpath=[file://{root / 'conf'}]",
+                                       "calibration=mine", *SURROGATE, "out=s.zarr"],
+                        root)
+    assert proc.returncode == 0, proc.stderr
+    return root, proc, sweep.open_cube(root / "s.zarr").load()
+
+
+def surrogate_p99s_float64(cube) -> dict:
+    """``{(concurrency, budget, rate): (base, {constant: (up, down)})}`` of
+    (p99 TTFT, p99 ITL), the surrogate in float64 at the H100's constants
+    with the user's profile, each constant scaled alone."""
+    import jax
+    import jax.numpy as jnp
+
+    from sweep.config.convert import hardware_params, model_params
+    from sweep.latency.surrogate import latency_workload, surrogate
+    from sweep.latency.workload import workload_tables
+
+    app = h.compose_app("grid", SURROGATE[:3])
+    base = hardware_params(app.hardware, 1.0)._replace(**PROFILE)
+    cases = [base] + [base._replace(**{leaf: getattr(base, leaf) * f
+                                       for leaf in sensitivity.SCALED[p]})
+                      for p in sensitivity.SCALED for f in (1 + REL, 1 - REL)]
+    points = [(float(c), float(b), float(r)) for c in cube.concurrency.values
+              for b in cube.token_budget.values for r in cube.arrival_rate_per_s.values]
+    with jax.enable_x64(True):
+        model = jax.tree.map(jnp.float64, model_params(app.model))
+        wl = latency_workload(workload_tables(app.workload), jnp.float64)
+        hw = jax.tree.map(lambda *x: jnp.array([x] * len(points)), *cases)
+        c, b, r = (jnp.array([[p[i]] * len(cases) for p in points]) for i in range(3))
+
+        def p99s(hw, c, b, r):
+            out = surrogate(hw, model, wl, 1.0, c, b, r)
+            return jnp.stack([out["ttft_p99_s"], out["itl_p99_s"]])
+
+        got = np.asarray(jax.jit(jax.vmap(jax.vmap(p99s)))(hw, c, b, r))
+    names = list(sensitivity.SCALED)
+    return {p: (got[i, 0], {n: (got[i, 1 + 2 * j], got[i, 2 + 2 * j])
+                            for j, n in enumerate(names)})
+            for i, p in enumerate(points)}
+
+
+@pytest.mark.slow
+def test_p99_elasticities_match_central_differences(surrogate_run):
+    _, _, ds = surrogate_run
+    cube = ds.squeeze()
+    assert float(cube.rejected_fraction.max()) == 0.0
+    checked = 0
+    for (c, b, r), (base, scaled) in surrogate_p99s_float64(cube).items():
+        pt = cube.sel(concurrency=c, token_budget=b, arrival_rate_per_s=r)
+        for k, of in enumerate(("ttft_p99_s", "itl_p99_s")):
+            if int(pt.latency_status) != 0:  # saturated: no elasticity
+                assert np.isnan(float(pt[contract.sensitivity("mbu", of)]))
+                continue
+            assert float(pt[of]) == pytest.approx(base[k], rel=2e-3), (c, b, r, of)
+            for p, (up, down) in scaled.items():
+                want = (math.log(up[k]) - math.log(down[k])) / (
+                    math.log1p(REL) - math.log1p(-REL))
+                got = float(pt[contract.sensitivity(p, of)])
+                assert got == pytest.approx(want, rel=2e-2, abs=5e-3), (c, b, r, of, p)
+                checked += 1
+    assert checked >= 4 * 2 * len(sensitivity.SCALED)
+
+
+@pytest.mark.slow
+def test_p99_elasticities_reach_the_report(surrogate_run, tmp_path):
+    root, proc, ds = surrogate_run
+    assert "p99 elasticities need latency=surrogate" not in proc.stderr
+    h.report([root / "s.zarr", "--out", tmp_path / "r"])
+    line = next(x for x in (tmp_path / "r" / "report.md").read_text().splitlines()
+                if x.startswith("Sensitivity of"))
+    m = re.search(r"`d_ttft_p99_d_memory_bandwidth_bytes_per_s` ([-+]\d\.\d{3}), "
+                  r"`d_ttft_p99_d_peak_flops_per_s` ([-+]\d\.\d{3})", line)
+    assert m, line
+    e_flops = float(m.group(2))
+    assert e_flops < 0  # the cheapest point's p99 TTFT: prefill, compute-bound
+    lowers = (1 - 1.1**e_flops) * 100
+    assert (f"10 % more peak FLOP/s lowers its p99 TTFT by {lowers:.1f} %"
+            in line), line
+    assert "d_itl_p99_d_memory_bandwidth_bytes_per_s" in line

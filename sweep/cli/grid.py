@@ -21,6 +21,7 @@ from rich.console import Console
 
 from sweep.cli.commands import CONFIG_MODULE, Command, check_output, overrides
 from sweep.config.resolve import config_yaml, grid_options, restore
+from sweep.config.schema import LatencyMethod
 from sweep.cube import outputs
 from sweep.cube.outputs import OutputError
 from sweep.cube.summary import summary_table
@@ -87,6 +88,11 @@ def _grid_app(cfg: DictConfig) -> None:
                           f"{out}", markup=False, highlight=False, soft_wrap=True)
             console.print(calibration.line(base.calibration, job.calibration),
                           markup=False, highlight=False, soft_wrap=True)
+            if base.grid.sensitivity and base.latency.method == LatencyMethod.simulate:
+                console.print("grid.sensitivity: cost elasticities only; the p99 "
+                              "elasticities need latency=surrogate (the simulator's "
+                              "percentiles have no gradient)", markup=False,
+                              highlight=False, soft_wrap=True)
             try:
                 ds = grid.run(job, out, attrs, yaml_text, progress=progress,
                               shard=shard)

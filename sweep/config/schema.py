@@ -423,8 +423,10 @@ class Grid:
     sensitivity: bool = field(
         default=False,
         metadata={"help": "also store d_cost_d_<constant>: the cost's elasticity to "
-                  "each hardware and calibration constant (jax.grad; +56 % bytes "
-                  "per point)"})
+                  "each hardware and calibration constant (forward-mode jax; +56 % "
+                  "bytes per point), and under latency=surrogate "
+                  "d_ttft_p99_d_<constant> and d_itl_p99_d_<constant> (central "
+                  "differences: 17 surrogate evaluations a point)"})
     chunk_points: int = field(
         default=1 << 21, metadata={"help": "grid points evaluated per compiled call"}
     )

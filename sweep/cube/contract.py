@@ -155,20 +155,26 @@ SENSITIVITY: tuple[tuple[str, str], ...] = (
     ("sequence_overhead_s", "the fixed time per sequence in a step "
      "(sequence_overhead_s)"),
 )
-"""The hardware and calibration constants whose cost elasticity each roofline
-point carries with ``grid.sensitivity=true``, as ``d_cost_d_<name>`` = d ln
-``cost_per_mtok_out_usd`` / d ln constant
-(``sweep.model.point.cost_elasticities``): -0.9 means 10 % more of it cuts
-the cost by about 9 %, 0 that the cost does not depend on it there (an
-overhead that is 0 has elasticity 0). The price is left out: cost is
-proportional to ``usd_per_gpu_hour`` (elasticity exactly 1)."""
+"""The hardware and calibration constants whose elasticities a cube carries
+with ``grid.sensitivity=true`` (``sweep.model.sensitivity``): each roofline
+point the cost's, ``d_cost_d_<name>`` = d ln ``cost_per_mtok_out_usd`` / d ln
+constant; each point of a surrogate p99 part the p99 TTFT's and ITL's,
+``d_ttft_p99_d_<name>`` and ``d_itl_p99_d_<name>``. -0.9 means 10 % more of
+it cuts the figure by about 9 %, 0 that the figure does not depend on it
+there (an overhead that is 0 has elasticity 0). The price is left out: cost
+is proportional to ``usd_per_gpu_hour`` (elasticity exactly 1) and latency
+does not depend on it."""
 SENSITIVITY_OPTION = "sensitivity"
 """The ``option`` of the elasticities: ``grid.sensitivity=true``."""
+SENSITIVITY_OF = {"cost_per_mtok_out_usd": "cost", "ttft_p99_s": "ttft_p99",
+                  "itl_p99_s": "itl_p99"}
+"""The figures with elasticities, and their short names in the variables'."""
 
 
-def sensitivity(param: str) -> str:
-    """The cube variable holding the cost elasticity to ``param``."""
-    return f"d_cost_d_{param}"
+def sensitivity(param: str, of: str = "cost_per_mtok_out_usd") -> str:
+    """The cube variable holding the elasticity of the figure ``of`` to
+    ``param``."""
+    return f"d_{SENSITIVITY_OF[of]}_d_{param}"
 
 
 AXES: tuple[Axis, ...] = (
@@ -248,6 +254,11 @@ METRICS: tuple[Metric, ...] = (
            "slo.max_rejected_fraction", P99, dtype="bool"),
     Metric("latency_status", "", "latency model status flags (0 = ok)", P99,
            dtype="int32", source="status", flags=True),
+    # with grid.sensitivity=true under latency=surrogate (sweep.latency.p99)
+    *(Metric(sensitivity(p, of), "1", f"elasticity of {long} to {what} "
+             f"(d ln {of} / d ln {p})", P99, option=SENSITIVITY_OPTION)
+      for of, long in (("ttft_p99_s", "p99 TTFT"), ("itl_p99_s", "p99 ITL"))
+      for p, what in SENSITIVITY),
     # properties of each value of an axis, from its config (sweep.grid.job)
     Metric("usd_per_gpu_hour", "USD / GPU / hour", "price per GPU-hour", "hardware",
            dtype="float64"),

@@ -225,7 +225,10 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
         p99_shape = tuple(sizes[d] for d in contract.dims(contract.P99))
         p99 = blocking(p99_shape, app.latency.chunk_configs)
         configs = math.prod(p99_shape)
-        disk += configs * _disk_bytes(contract.P99)
+        # the p99 elasticities come from the surrogate only (sweep.latency.p99)
+        p99_vars = _disk_bytes(contract.P99, g.optional_variables
+                               if method == LatencyMethod.surrogate else frozenset())
+        disk += configs * p99_vars
         if method == LatencyMethod.simulate:
             n = app.latency.num_requests
             slots = int(max(g.axes["concurrency"]))
@@ -242,7 +245,7 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
             # one compiled block's work, and the write block it fills on the host
             p99_bytes = (SURROGATE_FIXED_BYTES + p99.size * SURROGATE_BYTES_PER_CONFIG
                          + write_blocking(p99_shape, p99.size).size
-                         * _disk_bytes(contract.P99))
+                         * p99_vars)
             what += f"; {configs:,} configurations through the surrogate"
             p99_driver = f"latency.chunk_configs = {app.latency.chunk_configs}"
         if p99_bytes > memory:

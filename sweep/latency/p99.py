@@ -14,6 +14,8 @@ roofline-only axes (context, long prompt, traffic): its variables live on
   order (``sweep.latency.arrivals.replay_requests``).
 * ``latency=surrogate``: ``sweep.latency.surrogate.surrogate``, closed forms for
   continuous batching; static and request-at-a-time points are NaN there.
+  With ``grid.sensitivity=true`` each point also carries the elasticities of
+  its p99 TTFT and ITL to the hardware and calibration constants.
 
 Context limit: a request whose prompt + output exceeds the model's
 ``max_context_tokens`` is rejected (``workload.overlong=reject``) or has its
@@ -45,12 +47,13 @@ from sweep.config.schema import (
     Workload,
 )
 from sweep.cube import contract
+from sweep.cube import status as flags
 from sweep.grid.evaluate import Part, blocking, write_blocking
 from sweep.latency.arrivals import workload_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables, served_tables
-from sweep.model import precision, roofline
+from sweep.model import precision, roofline, sensitivity
 from sweep.model.batching import is_continuous
 from sweep.model.params import OVERLONG, stack
 
@@ -92,25 +95,47 @@ class SimulatePoint:
         return _summary(r, slo, kv_ok, r["status"])
 
 
-def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
-                    token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
-                    served, rejected, slo):
+_P99S = ("ttft_p99_s", "itl_p99_s")
+"""The figures whose elasticities a surrogate point carries."""
+
+
+@dataclass(frozen=True)
+class SurrogatePoint:
     """One configuration through the surrogate (continuous batching only).
 
     ``served`` describes the requests this model serves of the workload,
     ``rejected`` the share it rejects; the served ones arrive at
     ``arrival_rate_per_s * (1 - rejected)``. The ``workload`` axis's own
-    input is unused (the tables carry the workload).
+    input is unused (the tables carry the workload). With ``sensitivity``
+    the p99s' elasticities too (``sweep.model.sensitivity.differences``),
+    NaN where the surrogate's status is not ok (saturated, infeasible).
     """
-    del workload
-    model = precision.apply(model, weight_dtype, kv_dtype)
-    r = dict(surrogate(hardware, model, served, tensor_parallel, concurrency,
-                       token_budget, arrival_rate_per_s * (1.0 - rejected), slo[0],
-                       slo[1]))
-    r["rejected_fraction"] = rejected
-    ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
-          & is_continuous(batching) & (rejected < 1.0))
-    return _summary(r, slo, ok, r["status"])
+
+    sensitivity: bool = False
+
+    def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
+                 token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
+                 served, rejected, slo):
+        del workload
+        model = precision.apply(model, weight_dtype, kv_dtype)
+
+        def figures(hw):
+            r = dict(surrogate(hw, model, served, tensor_parallel, concurrency,
+                               token_budget, arrival_rate_per_s * (1.0 - rejected),
+                               slo[0], slo[1]))
+            return {f: r[f] for f in _P99S}, r
+
+        if self.sensitivity:
+            _, r, elasticity = sensitivity.differences(figures, hardware, _P99S)
+        else:
+            r, elasticity = figures(hardware)[1], {}
+        r["rejected_fraction"] = rejected
+        ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
+              & is_continuous(batching) & (rejected < 1.0))
+        # a saturated point's p99 grows without bound: no elasticity
+        steady = ok & (r["status"] == flags.OK)
+        return (_summary(r, slo, ok, r["status"])
+                | {k: jnp.where(steady, v, jnp.nan) for k, v in elasticity.items()})
 
 
 def served_workload(tables: WorkloadTables, workload: Workload,
@@ -170,7 +195,7 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
     else:
         served = [[served_workload(t, w, m) for w, t in zip(workloads, tables)]
                   for m in models]
-        fn = surrogate_point
+        fn = SurrogatePoint(app.grid.sensitivity)
         lookups = {
             "served": (stack([stack([lw for lw, _ in row]) for row in served]),
                        ("model", "workload")),
@@ -179,7 +204,11 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
             "slo": (slo, ())}
         workload_input = np.zeros(len(workloads), np.float32)
         plan, batch_points = write_blocking(shape, batch), batch
+    # the simulator's percentiles are order statistics and histogram bins:
+    # no useful gradient, so its cube carries the cost elasticities only
+    options = (app.grid.optional_variables if method == LatencyMethod.surrogate
+               else frozenset())
     return Part(contract.P99, fn, {**shared, "workload": workload_input,
                                    "arrival_rate_per_s": rate_input}, plan,
                 lookups=lookups, attrs={"method": method.value},
-                batch_points=batch_points), rates
+                batch_points=batch_points, options=options), rates

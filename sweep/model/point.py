@@ -6,36 +6,21 @@ KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
 get NaN for every other metric (SPEC: infeasible is data, not an exception).
 With ``grid.sensitivity=true`` each point also carries the elasticities of
 its cost to the hardware and calibration constants (``cost_elasticities``),
-by ``jax.grad`` inside the same function: the grid's one ``jit`` compiles
+by ``jax.jacfwd`` inside the same function: the grid's one ``jit`` compiles
 them with the rest.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from sweep.cube import contract
-from sweep.model import batching, cost, precision, roofline
+from sweep.model import batching, cost, precision, roofline, sensitivity
 from sweep.model.params import GridPoint, WorkloadParams
 
 DIMS = contract.dims(contract.ROOFLINE)
 """The roofline cube's axes, in order."""
-
-
-SCALED: dict[str, tuple[str, ...]] = {
-    "memory_bandwidth_bytes_per_s": ("memory_bandwidth_bytes_per_s",),
-    "peak_flops_per_s": ("peak_flops_per_s", "fp8_flops_per_s", "fp4_flops_per_s"),
-    "interconnect_bytes_per_s": ("interconnect_bytes_per_s",),
-    "mbu": ("mbu",),
-    "kv_mbu": ("kv_mbu",),
-    "mfu": ("mfu",),
-    "step_overhead_s": ("step_overhead_s",),
-    "sequence_overhead_s": ("sequence_overhead_s",),
-}
-"""The ``HardwareParams`` leaves each constant of ``contract.SENSITIVITY``
-scales (together: a GPU with 10 % more FLOP/s has every tensor-core rate
-10 % higher)."""
+COST = "cost_per_mtok_out_usd"
 
 
 def _decode(hw, model, pt: GridPoint, static_utilization):
@@ -53,25 +38,19 @@ def _decode(hw, model, pt: GridPoint, static_utilization):
 
 
 def cost_elasticities(hw, model, pt: GridPoint, static_utilization) -> dict:
-    """``d ln cost_per_mtok_out_usd / d ln p`` for each constant ``p`` of
-    ``contract.SENSITIVITY`` (``d_cost_d_<p>``), by ``jax.grad`` of the log
-    cost with respect to log scales of the constants' leaves (``SCALED``) at
-    1: an elasticity, finite where a constant is 0 (then 0).
+    """``d_cost_d_<p>``: the elasticities of ``cost_per_mtok_out_usd`` to
+    each constant ``p`` of ``contract.SENSITIVITY``
+    (``sweep.model.sensitivity``).
 
     Args:
       model: at the point's precision (``precision.apply``).
     """
-    names = tuple(SCALED)
-
-    def log_cost(log_scale):
-        scaled = hw._replace(**{leaf: getattr(hw, leaf) * jnp.exp(log_scale[i])
-                                for i, n in enumerate(names) for leaf in SCALED[n]})
+    def figures(scaled):
         rate = _decode(scaled, model, pt, static_utilization)[-1]
-        return jnp.log(cost.cost_per_mtok_usd(scaled.usd_per_gpu_hour,
-                                              pt.tensor_parallel, rate))
+        return {COST: cost.cost_per_mtok_usd(scaled.usd_per_gpu_hour,
+                                             pt.tensor_parallel, rate)}, None
 
-    grad = jax.grad(log_cost)(jnp.zeros(len(names), jnp.result_type(hw.mbu)))
-    return {contract.sensitivity(n): grad[i] for i, n in enumerate(names)}
+    return sensitivity.elasticities(figures, hw, (COST,))[-1]
 
 
 def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilization,

@@ -171,7 +171,8 @@ def summary(ds: xr.Dataset, limits: dict) -> tuple[str, xr.Dataset]:
     shown = ("cost_per_mtok_out_usd", "step_s", "ttft_p99_s", "itl_p99_s",
              "user_tokens_per_s", "output_tokens_per_s", "cost_per_mtok_in_usd",
              "replicas", *(f"best_{d}" for d in over),
-             *(contract.sensitivity(p) for p, _ in contract.SENSITIVITY))
+             *(contract.sensitivity(p, of) for of in contract.SENSITIVITY_OF
+               for p, _ in contract.SENSITIVITY))
     # the reduced cube only, and of it only the columns: one read of each
     best = best[[v for v in shown if v in best]].compute()
     tp = best["best_tensor_parallel"] if "best_tensor_parallel" in best else 1
@@ -262,20 +263,37 @@ SHORT = {"memory_bandwidth_bytes_per_s": "memory bandwidth",
 """How the sensitivity line names each constant of ``contract.SENSITIVITY``."""
 
 
-def _ten_percent_more(e: float) -> str:
-    """What 10 % more of a constant of elasticity ``e`` does to the cost:
-    ``1.1^e - 1`` (exact where the cost is a power of it, first-order
+def _ten_percent_more(e: float, what: str = "cost") -> str:
+    """What 10 % more of a constant of elasticity ``e`` does to a figure:
+    ``1.1^e - 1`` (exact where the figure is a power of it, first-order
     otherwise)."""
     change = (1.1**e - 1.0) * 100.0
     if abs(change) < 0.05:
-        return "leaves its cost unchanged"
-    return f"{'lowers' if change < 0 else 'raises'} its cost by {abs(change):.1f} %"
+        return f"leaves its {what} unchanged"
+    return f"{'lowers' if change < 0 else 'raises'} its {what} by {abs(change):.1f} %"
+
+
+def _p99_effects(pt: xr.Dataset) -> str:
+    """The sentence on the p99s' elasticities of a point (``grid.sensitivity``
+    under the surrogate), or empty."""
+    said = []
+    for of, what in (("ttft_p99_s", "p99 TTFT"), ("itl_p99_s", "p99 ITL")):
+        names = [contract.sensitivity(p, of) for p in ("memory_bandwidth_bytes_per_s",
+                                                       "peak_flops_per_s")]
+        e = [float(pt[n]) if n in pt else np.nan for n in names]
+        if np.isfinite(e).all():
+            said.append(f"10 % more memory bandwidth {_ten_percent_more(e[0], what)}"
+                        f" and 10 % more peak FLOP/s {_ten_percent_more(e[1], what)}"
+                        f" (`{names[0]}` {e[0]:+.3f}, `{names[1]}` {e[1]:+.3f})")
+    return (" At its arrival rate, by the surrogate: " + "; ".join(said) + "."
+            if said else "")
 
 
 def sensitivity_line(best: xr.Dataset, h: str, m: str) -> str:
-    """What 10 % more memory bandwidth and FLOP/s would do to the cost of the
-    cheapest feasible point of ``h`` x ``m``, from its ``d_cost_d_*``
-    elasticities (a markdown line; empty for a cube without them)."""
+    """What 10 % more memory bandwidth and FLOP/s would do to the cost (and,
+    where the cube has them, the p99s) of the cheapest feasible point of
+    ``h`` x ``m``, from its elasticities (a markdown line; empty for a cube
+    without them)."""
     pt = best.sel(hardware=h, model=m)
     names = {p: contract.sensitivity(p) for p, _ in contract.SENSITIVITY}
     if any(n not in pt for n in names.values()) or not np.isfinite(
@@ -291,7 +309,7 @@ def sensitivity_line(best: xr.Dataset, h: str, m: str) -> str:
             f"d ln cost / d ln x (`d_cost_d_*`): {listed}; 10 % more of x changes "
             "the cost by "
             "1.1^e - 1 (exact where the cost is a power of x, first-order "
-            "otherwise).")
+            "otherwise)." + _p99_effects(pt))
 
 
 def write_report(path: Path, out: Path, args: argparse.Namespace) -> list[str]:
