@@ -241,11 +241,14 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
                           f"{app.latency.chunk_configs} and {slots} slots (the "
                           "largest grid.concurrency)")
         else:
-            time_s += SURROGATE_FIXED_S + _padded(p99) / SURROGATE_CONFIGS_PER_S
+            # the p99 elasticities evaluate each configuration at 2 x 8 scaled
+            # constants too (sweep.model.sensitivity.differences)
+            runs = 2 * len(contract.SENSITIVITY) + 1 if g.sensitivity else 1
+            time_s += SURROGATE_FIXED_S + _padded(p99) * runs / SURROGATE_CONFIGS_PER_S
             # one compiled block's work, and the write block it fills on the host
-            p99_bytes = (SURROGATE_FIXED_BYTES + p99.size * SURROGATE_BYTES_PER_CONFIG
-                         + write_blocking(p99_shape, p99.size).size
-                         * p99_vars)
+            p99_bytes = (SURROGATE_FIXED_BYTES
+                         + p99.size * runs * SURROGATE_BYTES_PER_CONFIG
+                         + write_blocking(p99_shape, p99.size).size * p99_vars)
             what += f"; {configs:,} configurations through the surrogate"
             p99_driver = f"latency.chunk_configs = {app.latency.chunk_configs}"
         if p99_bytes > memory:
