@@ -1,7 +1,8 @@
 """The p99 part of a grid cube: simulator or surrogate over the latency axes.
 
 p99 latency depends on the hardware, model, workload, tensor parallelism,
-concurrency, token budget, batching mode and arrival rate, not on the
+concurrency, token budget, batching mode, precision, speculative decoding
+and arrival rate, not on the
 roofline-only axes (context, long prompt, traffic): its variables live on
 ``DIMS`` only, and xarray broadcasts them against the rest of the cube.
 
@@ -81,20 +82,20 @@ class SimulatePoint:
     max_slots: int
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
-                 token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
-                 requests, slo):
+                 token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
+                 spec_acceptance, arrival_rate_per_s, requests, slo):
         del arrival_rate_per_s  # the requests arrive at it already
         model = precision.apply(model, weight_dtype, kv_dtype)
         r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
-                     requests, batching, slo[0], slo[1], workload,
-                     max_slots=self.max_slots)._asdict()
+                     requests, batching, slo[0], slo[1], workload, None, spec_tokens,
+                     spec_acceptance, max_slots=self.max_slots)._asdict()
         kv_ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
         return _summary(r, slo, kv_ok, r["status"])
 
 
 def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
-                    token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
-                    served, rejected, slo):
+                    token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
+                    spec_acceptance, arrival_rate_per_s, served, rejected, slo):
     """One configuration through the surrogate (continuous batching only).
 
     ``served`` describes the requests this model serves of the workload,
@@ -106,7 +107,7 @@ def surrogate_point(*, hardware, model, workload, tensor_parallel, concurrency,
     model = precision.apply(model, weight_dtype, kv_dtype)
     r = dict(surrogate(hardware, model, served, tensor_parallel, concurrency,
                        token_budget, arrival_rate_per_s * (1.0 - rejected), slo[0],
-                       slo[1]))
+                       slo[1], spec_tokens, spec_acceptance))
     r["rejected_fraction"] = rejected
     ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
           & is_continuous(batching) & (rejected < 1.0))
