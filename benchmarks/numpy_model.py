@@ -195,6 +195,7 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     metrics = {
         "step_s": step,
         "tokens_per_step": gained,
+        "tpot_s": step / gained,
         "user_tokens_per_s": gained / step,
         "output_tokens_per_s": output_rate,
         "slot_utilization": utilization,
@@ -351,6 +352,7 @@ def _py_point(hw, m, wl, pt, static_utilization):
     return {
         "step_s": step,
         "tokens_per_step": gained,
+        "tpot_s": step / gained,
         "user_tokens_per_s": gained / step,
         "output_tokens_per_s": rate,
         "slot_utilization": util,
@@ -367,7 +369,7 @@ def _py_point(hw, m, wl, pt, static_utilization):
 
 
 PY_METRICS = (
-    "step_s", "tokens_per_step", "user_tokens_per_s", "output_tokens_per_s",
+    "step_s", "tokens_per_step", "tpot_s", "user_tokens_per_s", "output_tokens_per_s",
     "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
     "long_prefill_s", "long_prefill_steps", "long_prefill_worst_itl_s", "replicas",

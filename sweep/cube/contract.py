@@ -209,6 +209,8 @@ METRICS: tuple[Metric, ...] = (
            column=Column("ITL ms", "{:.2f}", 1e3)),
     Metric("tokens_per_step", "token / step", "tokens each sequence gains per "
            "decode step (1 without speculation)"),
+    Metric("tpot_s", "s", "time per output token (step_s / tokens_per_step: "
+           "vLLM bench's TPOT)"),
     Metric("user_tokens_per_s", "token / s", "per-user decode rate",
            column=Column("tok/s/user", "{:,.0f}")),
     Metric("output_tokens_per_s", "token / s", "replica output rate"),

@@ -103,6 +103,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     metrics = {
         "step_s": step,
         "tokens_per_step": gained,
+        "tpot_s": step / gained,
         "user_tokens_per_s": gained / step,
         "output_tokens_per_s": output_rate,
         "slot_utilization": utilization,
