@@ -164,8 +164,9 @@ def test_simulated_p99_with_speculation(tmp_path):
     assert ds.itl_p99_s.attrs["method"] == "simulate"
     on, off = ds.sel(spec_tokens=4), ds.sel(spec_tokens=0)
     assert (int(on.latency_status), int(off.latency_status)) == (0, 0)
-    # one sequence at context ~1,500-2,000: memory-bound, the step barely grows
-    assert float(off.itl_p50_s) <= float(on.itl_p50_s) <= 1.01 * float(off.itl_p50_s)
+    # one sequence at context ~1,500-2,000: memory-bound, the verification
+    # step is the plain step (its contexts, sampled per delivery, differ a little)
+    assert float(on.itl_p50_s) == pytest.approx(float(off.itl_p50_s), rel=0.01)
     assert float(on.e2e_p50_s) < 0.6 * float(off.e2e_p50_s)
     assert float(on.ttft_p99_s) <= float(off.ttft_p99_s)
     # the p99 never below one decode step of one sequence

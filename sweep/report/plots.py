@@ -447,7 +447,9 @@ def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
               for i in range(len(accepts))]
     for col, i in enumerate(pick):
         pt = v.isel(concurrency=i)
-        for row, (var, scale) in enumerate((("tpot_s", 1e3), (COST, 1.0))):
+        for row, (var, scale, name) in enumerate((
+                ("tpot_s", 1e3, "time per output token (ms)"),
+                (COST, 1.0, f"USD per 1M output tokens ({ds[COST].attrs['units']})"))):
             ax = axes[row * len(pick) + col]
             for a, color in zip(accepts, colors):
                 ax.plot(ks, pt[var].sel(spec_acceptance=a).values.ravel() * scale,
@@ -458,9 +460,10 @@ def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
             if row == 1:
                 _log(ax)
             ax.grid(True, which="both", alpha=0.3)
-            ax.set_xlabel(label(ds["spec_tokens"]))
+            if row == 1:
+                ax.set_xlabel("k: tokens proposed per step")
             if col == 0:
-                ax.set_ylabel(label(ds[var], scale_ms=var == "tpot_s"))
+                ax.set_ylabel(name)
             if row == 0:
                 ax.set_title(f"concurrency {int(conc[i])}", fontsize=10)
     handles = [Line2D([], [], marker="o", ms=3, color=c, label=f"acceptance {a:g}")
