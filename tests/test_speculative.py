@@ -13,6 +13,7 @@ from helpers import (
     SEED_TABLE,
     W,
     check_png,
+    compose_app,
     cost_per_mtok,
     report,
     run_script,
@@ -21,6 +22,7 @@ from helpers import (
 from hypothesis import given, settings
 
 import sweep
+from sweep.config.schema import ConfigError
 from sweep.model import roofline
 from sweep.model.params import HardwareParams, ModelParams
 
@@ -188,3 +190,21 @@ def test_report_draws_the_trade_off(cube_path, tmp_path):
     report([cube_path, "--out", tmp_path / "r"])
     check_png(tmp_path / "r" / "speculative_decoding.png")
     assert "### Speculative decoding" in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("app, args, message", [
+    ("grid", ["grid.spec_tokens=[-1]"],
+     "grid.spec_tokens = -1.0: every value must be in [0, 64]"),
+    ("grid", ["grid.spec_tokens=[65]"],
+     "grid.spec_tokens = 65.0: every value must be in [0, 64]"),
+    ("grid", ["grid.spec_acceptance=[-0.1]"],
+     "grid.spec_acceptance = -0.1: every value must be in [0, 1]"),
+    ("optimize", ["search.spec_tokens=[0,-2]"],
+     "search.spec_tokens = -2.0: every value must be in [0, 64]"),
+    ("optimize", ["search.spec_acceptance=1.5"],
+     "search.spec_acceptance = 1.5: must be a finite number in [0, 1]"),
+])
+def test_bad_speculation_is_one_line(app, args, message):
+    with pytest.raises(ConfigError) as e:
+        compose_app(app, args)
+    assert str(e.value) == message
