@@ -26,6 +26,16 @@ step-by-step reference):
   prefills its prompt plus its generated tokens again; the step finishing that
   prefill emits its next token (the wait is one long ITL gap). Preemptions are
   counted.
+* speculative decoding (``spec_tokens`` k > 0; n-gram proposals, no GPU
+  time of their own): each decode verifies k proposals, k + 1 tokens of
+  compute and of the budget, and delivers the expected accepted tokens
+  ``gain = roofline.tokens_per_step(k, acceptance)`` at once (an
+  expectation, not a draw): an output of ``L`` tokens is
+  ``1 + ceil((L - 1) / gain)`` deliveries (``delivery_count``), a context
+  grows by ``gain`` tokens a step, each decoding request holds k more KV
+  slots, and the ITL samples are the gaps between deliveries. The run
+  machinery counts deliveries; ``_token_context`` and ``_kv_at`` turn them
+  into tokens (exactly the integers of plain decoding at k = 0).
 * static batching (``transformers.generate`` style): a batch of up to
   ``concurrency`` arrived requests is admitted only when nothing runs,
   reserving ``sum(prompt) + size * max(output)`` KV tokens, so it never
@@ -209,7 +219,7 @@ class SimOutcome(NamedTuple):
     rejected: jax.Array  # shape=(R,), bool: offered and beyond it
     output_tokens: jax.Array  # shape=(R,), output lengths as served (truncated)
     gaps: jax.Array  # shape=(R,), inter-token gaps (ITL samples) of each request:
-    #   output - 1, or fewer with speculative decoding (``emissions``)
+    #   output - 1, or fewer with speculative decoding (``delivery_count``)
 
 
 class Slots(NamedTuple):
@@ -325,7 +335,7 @@ class _Ctx(NamedTuple):
     itl_slo_s: jax.Array
     arrival_s: jax.Array  # shape=(R,), served requests first, sorted by arrival
     prompt: jax.Array  # shape=(R,), int32
-    output: jax.Array  # shape=(R,), int32, emissions (``emissions``)
+    output: jax.Array  # shape=(R,), int32, deliveries (``delivery_count``)
     output_tokens: jax.Array  # shape=(R,), int32, tokens (static batches' KV)
     num_served: jax.Array  # int32: requests [0, num_served) are served
     spec_tokens: jax.Array  # int32, proposals verified per decode (0: off)
@@ -564,7 +574,7 @@ def _materialize(turn, xs):
                         lambda x: jax.tree.map(jnp.zeros_like, x), xs)
 
 
-def emissions(output_tokens, spec_tokens, gain):
+def delivery_count(output_tokens, spec_tokens, gain):
     """Deliveries of an output of ``output_tokens`` tokens: the first token,
     then one per decode step, each step gaining ``gain`` tokens (the expected
     accepted tokens, ``roofline.tokens_per_step``):
@@ -1060,7 +1070,7 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         slots) and gains the expected accepted tokens
         ``roofline.tokens_per_step(k, acceptance)``, a deterministic
         expectation rather than a draw per step. Its tokens arrive together:
-        a request makes ``emissions`` deliveries, and the ITL samples are the
+        a request makes ``delivery_count`` deliveries, and the ITL samples are the
         gaps between deliveries (as a streaming client sees them). k = 0: off.
       max_slots: static size of the slot arrays: the largest concurrency of a
         grid is always exact. A smaller size is faster under light load; if
@@ -1087,7 +1097,7 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
     arrival = jnp.asarray(requests.arrival_s, dt)[order]
     spec_k = jnp.maximum(jnp.round(jnp.asarray(spec_tokens, dt)), 0.0)
     gain = roofline.tokens_per_step(spec_k, jnp.asarray(spec_acceptance, dt))
-    deliveries = emissions(output, spec_k, gain)
+    deliveries = delivery_count(output, spec_k, gain)
     tp = jnp.asarray(tp, dt)
     conc = jnp.floor(jnp.asarray(concurrency, dt)).astype(jnp.int32)
     conc = running(jnp.asarray(batching), conc)

@@ -24,6 +24,14 @@ expert when at least one token of the step is sent to it; with ``k`` of ``E``
 experts per token chosen uniformly, ``t`` tokens touch a fraction
 ``1 - (1 - k/E)^t`` of the experts (the standard balls-into-bins estimate).
 
+Speculative decoding (``speculative_step_s``, ``verified_decodes``,
+``tokens_per_step``): a decode that verifies ``k`` proposals computes
+``k + 1`` tokens over its cached context (FLOPs grow, the weight and KV
+reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
+(Leviathan et al. 2023); the proposer is an n-gram lookup with no GPU time
+(vLLM's ``--speculative-config '{"method": "ngram", ...}'``). Every function
+is exactly the plain decode at ``k = 0``.
+
 A run of steps whose KV read and attention keys grow linearly with the step
 (a long prompt's chunks; the simulator's runs between scheduling events) has
 its memory and compute times on two lines (``step_lines``); the larger of
