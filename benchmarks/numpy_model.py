@@ -104,19 +104,25 @@ def _sum_linear(lo, hi, a, s):
     return n * a + s * n * (hi + lo - 1.0) / 2.0
 
 
-def _chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, token_budget):
+def _chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, token_budget,
+                     spec):
     b = token_budget
     full = np.floor(prompt_tokens / b)
     rest = prompt_tokens - full * b
     ctx = decodes * context_tokens
     kvb = _kv_bytes_per_token(m)
-    new = decodes + b
+    # each decode verifies ``spec`` proposals: k + 1 tokens, token j over ctx + j keys
+    verified = np.where(spec > 0, decodes * (spec + 1.0), decodes)
+    dec_keys = np.where(spec > 0, (spec + 1.0) * ctx + decodes * (spec + 1.0) * spec
+                        / 2.0, ctx)
+    new = verified + b
     mem_bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
     flop_rate = tp * hw.peak_flops_per_s * hw.mfu
     fpk = _attention_flops_per_key(m)
     a_m = (_weight_bytes_read(m, new) + ctx * kvb) / mem_bw
     s_m = b * kvb / mem_bw
-    a_c = (2.0 * m.active_params * new + fpk * (ctx + b * (b + 1.0) / 2.0)) / flop_rate
+    a_c = (2.0 * m.active_params * new + fpk * (dec_keys + b * (b + 1.0) / 2.0)
+           ) / flop_rate
     s_c = fpk * b * b / flop_rate
     fixed = _allreduce_s(hw, m, tp, new) + hw.step_overhead_s
     d0, ds = a_m - a_c, s_m - s_c
@@ -136,7 +142,8 @@ def _chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, token_bu
     )
     last_full = np.maximum(a_m + s_m * (full - 1.0), a_c + s_c * (full - 1.0)) + fixed
     last_full = np.where(full > 0, last_full, zero)
-    partial = _mixed_step_s(hw, m, tp, decodes, ctx, rest, full * b)
+    partial = _step_s(hw, m, tp, verified + rest, ctx + full * b,
+                      dec_keys + _chunk_attention_keys(rest, full * b))
     partial = np.where(rest > 0, partial, zero)
     steps = full + np.where(rest > 0, F32(1.0), F32(0.0))
     return full_sum + partial, steps, np.maximum(last_full, partial)
@@ -174,8 +181,8 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     prefill = _mixed_step_s(hw, m, tp, zero, zero, wl.mean_prompt_tokens, zero)
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = _chunked_prefill(
-        hw, m, tp, running, pt.context_tokens, pt.long_prompt_tokens, pt.token_budget
-    )
+        hw, m, tp, running, pt.context_tokens, pt.long_prompt_tokens, pt.token_budget,
+        spec)
     chunked = pt.batching == CONTINUOUS
     nan = F32(np.nan)
     capacity_per_day = output_rate * SECONDS_PER_DAY
@@ -188,6 +195,7 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     metrics = {
         "step_s": step,
         "tokens_per_step": gained,
+        "tpot_s": step / gained,
         "user_tokens_per_s": gained / step,
         "output_tokens_per_s": output_rate,
         "slot_utilization": utilization,
@@ -290,16 +298,19 @@ def _py_step_s(hw, m, tp, new_tokens, kv_read_tokens, attention_keys):
     return max(memory_s, compute_s) + allreduce + hw["step_overhead_s"]
 
 
-def _py_chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, budget):
-    """Chunk by chunk, as the SPEC describes it (no closed form)."""
+def _py_chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, budget,
+                        spec=0):
+    """Chunk by chunk, as the SPEC describes it (no closed form); each decode
+    verifies ``spec`` proposals (k + 1 tokens, token j over context + j keys)."""
     ctx = decodes * context_tokens
+    dec_keys = decodes * sum(context_tokens + j for j in range(int(spec) + 1))
     total = worst = 0.0
     steps = 0
     done = 0.0
     while done < prompt_tokens:
         chunk = min(budget, prompt_tokens - done)
-        keys = ctx + chunk * done + chunk * (chunk + 1.0) / 2.0
-        s = _py_step_s(hw, m, tp, decodes + chunk, ctx + done, keys)
+        keys = dec_keys + chunk * done + chunk * (chunk + 1.0) / 2.0
+        s = _py_step_s(hw, m, tp, decodes * (spec + 1) + chunk, ctx + done, keys)
         total += s
         worst = max(worst, s)
         steps += 1
@@ -332,7 +343,7 @@ def _py_point(hw, m, wl, pt, static_utilization):
                                        prompt * (prompt + 1.0) / 2.0)
     if pt["batching"] == CONTINUOUS:
         long = _py_chunked_prefill(hw, m, tp, running, ctx, pt["long_prompt_tokens"],
-                                   pt["token_budget"])
+                                   pt["token_budget"], k)
     else:
         long = (nan, nan, nan)
     price = hw["usd_per_gpu_hour"] * tp
@@ -341,6 +352,7 @@ def _py_point(hw, m, wl, pt, static_utilization):
     return {
         "step_s": step,
         "tokens_per_step": gained,
+        "tpot_s": step / gained,
         "user_tokens_per_s": gained / step,
         "output_tokens_per_s": rate,
         "slot_utilization": util,
@@ -357,7 +369,7 @@ def _py_point(hw, m, wl, pt, static_utilization):
 
 
 PY_METRICS = (
-    "step_s", "tokens_per_step", "user_tokens_per_s", "output_tokens_per_s",
+    "step_s", "tokens_per_step", "tpot_s", "user_tokens_per_s", "output_tokens_per_s",
     "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
     "long_prefill_s", "long_prefill_steps", "long_prefill_worst_itl_s", "replicas",

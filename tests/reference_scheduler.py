@@ -25,6 +25,15 @@ of steps, no histograms), plus the simulator's documented choices:
   before scheduling (vLLM rejects it), or with truncation keeps the last
   ``context - output`` prompt tokens (at least one) and stops its output when
   the sequence reaches the context.
+* speculative decoding (``spec_tokens`` k > 0, n-gram proposals that cost
+  nothing): every decode computes k + 1 tokens (token j attending to its
+  context + j keys) and takes k + 1 tokens of the budget; it delivers
+  ``gain = sum_{j=0..k} a^j`` tokens (the expectation, not a draw), so an
+  output of L tokens takes ``1 + ceil((L - 1) / gain)`` deliveries, the
+  context after d deliveries is ``prompt + 1 + gain (d - 1)`` tokens, each
+  decoding request holds k more KV slots (the running total rounded up to
+  whole tokens), and a preempted one recomputes ``round(1 + gain (d - 1))``
+  generated tokens. ITL samples are the gaps between deliveries.
 
 Step times come from a small float64 copy of the roofline formulas
 (``step_time_s``), written out here rather than imported.
@@ -82,7 +91,8 @@ class _Req:
     index: int
     arrival_s: float
     prompt: int
-    output: int
+    output: int  # deliveries (tokens without speculation)
+    tokens: int = 0  # output tokens
     emitted: int = 0  # tokens sent to the user
     generated: int = 0  # tokens in the KV cache beyond the prompt (padding too)
     need: int = 0  # tokens this prefill must compute (prompt + emitted)
@@ -112,10 +122,12 @@ class ReferenceResult:
 
 def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                        prompt_tokens, output_tokens, batching=CONTINUOUS,
-                       max_context_tokens=math.inf, truncate=False
-                       ) -> ReferenceResult:
+                       max_context_tokens=math.inf, truncate=False,
+                       spec_tokens=0, spec_acceptance=0.0) -> ReferenceResult:
     """Runs the scheduler one step at a time until every request has finished."""
     cap = kv_capacity_tokens(hw, model, tp)
+    k = int(spec_tokens)
+    gain = sum(float(spec_acceptance) ** j for j in range(k + 1))
     conc = 1 if batching == REQUEST else int(concurrency)
     continuous = batching == CONTINUOUS
     budget = int(token_budget)
@@ -131,6 +143,9 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                 continue
             r.prompt = max(int(max_context_tokens) - r.output, 1)
             r.output = min(r.output, int(max_context_tokens) - r.prompt)
+        r.tokens = r.output  # static batches reserve KV for their tokens
+        if k > 0:
+            r.output = 1 + math.ceil((r.output - 1) / gain)  # deliveries
         r.need = r.prompt
         waiting.append(r)
     preempted: list[_Req] = []  # the last preempted is readmitted first
@@ -139,14 +154,26 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
     batch_open = False
     remaining = len(waiting)
 
+    def context(r):
+        """Tokens in a decoding request's context."""
+        return r.prompt + (r.generated if k == 0 else 1 + gain * (r.generated - 1))
+
     def kv_tokens():
-        return sum(r.prompt + r.generated for r in running)
+        if k == 0:
+            return sum(r.prompt + r.generated for r in running)
+        decodes = [r for r in running if r.decoding]
+        return (sum(r.need for r in running if not r.decoding)
+                + sum(r.prompt + r.generated for r in decodes)
+                + math.ceil(sum(context(r) - r.prompt - r.generated for r in decodes)
+                            + k * len(decodes)))
 
     while remaining:
         if continuous:
             while kv_tokens() > cap and len(running) > 1:
                 victim = running.pop()
-                victim.need = victim.prompt + victim.emitted
+                victim.need = victim.prompt + (
+                    victim.emitted if k == 0 or victim.emitted == 0
+                    else math.floor(1 + gain * (victim.emitted - 1) + 0.5))
                 victim.prefilled, victim.decoding = 0, False
                 victim.generated = victim.emitted
                 preempted.append(victim)
@@ -164,7 +191,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                 fits = kv_tokens() + head.need <= cap
             else:
                 fits = (batch_prompt + head.prompt + (len(running) + 1)
-                        * max(batch_output, head.output) <= cap)
+                        * max(batch_output, head.tokens) <= cap)
             if not fits and running:
                 break
             oversize |= not fits
@@ -172,21 +199,22 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
             running.append(head)
             if not continuous:
                 batch_prompt += head.prompt
-                batch_output = max(batch_output, head.output)
+                batch_output = max(batch_output, head.tokens)
         batch_open = False
 
         decodes = [r for r in running if r.decoding]
-        left = max(budget - len(decodes), 0)
+        left = max(budget - len(decodes) * (k + 1), 0)
         chunks = []  # (request, tokens, cached tokens)
         for r in running:
             if not r.decoding and r.prefilled < r.need and left > 0:
                 take = min(r.need - r.prefilled, left)
                 chunks.append((r, take, r.prefilled))
                 left -= take
-        contexts = [r.prompt + r.generated for r in decodes]
-        new = len(decodes) + sum(m for _, m, _ in chunks)
+        contexts = [context(r) for r in decodes]
+        new = len(decodes) * (k + 1) + sum(m for _, m, _ in chunks)
         kv_read = sum(contexts) + sum(p for _, _, p in chunks)
-        keys = sum(contexts) + sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks)
+        keys = (sum((k + 1) * c + k * (k + 1) / 2.0 for c in contexts)
+                + sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks))
         t += step_time_s(hw, model, tp, new, kv_read, keys,
                          len(decodes) + len(chunks))
         steps += 1

@@ -44,8 +44,8 @@ SPEC_VARIABLES = (
     "goodput_req_per_s", "slo_met")
 # p99 latency depends on neither the context, the long prompt nor the traffic
 P99_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
-            "token_budget", "batching", "weight_dtype", "kv_dtype",
-            "arrival_rate_per_s")
+            "token_budget", "batching", "weight_dtype", "kv_dtype", "spec_tokens",
+            "spec_acceptance", "arrival_rate_per_s")
 
 # unit words a reader's pint knows without ``UNIT_DEFINITIONS``
 SI_WORDS = {"s", "hour", "day", "byte"}

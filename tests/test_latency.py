@@ -66,10 +66,11 @@ def heavy_tail_tables() -> WorkloadTables:
     return WorkloadTables("heavy", pv, pp, ov, op)
 
 
-def _objective(hw, model, wl, tp, log_c, log_b, rate, ttft_slo, itl_slo):
+def _objective(hw, model, wl, tp, log_c, log_b, rate, ttft_slo, itl_slo, spec_k,
+               spec_a):
     """What the optax search descends, with every output as the auxiliary."""
     out = surrogate(hw, model, wl, tp, jnp.exp(log_c), jnp.exp(log_b), rate,
-                    ttft_slo, itl_slo)
+                    ttft_slo, itl_slo, spec_k, spec_a)
     # the rates enter with a small weight: their gradients must be finite, but
     # the latencies' slopes are what the sign checks below read
     value = sum(jnp.log(out[k]) for k in (
@@ -83,13 +84,14 @@ def _objective(hw, model, wl, tp, log_c, log_b, rate, ttft_slo, itl_slo):
 # digit; the tests run a few dozen small batches, for which speed is moot
 _batched = jax.jit(jax.vmap(
     jax.value_and_grad(_objective, argnums=(4, 5, 6), has_aux=True),
-    in_axes=(0, None, 0, 0, 0, 0, 0, 0, 0)),
+    in_axes=(0, None, 0, 0, 0, 0, 0, 0, 0, 0, 0)),
     compiler_options={"xla_backend_optimization_level": 0})
 
 
 def run(setup, rows, memory_bytes=None):
     """Evaluates ``rows`` of ``(workload, concurrency, budget, rate[, ttft slo,
-    itl slo])`` (padded; no SLO by default).
+    itl slo[, spec k, acceptance]])`` (padded; no SLO, no speculation by
+    default).
 
     Args:
       memory_bytes: optional per-row GPU memory replacing the H100's.
@@ -110,9 +112,12 @@ def run(setup, rows, memory_bytes=None):
     c, b, r = (np.asarray([float(row[i]) for row in rows]) for i in (1, 2, 3))
     slo = [np.asarray([float(row[i]) if len(row) > i else np.inf for row in rows])
            for i in (4, 5)]
+    spec = [np.asarray([float(row[i]) if len(row) > i else 0.0 for row in rows])
+            for i in (6, 7)]
     (_, out), grad = _batched(hws, model, wl, jnp.ones(BATCH, jnp.float32),
                               *(jnp.asarray(x, jnp.float32)
-                                for x in (np.log(c), np.log(b), r, *slo)))
+                                for x in (np.log(c), np.log(b), r, *slo,
+                                          *spec)))
     out = {k: np.asarray(v) for k, v in out.items()}
     out["grad"] = np.stack([np.asarray(g) for g in grad], axis=1)
     return out
@@ -161,13 +166,30 @@ def test_zero_load_is_the_bare_roofline(setup):
                                rtol=2e-3)
 
 
-def _fixed_at_zero_load(setup):
-    """The surrogate on 1,500-token prompts and 200-token outputs, no traffic."""
+def _fixed_at_zero_load(setup, *spec):
+    """The surrogate on 1,500-token prompts and 200-token outputs, no traffic
+    (``spec``: speculation's k and acceptance)."""
     one, wls, tables = setup
     fixed = latency_workload(WorkloadTables(
         "fixed", np.array([1500.0]), np.array([1.0]), np.array([200.0]),
         np.array([1.0])))
-    return run((one, {**wls, "fixed": fixed}, tables), [("fixed", 64, 2048, 1e-6)])
+    return run((one, {**wls, "fixed": fixed}, tables),
+               [("fixed", 64, 2048, 1e-6, np.inf, np.inf, *spec)])
+
+
+def test_zero_load_speculation_by_hand(setup):
+    """k = 4 proposals at acceptance 0.5 gain 1 + .5 + .25 + .125 + .0625 =
+    1.9375 tokens per step: 199 tokens after the first in 199 / 1.9375 =
+    102.7 verification steps of one sequence (5 tokens, token j over
+    1,600 + j keys: still memory-bound), each the ITL."""
+    out = _fixed_at_zero_load(setup, 4, 0.5)
+    verify = h.step(5, 1600.0, 5 * 1600.0 + 10)
+    assert verify == h.decode(1, 1600.0)  # memory-bound: the proposals are free
+    np.testing.assert_allclose(out["itl_p50_s"][0], verify, rtol=1e-2)
+    want = h.step(1500, 0, h.chunk_keys(1500, 0)) + 199 / 1.9375 * verify
+    for k in ("e2e_p50_s", "e2e_p99_s"):
+        np.testing.assert_allclose(out[k][0], want, rtol=5e-3, err_msg=k)
+    assert out["status"][0] == OK
 
 
 def test_zero_load_e2e_is_prefill_plus_decodes(setup):

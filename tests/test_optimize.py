@@ -134,3 +134,34 @@ def test_infeasible_slo_names_the_constraint_exit_3(tmp_path):
                            "slo.itl_p99_s = 0.0005 s; the best p99 ITL reached")
     assert "allowed: slo.itl_p99_s >=" in line
     assert not (tmp_path / "opt.zarr").exists()
+
+
+@pytest.mark.slow
+def test_searches_speculative_proposal_lengths(tmp_path):
+    """``search.spec_tokens=[0,4]``: each k is a candidate; the run says which
+    wins, and the chosen one's flags carry its speculation (vLLM's
+    ``--speculative-config``, SGLang's NGRAM with k + 1 draft tokens,
+    TensorRT-LLM's YAML in a note)."""
+    proc = run([*OPTIMIZE_QUICK[:3], "search.tensor_parallel=[1]",
+                "search.verify_requests=200", "search.spec_tokens=[0,4]",
+                "search.spec_acceptance=0.8", "out=opt.zarr"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "opt.zarr").load()
+    a = ds.attrs
+    assert sorted(ds.spec_tokens.values.tolist()) == [0, 4]
+    assert ds.spec_tokens.attrs["units"] == "token"
+    k = a["chosen_spec_tokens"]
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("speculative"))
+    assert line.startswith(f"speculative decoding (n-gram, acceptance 0.8): k={k} "
+                           "wins; cheapest USD / 1M output tokens per k")
+    chosen = ds.isel(candidate=int(np.flatnonzero(ds.chosen.values)[0]))
+    assert int(chosen.spec_tokens) == k and bool(chosen.slo_met_simulated)
+    vllm = ("--speculative-config '{\"method\": \"ngram\", "
+            f"\"num_speculative_tokens\": {k}}}'")
+    assert (vllm in a["vllm_flags"]) == (k > 0)
+    assert (f"--speculative-algorithm NGRAM --speculative-num-draft-tokens {k + 1}"
+            in a["sglang_flags"]) == (k > 0)
+    assert ("max_draft_len: 4" in a.get("trtllm_notes", "")) == (k > 0)
+    # no answer at another k is cheaper than the chosen one
+    assert float(chosen.cost_per_mtok_out_usd) <= np.nanmin(
+        ds.cost_per_mtok_out_usd.values) + 1e-12

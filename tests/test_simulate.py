@@ -69,21 +69,24 @@ def sim64():
     run's percentiles are checked against the physical floor."""
     @jax.jit
     def run(hw, model, conc, budget, arrival, prompt, output, batching, ttft_slo,
-            itl_slo, overlong, mine):
+            itl_slo, overlong, mine, spec_tokens, spec_acceptance):
         return simulate_requests(hw, model, 1.0, conc, budget,
                                  Requests(arrival, prompt, output), batching,
-                                 ttft_slo, itl_slo, overlong, mine, max_slots=SLOTS)
+                                 ttft_slo, itl_slo, overlong, mine, spec_tokens,
+                                 spec_acceptance, max_slots=SLOTS)
 
     def call(arrival, prompt, output, conc=8, budget=512, batching=CONTINUOUS,
              memory_bytes=80e9, ttft_slo=np.inf, itl_slo=np.inf,
-             max_context_tokens=np.inf, overlong=REJECT, mine=None):
+             max_context_tokens=np.inf, overlong=REJECT, mine=None, spec_tokens=0,
+             spec_acceptance=0.0):
         mine = np.ones(len(arrival), bool) if mine is None else mine
         with jax.enable_x64(True):
             out = run(h100(np.float64, memory_bytes),
                       qwen3_8b(np.float64, max_context_tokens),
                       np.float64(conc), np.float64(budget), arrival, prompt, output,
                       np.int32(batching), np.float64(ttft_slo), np.float64(itl_slo),
-                      np.int32(overlong), mine)
+                      np.int32(overlong), mine, np.float64(spec_tokens),
+                      np.float64(spec_acceptance))
             out = jax.tree.map(np.asarray, out)
         assert_above_floor(out, h100(np.float64, memory_bytes),
                            qwen3_8b(np.float64, max_context_tokens), 1.0, prompt,
@@ -104,7 +107,7 @@ def assert_above_floor(outcome, hw, model, tp, prompt, output, overlong=REJECT):
                                  float(model.max_context_tokens), overlong == TRUNCATE)
     ttft_floor, itl_floor = floors_s(hw, model, tp, prompt[served])
     assert np.all(np.percentile(outcome.ttft_s[served], q) >= ttft_floor)
-    gaps = (outcome.output_tokens[served] - 1).sum()
+    gaps = outcome.gaps[served].sum()
     if gaps:
         with jax.enable_x64(True):
             itl = np.asarray(itl_percentiles(
@@ -148,6 +151,63 @@ def test_matches_reference(sim64, seed, batching, conc, budget, memory):
     # the ITL histogram holds every gap exactly once
     np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
     assert_itl_percentiles(got, ref.itl_s, budget)
+
+
+SPEC_CASES = [
+    # (seed, batching, concurrency, budget, memory, k, acceptance): gains of
+    # 1.75 and 1.9375 tokens per step (exact in binary), and k > 0 with
+    # nothing accepted; a KV-tight memory forces preemptions
+    (10, CONTINUOUS, 8, 512, 80e9, 2, 0.5),
+    (11, CONTINUOUS, 8, 100, 80e9, 4, 0.5),
+    (12, CONTINUOUS, 8, 512, WEIGHTS + KV_BYTES * 3000, 2, 0.5),
+    (13, CONTINUOUS, 3, 2048, 80e9, 3, 0.0),
+    (14, STATIC, 4, 1024, WEIGHTS + KV_BYTES * 5000, 4, 0.5),
+]
+
+
+@pytest.mark.parametrize("seed,batching,conc,budget,memory,k,a", SPEC_CASES)
+def test_speculation_matches_reference(sim64, seed, batching, conc, budget, memory,
+                                       k, a):
+    arrival, prompt, output = random_requests(seed)
+    ttft_slo, itl_slo = 0.3, 0.02
+    got = sim64(arrival, prompt, output, conc, budget, batching, memory, ttft_slo,
+                itl_slo, spec_tokens=k, spec_acceptance=a)
+    ref = simulate_reference(h100(np.float64, memory), qwen3_8b(np.float64), 1.0,
+                             conc, budget, arrival, prompt, output, batching,
+                             spec_tokens=k, spec_acceptance=a)
+    assert got.status == 0
+    assert (got.steps, got.preemptions) == (ref.steps, ref.preemptions)
+    if seed == 12:
+        assert ref.preemptions > 0
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    good = (ref.ttft_s <= ttft_slo) & (ref.max_gap_s <= itl_slo)
+    np.testing.assert_array_equal(got.good, good)
+    # one ITL sample per delivery gap: 1 + ceil((L - 1) / gain) deliveries
+    gain = sum(a**j for j in range(k + 1))
+    np.testing.assert_array_equal(got.gaps, np.ceil((output - 1) / gain))
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
+    assert_itl_percentiles(got, ref.itl_s, budget * (k + 1))
+
+
+def test_speculation_by_hand(sim64):
+    """One request alone (prompt 1,000, output 8, k = 2, a = 0.5, gain 1.75):
+    the prefill step, then ceil(7 / 1.75) = 4 verification steps over
+    contexts 1,001, 1,002.75, 1,004.5, 1,006.25, each memory-bound, float64 by
+    hand."""
+    kvb, bw = KV_BYTES, 3.35e12
+    prefill = max(WEIGHTS / bw,
+                  (2 * 8.19e9 * 1000 + 4 * 36 * 32 * 128 * 1000 * 1001 / 2) / 9.89e14)
+    steps = [(WEIGHTS + c * kvb) / bw for c in (1001.0, 1002.75, 1004.5, 1006.25)]
+    # compute of 3 tokens is far below the memory time at batch 1
+    assert all((2 * 8.19e9 * 3 + 4 * 36 * 32 * 128 * (3 * c + 3)) / 9.89e14 < t
+               for c, t in zip((1001.0, 1002.75, 1004.5, 1006.25), steps))
+    got = sim64(np.array([0.0]), np.array([1000.0]), np.array([8.0]), 1, 2048,
+                spec_tokens=2, spec_acceptance=0.5)
+    assert float(got.ttft_s[0]) == pytest.approx(prefill, rel=1e-12)
+    assert float(got.e2e_s[0]) == pytest.approx(prefill + sum(steps), rel=1e-12)
+    assert int(got.steps) == 5 and float(got.gaps[0]) == 4.0
 
 
 def floors_s(hw, model, tp, prompts):

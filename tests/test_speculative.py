@@ -13,6 +13,7 @@ from helpers import (
     SEED_TABLE,
     W,
     check_png,
+    compose_app,
     cost_per_mtok,
     report,
     run_script,
@@ -21,7 +22,9 @@ from helpers import (
 from hypothesis import given, settings
 
 import sweep
+from sweep.config.schema import ConfigError
 from sweep.model import roofline
+from sweep.model.params import HardwareParams, ModelParams
 
 C = 1500
 
@@ -78,6 +81,7 @@ def test_speculation_by_hand(cube):
                 assert float(pt.step_s) == pytest.approx(t, rel=1e-5)
                 assert float(pt.tokens_per_step) == pytest.approx(e, rel=1e-5)
                 assert float(pt.user_tokens_per_s) == pytest.approx(e / t, rel=1e-5)
+                assert float(pt.tpot_s) == pytest.approx(t / e, rel=1e-5)
                 assert float(pt.output_tokens_per_s) == pytest.approx(n * e / t,
                                                                      rel=1e-5)
                 assert float(pt.cost_per_mtok_out_usd) == pytest.approx(
@@ -114,6 +118,63 @@ def test_tokens_per_step_grows_with_acceptance_and_proposals(k, a, b):
     assert more >= e[1] * (1 - 1e-6)
 
 
+def _h100_qwen3_8b():
+    f = np.float32
+    hw = HardwareParams(*(f(x) for x in (3.35e12, 9.89e14, 80e9, 4.5e11, 4.29, 1.0,
+                                         1.0, 0.0, 1.0)))
+    model = ModelParams(*(f(x) for x in (8.19e9, 0.0, 8.19e9, 36, 32, 8, 128, 4096,
+                                         1.0, 2, 2)))
+    return hw, model
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 1024), k=st.integers(1, 16), a=st.floats(0.0, 0.999),
+       b=st.floats(0.0, 0.999))
+def test_time_per_token_laws(n, k, a, b):
+    """Proposals that are never accepted never beat plain decoding, and a
+    higher acceptance never makes a token slower (float32, as users run it)."""
+    hw, model = _h100_qwen3_8b()
+    c = np.float32(C)
+
+    def tpot(k, a):
+        step = roofline.verify_step_s(hw, model, np.float32(1), np.float32(n), c,
+                                      np.float32(k))
+        return float(step / roofline.tokens_per_step(np.float32(k), np.float32(a)))
+
+    plain = tpot(0, 0.0)
+    assert tpot(k, 0.0) >= plain * (1 - 1e-6)
+    lo, hi = sorted((a, b))
+    assert tpot(k, hi) <= tpot(k, lo) * (1 + 1e-6)
+
+
+@pytest.mark.slow
+def test_simulated_p99_with_speculation(tmp_path):
+    """``latency=simulate`` over the spec axes, the whole p99 part through the
+    console script: at one running sequence, 4 proposals at 0.7 deliver
+    2.77 tokens per step, so requests finish sooner while each delivery gap
+    (the ITL) is a whole, slightly longer step; k = 0 is plain decoding."""
+    out = tmp_path / "p99.zarr"
+    proc = run_script("sweep-grid", [
+        "experiment=seed", "grid.spec_tokens=[0,4]", "grid.spec_acceptance=[0.7]",
+        "grid.concurrency=[1]", "grid.token_budget=[2048]",
+        "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e8]",
+        "latency=simulate", "latency.num_requests=200",
+        "grid.arrival_rate_per_s=[0.5]", f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(out).load().squeeze()
+    assert ds.ttft_p99_s.dims == ("spec_tokens",)
+    assert ds.itl_p99_s.attrs["method"] == "simulate"
+    on, off = ds.sel(spec_tokens=4), ds.sel(spec_tokens=0)
+    assert (int(on.latency_status), int(off.latency_status)) == (0, 0)
+    # one sequence at context ~1,500-2,000: memory-bound, the verification
+    # step is the plain step (its contexts, sampled per delivery, differ a little)
+    assert float(on.itl_p50_s) == pytest.approx(float(off.itl_p50_s), rel=0.01)
+    assert float(on.e2e_p50_s) < 0.6 * float(off.e2e_p50_s)
+    assert float(on.ttft_p99_s) <= float(off.ttft_p99_s)
+    # the p99 never below one decode step of one sequence
+    assert float(on.itl_p50_s) >= step(1, 1500, 1500)
+
+
 @pytest.mark.slow
 def test_acceptance_outside_zero_one_is_refused(tmp_path):
     proc = run_script("sweep-grid", ["experiment=seed", "grid.spec_acceptance=[1.5]",
@@ -129,3 +190,21 @@ def test_report_draws_the_trade_off(cube_path, tmp_path):
     report([cube_path, "--out", tmp_path / "r"])
     check_png(tmp_path / "r" / "speculative_decoding.png")
     assert "### Speculative decoding" in (tmp_path / "r" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("app, args, message", [
+    ("grid", ["grid.spec_tokens=[-1]"],
+     "grid.spec_tokens = -1.0: every value must be in [0, 64]"),
+    ("grid", ["grid.spec_tokens=[65]"],
+     "grid.spec_tokens = 65.0: every value must be in [0, 64]"),
+    ("grid", ["grid.spec_acceptance=[-0.1]"],
+     "grid.spec_acceptance = -0.1: every value must be in [0, 1]"),
+    ("optimize", ["search.spec_tokens=[0,-2]"],
+     "search.spec_tokens = -2.0: every value must be in [0, 64]"),
+    ("optimize", ["search.spec_acceptance=1.5"],
+     "search.spec_acceptance = 1.5: must be a finite number in [0, 1]"),
+])
+def test_bad_speculation_is_one_line(app, args, message):
+    with pytest.raises(ConfigError) as e:
+        compose_app(app, args)
+    assert str(e.value) == message

@@ -140,6 +140,8 @@ def _optimize_app(cfg: DictConfig) -> None:
     if warning := calibration.mixed(job.app.calibration, choices):
         err.print(warning, markup=False, highlight=False, soft_wrap=True)
     chosen = outcome.chosen
+    if line := optimize.speculation_line(job, outcome):
+        console.print(line, markup=False, soft_wrap=True)
     for name, engine in engines.ENGINES.items():
         console.print(f"{engine.label} flags: "
                       f"{optimize.serving_flags(job, chosen, name)}", markup=False)

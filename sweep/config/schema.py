@@ -641,6 +641,14 @@ class Search:
         default_factory=list,
         metadata={"help": f"KV cache precisions to compare "
                   f"({', '.join(precision.KV_DTYPES)}); empty: the model's own"})
+    spec_tokens: Any = field(
+        default_factory=lambda: [0],
+        metadata={"help": "speculative decoding (n-gram proposals): tokens "
+                  "proposed per step (k) to compare; 0: off"})
+    spec_acceptance: float = field(
+        default=0.7,
+        metadata={"help": "chance each proposed token is accepted (0-1; measure it "
+                  "on the workload: vLLM's spec-decode acceptance metrics)"})
     optimizer: str = field(default="adam", metadata={"help": "an optax alias name"})
     optimizer_options: dict[str, float] = field(
         default_factory=lambda: {"b2": 0.9},
@@ -684,6 +692,9 @@ class Search:
     def __post_init__(self) -> None:
         self.tp_values = _numeric_axis(self.tensor_parallel, "search.tensor_parallel",
                                        integer=True, low=1)
+        self.spec_values = _numeric_axis(self.spec_tokens, "search.spec_tokens",
+                                         integer=True, low=0, high=64)
+        _in_range(self, "search", "spec_acceptance", 0.0, 1.0)
         for name, high in (("steps", 100_000), ("restarts", 10_000),
                            ("concurrency_min", MAX_TOKENS),
                            ("concurrency_max", MAX_TOKENS),

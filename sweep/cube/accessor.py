@@ -373,7 +373,9 @@ class SweepAccessor:
           traffic needs when the cube has them; where the point's
           ``weight_dtype`` or ``kv_dtype`` is not bf16, the engine's
           quantisation and KV-cache dtype flags, and in ``notes`` the
-          pre-quantised checkpoint a weight dtype needs where no flag exists.
+          pre-quantised checkpoint a weight dtype needs where no flag exists;
+          at a ``spec_tokens`` k > 0, the engine's n-gram speculation flags
+          (TensorRT-LLM's, in ``notes``).
         """
         engines.engine(engine)  # an unknown name fails before any reading
         ds = self._ds
@@ -409,14 +411,15 @@ class SweepAccessor:
         util = config_value(self._ds, "gpu_memory_utilization")
         weights, kv = (point_dtype(self._ds, pt, d) for d in ("weight_dtype",
                                                               "kv_dtype"))
+        spec = int(value("spec_tokens") or 0)
         flags = engines.flags(
             engine, tensor_parallel=int(pt["tensor_parallel"]),
             concurrency=value("concurrency"), token_budget=value("token_budget"),
             gpu_memory_utilization=None if util is None else float(util),
             memory_bytes=value("memory_bytes"), weight_bytes=value("weight_bytes"),
-            weight_dtype=weights, kv_dtype=kv)
+            weight_dtype=weights, kv_dtype=kv, spec_tokens=spec)
         replicas = value("replicas")
         return ServingFlags(engine, flags, engines.command_line(flags),
                             None if replicas is None else int(replicas),
-                            tuple(engines.notes(engine, weights)))
+                            tuple(engines.notes(engine, weights, spec)))
 

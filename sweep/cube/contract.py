@@ -198,11 +198,12 @@ AXES: tuple[Axis, ...] = (
     Axis("weight_dtype", "", "weight precision (with group scales)", CONFIG, LABEL,
          header="weights"),
     Axis("kv_dtype", "", "KV cache precision", CONFIG, LABEL, header="KV"),
-    # speculative decoding (sweep.model.roofline.speculative_step_s); k = 0: off
+    # speculative decoding (sweep.model.roofline.speculative_step_s; the
+    # simulator's and the surrogate's decode steps); k = 0: off
     Axis("spec_tokens", "token", "speculative tokens proposed per step (k)", CONFIG,
-         INTEGER, parts=(ROOFLINE,), header="spec k", low=0, high=64),
+         INTEGER, header="spec k", low=0, high=64),
     Axis("spec_acceptance", "1", "speculative acceptance rate per token", CONFIG,
-         REAL, parts=(ROOFLINE,), header="accept", low=0, high=1),
+         REAL, header="accept", low=0, high=1),
     Axis("arrival_rate_per_s", "request / s", "arrival rate", SCENARIO, REAL,
          parts=(P99,), header="req/s", low=1e-9, high=1e12, optional=True),
 )
@@ -214,6 +215,8 @@ METRICS: tuple[Metric, ...] = (
            column=Column("ITL ms", "{:.2f}", 1e3)),
     Metric("tokens_per_step", "token / step", "tokens each sequence gains per "
            "decode step (1 without speculation)"),
+    Metric("tpot_s", "s", "time per output token (step_s / tokens_per_step: "
+           "vLLM bench's TPOT)"),
     Metric("user_tokens_per_s", "token / s", "per-user decode rate",
            column=Column("tok/s/user", "{:,.0f}")),
     Metric("output_tokens_per_s", "token / s", "replica output rate"),

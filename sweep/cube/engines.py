@@ -18,6 +18,15 @@ SGLang; TensorRT-LLM):
 * kv_dtype ``fp8``: ``--kv-cache-dtype fp8`` (E4M3); ``--kv-cache-dtype
   fp8_e5m2`` (the format SGLang's docs give for an FP8 cache without
   calibrated scales); ``--kv_cache_dtype fp8``
+* spec_tokens ``k > 0`` (n-gram proposals): ``--speculative-config
+  '{"method": "ngram", "num_speculative_tokens": k}'`` (vLLM's docs,
+  "Speculative Decoding", "N-Gram Speculation"); ``--speculative-algorithm
+  NGRAM --speculative-num-draft-tokens k+1`` (SGLang's docs, "Speculative
+  Decoding": its verify step runs ``num_draft_tokens`` tokens per request,
+  the last accepted one included, so k proposals are k + 1); TensorRT-LLM
+  has no command-line flag: ``speculative_config: {decoding_type: NGram,
+  max_draft_len: k}`` in the ``--extra_llm_api_options`` YAML (its docs,
+  "Speculative Decoding", ``NGramDecodingConfig``), said in ``notes``
 
 A weight dtype an engine cannot quantise to at load needs a checkpoint
 quantised beforehand, whose config the engine reads (no flag): GPTQ or AWQ
@@ -49,6 +58,7 @@ fraction is an upper bound to lower if the engine runs out of memory.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 from sweep.errors import ConfigError
@@ -68,6 +78,8 @@ class Engine(NamedTuple):
     weight_quantization: dict[str, tuple[str, str]]
     kv_cache_dtype: dict[str, tuple[str, str]]  # KV dtype -> (flag, value)
     checkpoints: dict[str, str]  # weight dtype -> the checkpoint it serves
+    # n-gram speculation with k proposals -> its flags (None: no flag; notes)
+    speculation: Callable[[int], dict[str, int | str]] | None = None
 
 
 ENGINES = {
@@ -76,13 +88,17 @@ ENGINES = {
         "--max-num-batched-tokens", "--gpu-memory-utilization", False,
         {"fp8": ("--quantization", "fp8")}, {"fp8": ("--kv-cache-dtype", "fp8")},
         {"int4": "a GPTQ or AWQ checkpoint (4-bit, group size 128)",
-         "fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt or llm-compressor)"}),
+         "fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt or llm-compressor)"},
+        lambda k: {"--speculative-config":
+                   f'\'{{"method": "ngram", "num_speculative_tokens": {k}}}\''}),
     "sglang": Engine(
         "SGLang", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
         "--mem-fraction-static", False,
         {"fp8": ("--quantization", "fp8"), "int4": ("--torchao-config", "int4wo-128")},
         {"fp8": ("--kv-cache-dtype", "fp8_e5m2")},
-        {"fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt)"}),
+        {"fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt)"},
+        lambda k: {"--speculative-algorithm": "NGRAM",
+                   "--speculative-num-draft-tokens": k + 1}),
     "trtllm": Engine(
         "TensorRT-LLM", "--tp_size", "--max_batch_size", "--max_num_tokens",
         "--kv_cache_free_gpu_memory_fraction", True,
@@ -116,14 +132,15 @@ def kv_free_fraction(gpu_memory_utilization: float, memory_bytes: float,
 def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
           token_budget: int | None, gpu_memory_utilization: float | None,
           memory_bytes: float | None = None, weight_bytes: float | None = None,
-          weight_dtype: str = PLAIN, kv_dtype: str = PLAIN
+          weight_dtype: str = PLAIN, kv_dtype: str = PLAIN, spec_tokens: int = 0
           ) -> dict[str, int | float | str]:
     """One deployment's arguments for engine ``name`` (``None``: not set).
 
     ``weight_bytes`` is the whole model's; TensorRT-LLM's memory fraction
     needs it and ``memory_bytes`` (one GPU's), and is left out without them.
     A ``weight_dtype`` or ``kv_dtype`` other than bf16 adds the engine's
-    flag for it where it has one (``notes``: where it has none).
+    flag for it where it has one (``notes``: where it has none); so does
+    n-gram speculation with ``spec_tokens`` proposals per step.
     """
     e = engine(name)
     out: dict[str, int | float | str] = {e.tensor_parallel: int(tensor_parallel)}
@@ -135,6 +152,8 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
         if dtype in table:
             flag, value = table[dtype]
             out[flag] = value
+    if spec_tokens and e.speculation is not None:
+        out.update(e.speculation(int(spec_tokens)))
     if gpu_memory_utilization is None:
         return out
     if not e.memory_after_weights:
@@ -145,16 +164,22 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
     return out
 
 
-def notes(name: str, weight_dtype: str = PLAIN) -> list[str]:
+def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0) -> list[str]:
     """What the flags cannot say: the checkpoint quantised beforehand that a
     weight dtype needs in engine ``name`` (none for bf16, or where a flag
-    quantises at load)."""
+    quantises at load), and speculation where the engine has no flag."""
     e = engine(name)
-    if weight_dtype == PLAIN or weight_dtype in e.weight_quantization:
-        return []
-    return [f"{weight_dtype} weights: {e.label} has no flag that quantises to "
-            f"{weight_dtype} as the model loads; serve {e.checkpoints[weight_dtype]}, "
-            "whose config it reads"]
+    out = []
+    if weight_dtype != PLAIN and weight_dtype not in e.weight_quantization:
+        out.append(f"{weight_dtype} weights: {e.label} has no flag that quantises to "
+                   f"{weight_dtype} as the model loads; serve "
+                   f"{e.checkpoints[weight_dtype]}, whose config it reads")
+    if spec_tokens and e.speculation is None:
+        out.append(f"n-gram speculation, {int(spec_tokens)} tokens per step: "
+                   f"{e.label} takes it in the --extra_llm_api_options YAML, as "
+                   f"speculative_config: {{decoding_type: NGram, max_draft_len: "
+                   f"{int(spec_tokens)}}}")
+    return out
 
 
 def command_line(values: dict[str, int | float | str]) -> str:

@@ -1,7 +1,8 @@
 """The p99 part of a grid cube: simulator or surrogate over the latency axes.
 
 p99 latency depends on the hardware, model, workload, tensor parallelism,
-concurrency, token budget, batching mode and arrival rate, not on the
+concurrency, token budget, batching mode, precision, speculative decoding
+and arrival rate, not on the
 roofline-only axes (context, long prompt, traffic): its variables live on
 ``DIMS`` only, and xarray broadcasts them against the rest of the cube.
 
@@ -84,13 +85,13 @@ class SimulatePoint:
     max_slots: int
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
-                 token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
-                 requests, slo):
+                 token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
+                 spec_acceptance, arrival_rate_per_s, requests, slo):
         del arrival_rate_per_s  # the requests arrive at it already
         model = precision.apply(model, weight_dtype, kv_dtype)
         r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
-                     requests, batching, slo[0], slo[1], workload,
-                     max_slots=self.max_slots)._asdict()
+                     requests, batching, slo[0], slo[1], workload, None, spec_tokens,
+                     spec_acceptance, max_slots=self.max_slots)._asdict()
         kv_ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
         return _summary(r, slo, kv_ok, r["status"])
 
@@ -114,15 +115,15 @@ class SurrogatePoint:
     sensitivity: bool = False
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
-                 token_budget, batching, weight_dtype, kv_dtype, arrival_rate_per_s,
-                 served, rejected, slo):
+                 token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
+                 spec_acceptance, arrival_rate_per_s, served, rejected, slo):
         del workload
         model = precision.apply(model, weight_dtype, kv_dtype)
 
         def figures(hw):
             r = dict(surrogate(hw, model, served, tensor_parallel, concurrency,
                                token_budget, arrival_rate_per_s * (1.0 - rejected),
-                               slo[0], slo[1]))
+                               slo[0], slo[1], spec_tokens, spec_acceptance))
             return {f: r[f] for f in _P99S}, r
 
         if self.sensitivity:

@@ -26,6 +26,16 @@ step-by-step reference):
   prefills its prompt plus its generated tokens again; the step finishing that
   prefill emits its next token (the wait is one long ITL gap). Preemptions are
   counted.
+* speculative decoding (``spec_tokens`` k > 0; n-gram proposals, no GPU
+  time of their own): each decode verifies k proposals, k + 1 tokens of
+  compute and of the budget, and delivers the expected accepted tokens
+  ``gain = roofline.tokens_per_step(k, acceptance)`` at once (an
+  expectation, not a draw): an output of ``L`` tokens is
+  ``1 + ceil((L - 1) / gain)`` deliveries (``delivery_count``), a context
+  grows by ``gain`` tokens a step, each decoding request holds k more KV
+  slots, and the ITL samples are the gaps between deliveries. The run
+  machinery counts deliveries; ``_token_context`` and ``_kv_at`` turn them
+  into tokens (exactly the integers of plain decoding at k = 0).
 * static batching (``transformers.generate`` style): a batch of up to
   ``concurrency`` arrived requests is admitted only when nothing runs,
   reserving ``sum(prompt) + size * max(output)`` KV tokens, so it never
@@ -208,6 +218,8 @@ class SimOutcome(NamedTuple):
     served: jax.Array  # shape=(R,), bool: offered and within the context limit
     rejected: jax.Array  # shape=(R,), bool: offered and beyond it
     output_tokens: jax.Array  # shape=(R,), output lengths as served (truncated)
+    gaps: jax.Array  # shape=(R,), inter-token gaps (ITL samples) of each request:
+    #   output - 1, or fewer with speculative decoding (``delivery_count``)
 
 
 class Slots(NamedTuple):
@@ -291,6 +303,7 @@ class _State(NamedTuple):
     n_dec: jax.Array  # DECODE slots (padding included)
     n_real: jax.Array  # DECODE slots still emitting
     sum_base: jax.Array  # BASE summed over DECODE slots
+    sum_prompt: jax.Array  # PROMPT summed over DECODE slots (speculation's KV)
     kv_prefill: jax.Array  # NEED summed over PREFILL slots
     event_step: jax.Array  # the last step that finished a prompt: its index,
     event_s: jax.Array  # its end time (event_s + event_lo_s),
@@ -322,8 +335,11 @@ class _Ctx(NamedTuple):
     itl_slo_s: jax.Array
     arrival_s: jax.Array  # shape=(R,), served requests first, sorted by arrival
     prompt: jax.Array  # shape=(R,), int32
-    output: jax.Array  # shape=(R,), int32
+    output: jax.Array  # shape=(R,), int32, deliveries (``delivery_count``)
+    output_tokens: jax.Array  # shape=(R,), int32, tokens (static batches' KV)
     num_served: jax.Array  # int32: requests [0, num_served) are served
+    spec_tokens: jax.Array  # int32, proposals verified per decode (0: off)
+    spec_gain: jax.Array  # tokens each decode step gains (1 without speculation)
 
 
 def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope, sequences):
@@ -558,9 +574,56 @@ def _materialize(turn, xs):
                         lambda x: jax.tree.map(jnp.zeros_like, x), xs)
 
 
-def _kv_tokens(s: _State):
+def delivery_count(output_tokens, spec_tokens, gain):
+    """Deliveries of an output of ``output_tokens`` tokens: the first token,
+    then one per decode step, each step gaining ``gain`` tokens (the expected
+    accepted tokens, ``roofline.tokens_per_step``):
+    ``1 + ceil((output - 1) / gain)``; the output itself without speculation.
+    """
+    spec = 1.0 + jnp.ceil(jnp.maximum(output_tokens - 1.0, 0.0) / gain)
+    return jnp.where(spec_tokens > 0, spec, output_tokens)
+
+
+def _spec_on(cx: _Ctx):
+    return cx.spec_tokens > 0
+
+
+def _token_context(cx: _Ctx, s: _State, ctx_f, n_dec):
+    """Tokens in the decoding requests' contexts, given their context in
+    deliveries ``ctx_f`` (prompt + deliveries, summed; float): the first
+    delivery is one token, each later one ``spec_gain``. Exactly ``ctx_f``
+    without speculation."""
+    dt = ctx_f.dtype
+    later = ctx_f - s.sum_prompt.astype(dt) - n_dec.astype(dt)
+    return ctx_f + (cx.spec_gain.astype(dt) - 1.0) * later
+
+
+def _kv_at(cx: _Ctx, s: _State, j):
+    """KV tokens of the running requests at the start of the step ``j`` steps
+    after the next one (``j`` int, any shape): each decoding request's
+    context in tokens (``_token_context``) plus the ``spec_tokens`` slots its
+    proposals take, rounded up to whole tokens, plus the prompts being
+    prefilled. Integer arithmetic alone without speculation."""
+    ctx = s.sum_base + s.n_dec * (s.steps + j)
+    dt = cx.spec_gain.dtype
+    later = (ctx - s.sum_prompt - s.n_dec).astype(dt)
+    extra = jnp.ceil((cx.spec_gain - 1.0) * later
+                     + (cx.spec_tokens * s.n_dec).astype(dt))
+    extra = jnp.where(_spec_on(cx), extra, 0.0).astype(jnp.int32)
+    return ctx + s.kv_prefill + extra
+
+
+def _kv_tokens(cx: _Ctx, s: _State):
     """KV tokens of the running requests at the next step's start."""
-    return s.sum_base + s.n_dec * s.steps + s.kv_prefill
+    return _kv_at(cx, s, jnp.zeros((), jnp.int32))
+
+
+def _recompute_tokens(cx: _Ctx, emitted):
+    """Tokens a preempted request that made ``emitted`` deliveries generated
+    (prefilled again on readmission): ``1 + gain (emitted - 1)``, rounded."""
+    dt = cx.spec_gain.dtype
+    spec = jnp.floor(1.0 + cx.spec_gain * (emitted.astype(dt) - 1.0) + 0.5)
+    return jnp.where(_spec_on(cx) & (emitted > 0), spec.astype(jnp.int32), emitted)
 
 
 def _start_decoding(cx: _Ctx, s: _State):
@@ -589,7 +652,8 @@ def _start_decoding(cx: _Ctx, s: _State):
         slots=slots, fifo_head=head,
         kv_prefill=s.kv_prefill - jnp.where(do, c.need, 0),
         n_dec=s.n_dec + _n(do), n_real=s.n_real + _n(do),
-        sum_base=s.sum_base + jnp.where(do, base, 0))
+        sum_base=s.sum_base + jnp.where(do, base, 0),
+        sum_prompt=s.sum_prompt + jnp.where(do, c.prompt, 0))
     return s, (head < s.fifo_first) & all_done
 
 
@@ -643,7 +707,8 @@ def _retire(cx: _Ctx, s: _State, pending):
         n_run=unless_batch_end(s.n_run - _n(leave)),
         n_dec=unless_batch_end(s.n_dec - _n(leave)),
         n_real=n_real,
-        sum_base=unless_batch_end(s.sum_base - jnp.where(leave, c.base, 0)))
+        sum_base=unless_batch_end(s.sum_base - jnp.where(leave, c.base, 0)),
+        sum_prompt=unless_batch_end(s.sum_prompt - jnp.where(leave, c.prompt, 0)))
     return s, pending | (n_fin > 1), next_last, point
 
 
@@ -660,7 +725,7 @@ def _preempt(cx: _Ctx, s: _State, blocked):
     slots = s.slots
     size = slots.state.shape[0]
     k = s.steps
-    do = (~s.done & ~blocked & cx.continuous & (_kv_tokens(s) > cx.capacity)
+    do = (~s.done & ~blocked & cx.continuous & (_kv_tokens(cx, s) > cx.capacity)
           & (s.n_run > 1))
     newest_dec = jnp.max(jnp.where(
         slots.state == DECODE, slots.adm * size + jnp.arange(size, dtype=jnp.int32),
@@ -678,7 +743,8 @@ def _preempt(cx: _Ctx, s: _State, blocked):
         slots=_write(
             slots, v, do,
             slow=jnp.where(decoding, c.slow + s.slow_steps - c.slow_from, c.slow),
-            state=WAIT, emitted=emitted, need=c.prompt + emitted,
+            state=WAIT, emitted=emitted,
+            need=c.prompt + _recompute_tokens(cx, emitted),
             last_token_s=jnp.where(decoding, _since(s.t_s, s.t_lo_s, c.arrival_s),
                                    c.last_token_s),
             gap_s=-1.0),
@@ -690,12 +756,13 @@ def _preempt(cx: _Ctx, s: _State, blocked):
         n_dec=s.n_dec - _n(drop),
         n_real=s.n_real - _n(drop),
         sum_base=s.sum_base - jnp.where(drop, c.base, 0),
+        sum_prompt=s.sum_prompt - jnp.where(drop, c.prompt, 0),
         wait_stack=s.wait_stack.at[jnp.where(do, s.n_wait, size)].set(
             v.astype(jnp.int32), mode="drop"),
         n_run=s.n_run - _n(do),
         n_wait=s.n_wait + _n(do),
         preemptions=s.preemptions + _n(do))
-    blocked = blocked | (do & (_kv_tokens(s) > cx.capacity) & (s.n_run > 1))
+    blocked = blocked | (do & (_kv_tokens(cx, s) > cx.capacity) & (s.n_run > 1))
     return s, blocked, point
 
 
@@ -728,6 +795,8 @@ def _admit(cx: _Ctx, s: _State, blocked):
         return jnp.where(fresh, x, old)
 
     prompt, output = new(cx.prompt[a_c], c.prompt), new(cx.output[a_c], c.output)
+    # a static batch reserves KV for its longest output in tokens
+    out_tokens = new(cx.output_tokens[a_c], c.output)
     need = new(cx.prompt[a_c], c.need)
     arrived = from_wait | (has_new & (cx.arrival_s[a_c] - t <= t_lo))
     empty = s.n_run == 0
@@ -735,9 +804,9 @@ def _admit(cx: _Ctx, s: _State, blocked):
     batch_output = jnp.where(empty, 0, s.batch_output)
     fits = jnp.where(
         cont,
-        _kv_tokens(s) + need <= cx.capacity,
+        _kv_tokens(cx, s) + need <= cx.capacity,
         batch_prompt + prompt
-        + (s.n_run + 1) * jnp.maximum(batch_output, output) <= cx.capacity,
+        + (s.n_run + 1) * jnp.maximum(batch_output, out_tokens) <= cx.capacity,
     )
     may_open = cont | empty | s.batch_open
     do = (~s.done & ~blocked & arrived & may_open & (s.n_run < cx.concurrency)
@@ -768,12 +837,22 @@ def _admit(cx: _Ctx, s: _State, blocked):
         n_run=n_run,
         batch_open=s.batch_open | do,
         batch_prompt=batch_prompt + jnp.where(do, prompt, 0),
-        batch_output=jnp.where(do, jnp.maximum(batch_output, output), batch_output),
+        batch_output=jnp.where(do, jnp.maximum(batch_output, out_tokens), batch_output),
         status=s.status | jnp.where(do & ~fits, STATUS_OVERSIZE, 0))
     b_c = jnp.minimum(next_req, num_req - 1)
     again = (n_wait > 0) | ((next_req < cx.num_served)
                             & (cx.arrival_s[b_c] - t <= t_lo))
     return s, blocked | (do & again & (n_run < cx.concurrency))
+
+
+def _verified(cx: _Ctx, dt, n_dec, ctx_t):
+    """The decodes' new tokens and attention keys in a step: each computes
+    ``k + 1`` tokens (its own and ``k`` proposals to verify), token ``j``
+    attending to its context + ``j`` keys; ``ctx_t`` is their summed context
+    in tokens. ``(n_dec, ctx_t)`` exactly without speculation."""
+    k = cx.spec_tokens
+    pairs = (n_dec * (k * (k + 1) // 2)).astype(dt)
+    return n_dec * (k + 1), (k + 1).astype(dt) * ctx_t + pairs
 
 
 def _event_step(cx: _Ctx, s: _State, prefilled, left, n_dec, ctx_f):
@@ -791,10 +870,12 @@ def _event_step(cx: _Ctx, s: _State, prefilled, left, n_dec, ctx_f):
     taken_f, done_f = taken.astype(dt), done_old.astype(dt)
     chunks = taken.sum(dtype=jnp.int32)
     finished = ((taken > 0) & (done_new == need)).sum(dtype=jnp.int32)
+    ctx_t = _token_context(cx, s, ctx_f, n_dec)
+    dec_new, dec_keys = _verified(cx, dt, n_dec, ctx_t)
     lines = _lines(
-        cx, dt, n_dec + chunks, ctx_f + jnp.where(taken > 0, done_f, 0.0).sum(),
+        cx, dt, dec_new + chunks, ctx_t + jnp.where(taken > 0, done_f, 0.0).sum(),
         jnp.zeros((), dt),
-        ctx_f + (taken_f * done_f + taken_f * (taken_f + 1.0) / 2.0).sum(),
+        dec_keys + (taken_f * done_f + taken_f * (taken_f + 1.0) / 2.0).sum(),
         jnp.zeros((), dt),
         n_dec + (taken > 0).sum(dtype=n_dec.dtype),
     )
@@ -818,28 +899,39 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
     k, t, t_lo = s.steps, s.t_s, s.t_lo_s
     n_dec, n_real, n_run = s.n_dec, s.n_real, s.n_run
     first, tail, prefilled = s.fifo_first, s.fifo_tail, s.prefilled
-    kv = _kv_tokens(s)
+    kv = _kv_tokens(cx, s)
     go = ~s.done & ~blocked & (n_run > 0)
     h = s.fifo[first % size]
     head_cum = s.slots.cum[h]
     head_end = head_cum + s.slots.need[h]
     ctx0 = s.sum_base + n_dec * k
-    left = jnp.maximum(cx.budget - n_dec, 0)
+    # each decode's k proposals take budget too (vLLM counts them)
+    left = jnp.maximum(cx.budget - n_dec * (cx.spec_tokens + 1), 0)
     has_pref = (first < tail) & (left > 0)
     chunk = jnp.where(has_pref, left, 0)
     cap_chunk = jnp.where(has_pref, (head_end - prefilled - 1) // jnp.maximum(left, 1),
                           _BIG)
     cap_done = jnp.where(n_real > 0, next_last - k + 1, _BIG)
     cap_kv = jnp.where(cont & (n_dec > 0) & (n_run > 1),
-                       (cx.capacity - kv) // jnp.maximum(n_dec, 1) + 1, _BIG)
+                       jnp.where(_spec_on(cx), _spec_overflow(cx, s, kv),
+                                 (cx.capacity - kv) // jnp.maximum(n_dec, 1) + 1),
+                       _BIG)
     horizon = jnp.minimum(jnp.minimum(cap_chunk, cap_done), cap_kv)
     horizon = jnp.where(go, horizon, 0)
     p0 = jnp.where(has_pref, prefilled - head_cum, 0).astype(dt)
     chunk_f = chunk.astype(dt)
+    # speculation: contexts grow by ``spec_gain`` tokens per step, each
+    # decode verifying k + 1 tokens (``_verified``)
+    ctx_t = _token_context(cx, s, ctx0.astype(dt), n_dec)
+    dec_new, dec_keys = _verified(cx, dt, n_dec, ctx_t)
+    grow = n_dec.astype(dt) * cx.spec_gain.astype(dt)
+    spec = _spec_on(cx)
     lines = _lines(
-        cx, dt, n_dec + chunk, ctx0.astype(dt) + p0, (n_dec + chunk).astype(dt),
-        ctx0.astype(dt) + p0 * chunk_f + chunk_f * (chunk_f + 1.0) / 2.0,
-        n_dec.astype(dt) + chunk_f * chunk_f,
+        cx, dt, dec_new + chunk, ctx_t + p0,
+        jnp.where(spec, grow + chunk_f, (n_dec + chunk).astype(dt)),
+        dec_keys + p0 * chunk_f + chunk_f * (chunk_f + 1.0) / 2.0,
+        jnp.where(spec, (cx.spec_tokens + 1).astype(dt) * grow, n_dec.astype(dt))
+        + chunk_f * chunk_f,
         n_dec + has_pref.astype(n_dec.dtype),
     )
     split = roofline.split_at_crossing(lines, horizon)
@@ -849,7 +941,7 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
                                  (cx.arrival_s[b_c] - t) - t_lo)
     admissible = (cont & (s.n_wait == 0) & (s.next_req < cx.num_served)
                   & (n_run < cx.concurrency) & (j_arr <= horizon)
-                  & (kv + n_dec * jnp.minimum(j_arr, horizon) + cx.prompt[b_c]
+                  & (_kv_at(cx, s, jnp.minimum(j_arr, horizon)) + cx.prompt[b_c]
                      <= cx.capacity))
     j_arr = jnp.where(admissible, j_arr, _BIG)
     n_lin = jnp.minimum(horizon, j_arr)
@@ -881,6 +973,18 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
         event_slow=jnp.where(event, slow_steps, s.event_slow),
         batch_open=jnp.where(go, False, s.batch_open))
     return s, ramps, (event_s, jnp.where(event, n_real, 0).astype(dt))
+
+
+def _spec_overflow(cx: _Ctx, s: _State, kv):
+    """With speculation, the first step ``j`` of a run whose start finds the
+    KV over the capacity (``_kv_at``): the linear estimate, then the exact
+    answer among its neighbours."""
+    dt = cx.spec_gain.dtype
+    rate = jnp.maximum(s.n_dec, 1).astype(dt) * cx.spec_gain
+    est = jnp.floor(jnp.clip((cx.capacity - kv).astype(dt) / rate, -1.0, 2.0**30))
+    near = jnp.maximum(est.astype(jnp.int32) + jnp.arange(-1, 4, dtype=jnp.int32), 0)
+    over = _kv_at(cx, s, near) > cx.capacity
+    return jnp.where(over.any(), near[jnp.argmax(over)], near[-1] + 1)
 
 
 def _iterate(cx: _Ctx, turn, s: _State) -> _State:
@@ -926,7 +1030,7 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
         n_free=jnp.asarray(max_slots, jnp.int32), wait_stack=zi, n_wait=i0,
         t_s=jnp.zeros((), dt), t_lo_s=jnp.zeros((), dt), steps=i0, next_req=i0,
         admissions=i0, queued=i0, prefilled=i0, slow_steps=i0, n_run=i0, n_dec=i0,
-        n_real=i0, sum_base=i0, kv_prefill=i0, event_step=i0,
+        n_real=i0, sum_base=i0, sum_prompt=i0, kv_prefill=i0, event_step=i0,
         event_s=jnp.zeros((), dt), event_lo_s=jnp.zeros((), dt), event_slow=i0,
         iterations=i0, preemptions=i0,
         batch_open=jnp.zeros((), bool), batch_prompt=i0, batch_output=i0, status=i0,
@@ -938,8 +1042,8 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
 
 def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Requests,
                       batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
-                      overlong=REJECT, mine=None, *, max_slots: int,
-                      max_iterations: int | None = None,
+                      overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
+                      *, max_slots: int, max_iterations: int | None = None,
                       turns_per_check: int = 64) -> SimOutcome:
     """Simulates one configuration and keeps per-request results.
 
@@ -960,6 +1064,14 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
       mine: optional bool ``(R,)``: the requests this replica is offered (a
         load balancer's share, ``sweep.latency.arrivals.split``); the others are not
         served and not counted, as rejected ones are not served.
+      spec_tokens, spec_acceptance: speculative decoding (n-gram proposals,
+        no GPU time of their own): every decode step verifies ``k`` proposals
+        per request (k + 1 tokens of compute and of token budget, ``k`` KV
+        slots) and gains the expected accepted tokens
+        ``roofline.tokens_per_step(k, acceptance)``, a deterministic
+        expectation rather than a draw per step. Its tokens arrive together:
+        a request makes ``delivery_count`` deliveries, and the ITL samples are the
+        gaps between deliveries (as a streaming client sees them). k = 0: off.
       max_slots: static size of the slot arrays: the largest concurrency of a
         grid is always exact. A smaller size is faster under light load; if
         the slots ever fill up below the configuration's concurrency, status
@@ -983,6 +1095,9 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
     order = jnp.argsort(jnp.where(served, jnp.asarray(requests.arrival_s, dt),
                                   jnp.inf), stable=True)
     arrival = jnp.asarray(requests.arrival_s, dt)[order]
+    spec_k = jnp.maximum(jnp.round(jnp.asarray(spec_tokens, dt)), 0.0)
+    gain = roofline.tokens_per_step(spec_k, jnp.asarray(spec_acceptance, dt))
+    deliveries = delivery_count(output, spec_k, gain)
     tp = jnp.asarray(tp, dt)
     conc = jnp.floor(jnp.asarray(concurrency, dt)).astype(jnp.int32)
     conc = running(jnp.asarray(batching), conc)
@@ -998,8 +1113,10 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         ttft_slo_s=jnp.asarray(ttft_slo_s, dt),
         itl_slo_s=jnp.asarray(itl_slo_s, dt),
         arrival_s=arrival, prompt=prompt[order].astype(jnp.int32),
-        output=output[order].astype(jnp.int32),
+        output=deliveries[order].astype(jnp.int32),
+        output_tokens=output[order].astype(jnp.int32),
         num_served=served.sum(dtype=jnp.int32),
+        spec_tokens=spec_k.astype(jnp.int32), spec_gain=gain.astype(dt),
     )
     init = _initial(num_req, max_slots, dt)
 
@@ -1015,7 +1132,7 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         itl_hist=_itl_hist(s.itl), itl_min_s=s.itl.lo_s, itl_max_s=s.itl.hi_s,
         duration_s=s.t_s + s.t_lo_s, preemptions=s.preemptions, steps=s.steps,
         iterations=s.iterations, status=status, served=served,
-        rejected=offered & ~fits, output_tokens=output,
+        rejected=offered & ~fits, output_tokens=output, gaps=deliveries - 1.0,
     )
 
 
@@ -1065,7 +1182,8 @@ def summarize(outcome: SimOutcome) -> SimResult:
     e2e = (jnp.nanpercentile(e2e_s, jnp.array([50.0], dt))[0],
            jnp.nanpercentile(e2e_s, jnp.array([50.0, 99.0], dt))[1])
     output = jnp.where(served, outcome.output_tokens, 0.0)
-    itl = itl_percentiles(outcome.itl_hist, jnp.maximum(output - 1.0, 0.0).sum(),
+    gaps = jnp.where(served, outcome.gaps, 0.0)
+    itl = itl_percentiles(outcome.itl_hist, jnp.maximum(gaps, 0.0).sum(),
                           jnp.array([50.0, 90.0, 99.0], dt), outcome.itl_min_s,
                           outcome.itl_max_s)
     duration = outcome.duration_s
@@ -1126,13 +1244,14 @@ def pool(outcomes: SimOutcome, rows) -> SimOutcome:
         served=requests(outcomes.served),
         rejected=requests(outcomes.rejected),
         output_tokens=requests(outcomes.output_tokens),
+        gaps=requests(outcomes.gaps),
     )
 
 
 def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
              batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
-             overlong=REJECT, mine=None, *, max_slots: int,
-             max_iterations: int | None = None,
+             overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
+             *, max_slots: int, max_iterations: int | None = None,
              turns_per_check: int = 64) -> SimResult:
     """Simulates one configuration; see ``simulate_requests`` for the arguments.
 
@@ -1141,6 +1260,6 @@ def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
     """
     outcome = simulate_requests(
         hw, model, tp, concurrency, token_budget, requests, batching, ttft_slo_s,
-        itl_slo_s, overlong, mine, max_slots=max_slots,
+        itl_slo_s, overlong, mine, spec_tokens, spec_acceptance, max_slots=max_slots,
         max_iterations=max_iterations, turns_per_check=turns_per_check)
     return summarize(outcome)

@@ -298,31 +298,35 @@ class _Ramp(NamedTuple):
             self.f1 + self.f2) / 2
 
 
-def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens):
+def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens, spec_tokens):
     """A chunk's step time as lines in its cached prefix ``c``
     (``roofline.step_s`` with ``kv = n ctx + c`` and
-    ``keys = n ctx + m c + m (m + 1) / 2``).
+    ``keys = n ctx + m c + m (m + 1) / 2``; the decodes verify ``spec_tokens``
+    proposals each, ``roofline.verified_decodes``).
 
     Written out rather than ``roofline.step_lines``, for the reason given in
     ``roofline.chunked_prefill``: the terms keep the order the surrogate's
     figures and gradients are bitwise tied to.
     """
-    new = decodes + chunk_tokens
     ctx = decodes * context_tokens
+    dec_new, dec_keys = roofline.verified_decodes(decodes, ctx, spec_tokens)
+    new = dec_new + chunk_tokens
     bw = tp * roofline.effective_bandwidth_bytes_per_s(hw)
     peak = tp * roofline.effective_flops_per_s(hw)
     kvb = roofline.kv_read_bytes_per_token(hw, model)
     fpk = roofline.attention_flops_per_key(model)
     mem0 = (roofline.weight_bytes_read(model, new) + ctx * kvb) / bw
     comp0 = (roofline.linear_flops_per_token(hw, model) * new
-             + fpk * (ctx + chunk_tokens * (chunk_tokens + 1.0) / 2.0)) / peak
+             + fpk * (dec_keys + chunk_tokens * (chunk_tokens + 1.0) / 2.0)) / peak
     fixed = roofline.fixed_s(hw, model, tp, new, decodes + 1.0)
     return roofline.StepLines(mem0, kvb / bw, comp0, fpk * chunk_tokens / peak, fixed)
 
 
-def _ramp(hw, model, tp, decodes, context_tokens, chunk_tokens, span_tokens):
+def _ramp(hw, model, tp, decodes, context_tokens, chunk_tokens, span_tokens,
+          spec_tokens):
     """The ramp of chunk steps with prefixes uniform on ``[0, span]``."""
-    lines = _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens)
+    lines = _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens,
+                         spec_tokens)
     ds = lines.memory_slope_s - lines.compute_slope_s
     cross = jnp.where(ds == 0.0, 0.0, roofline.crossing(lines))
     split = jnp.clip(cross, 0.0, span_tokens)
@@ -362,16 +366,18 @@ class _Prefill(NamedTuple):
     budget_tokens: jax.Array  # b = prefill tokens one step can take (scalar)
 
 
-def _prefill(hw, model, tp, wl, decodes, token_budget, prompt_tokens):
+def _prefill(hw, model, tp, wl, decodes, token_budget, prompt_tokens, spec_tokens):
     ctx = wl.decode_context_tokens
-    b = smooth_max(token_budget - decodes, 1.0, 1.0)
+    # a decode's proposals take budget too
+    b = smooth_max(token_budget - roofline.verified_decodes(decodes, 0.0,
+                                                            spec_tokens)[0], 1.0, 1.0)
     alone, _, _ = roofline.chunked_prefill(hw, model, tp, decodes, ctx,
-                                           prompt_tokens, b)
+                                           prompt_tokens, b, spec_tokens)
     k = ste_ceil(prompt_tokens / b)
     m = prompt_tokens / k
-    alone_ramp = _ramp(hw, model, tp, decodes, ctx, m, prompt_tokens - m)
+    alone_ramp = _ramp(hw, model, tp, decodes, ctx, m, prompt_tokens - m, spec_tokens)
     fluid_ramp = _ramp(hw, model, tp, decodes, ctx, b, softplus(prompt_tokens - b,
-                                                                1.0))
+                                                                1.0), spec_tokens)
     fluid = prompt_tokens / b * fluid_ramp.mean
     return _Prefill(alone, k, alone_ramp, fluid, fluid_ramp, b)
 
@@ -391,9 +397,10 @@ class _State(NamedTuple):
     residence_s: jax.Array  # mean time holding a slot
 
 
-def _state(hw, model, tp, wl, decodes, token_budget, lam):
+def _state(hw, model, tp, wl, decodes, token_budget, lam, spec_tokens):
     """Everything that follows from ``n`` decodes and an admitted rate."""
-    pre = _prefill(hw, model, tp, wl, decodes, token_budget, wl.prompt_tokens)
+    pre = _prefill(hw, model, tp, wl, decodes, token_budget, wl.prompt_tokens,
+                   spec_tokens)
     w = wl.band_probs
     alone, fluid = w @ pre.alone_s, w @ pre.fluid_s
     rho = lam * alone / (1.0 + lam * softplus(alone - fluid, 1e-3 * alone + 1e-12))
@@ -403,7 +410,8 @@ def _state(hw, model, tp, wl, decodes, token_budget, lam):
         wl.mean_prompt_tokens / pre.budget_tokens)
     free = slack(1.0 - rho)
     wait = lam * (w @ service**2) / (2.0 * free)
-    decode = roofline.decode_step_s(hw, model, tp, decodes, wl.decode_context_tokens)
+    decode = roofline.verify_step_s(hw, model, tp, decodes, wl.decode_context_tokens,
+                                    spec_tokens)
     prefill_steps = lam * chunks
     steps = prefill_steps + free / decode
     step = 1.0 / steps
@@ -704,7 +712,7 @@ def _full_step(st: _State, wl):
         wl.mean_prompt_tokens)
 
 
-def _itl(hw, model, tp, wl, st: _State, d_pre: _Prefill, n, slots):
+def _itl(hw, model, tp, wl, st: _State, d_pre: _Prefill, n, slots, spec_tokens):
     """ITL: the CDF (a function), its bracket and the per-gap slow probabilities.
 
     Args:
@@ -727,7 +735,8 @@ def _itl(hw, model, tp, wl, st: _State, d_pre: _Prefill, n, slots):
         return 1.0 + smooth_min(softplus(others, 0.05), slots - 1.0, 0.05)
 
     def decode_s(count):
-        return roofline.decode_step_s(hw, model, tp, count, wl.decode_context_tokens)
+        return roofline.verify_step_s(hw, model, tp, count, wl.decode_context_tokens,
+                                      spec_tokens)
 
     count = tagged(z_mid)
     dec = decode_s(count)
@@ -803,8 +812,30 @@ def _e2e(ttft_band_cdf, wl, gap_s, lo, hi):
     return quantile(cdf, _LEVELS, lo, hi + jnp.max(decode_time))
 
 
+def speculative_workload(wl: LatencyWorkload, spec_tokens, gain) -> LatencyWorkload:
+    """The workload as the scheduler sees it under speculative decoding: an
+    output of ``O`` tokens is ``1 + (O - 1) / gain`` deliveries (a decode
+    step gains ``gain`` tokens, ``roofline.tokens_per_step``; the mean
+    rather than the simulator's ceiling, smooth), and a running request
+    holds ``spec_tokens`` more KV slots. Decode contexts, in tokens, keep
+    their law. Unchanged at ``k = 0``."""
+    spec = spec_tokens > 0
+
+    def deliveries(o):
+        return jnp.where(spec, 1.0 + (o - 1.0) / gain, o)
+
+    kv = wl.slot_kv_tokens + jnp.where(spec, spec_tokens, 0.0)
+    return wl._replace(
+        output_tokens=deliveries(wl.output_tokens),
+        mean_output_tokens=deliveries(wl.mean_output_tokens),
+        slot_kv_tokens=kv,
+        slot_kv_cv=jnp.where(spec, wl.slot_kv_cv * wl.slot_kv_tokens / kv,
+                             wl.slot_kv_cv))
+
+
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
-              arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf):
+              arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
+              spec_tokens=0.0, spec_acceptance=0.0):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -816,6 +847,10 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       arrival_rate_per_s: Poisson arrival rate offered, requests per second.
       ttft_slo_s, itl_slo_s: the SLOs a good request meets (goodput only;
         default: none).
+      spec_tokens, spec_acceptance: speculative decoding with n-gram
+        proposals (``speculative_workload``; every decode step verifies
+        ``k`` proposals, ``roofline.verify_step_s``); ITL is the gap between
+        deliveries, as in the simulator. 0: off.
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
@@ -830,22 +865,26 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       flags: ``SATURATED``, ``KV_INFEASIBLE``).
     """
     dtype = wl.band_probs.dtype
-    tp, conc, budget, lam, ttft_slo_s, itl_slo_s = (jnp.asarray(x, dtype) for x in (
-        tp, concurrency, token_budget, arrival_rate_per_s, ttft_slo_s, itl_slo_s))
+    tp, conc, budget, lam, ttft_slo_s, itl_slo_s, k, a = (
+        jnp.asarray(x, dtype) for x in (tp, concurrency, token_budget,
+                                        arrival_rate_per_s, ttft_slo_s, itl_slo_s,
+                                        spec_tokens, spec_acceptance))
+    tokens_out = wl.mean_output_tokens
+    wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))
     w = wl.band_probs
     mean_decodes = wl.mean_output_tokens - 1.0
     slots, kv_mean_slots = _slots(hw, model, tp, wl, conc)
 
     def state(n):
-        return _state(hw, model, tp, wl, n, budget, lam)
+        return _state(hw, model, tp, wl, n, budget, lam, k)
 
     n, st, d_st = _solve_decodes(state, lam, mean_decodes, slots)
     slot_util, utilization, rate = _throughput(st, wl, lam, mean_decodes, slots)
     gap_s = _tagged_gap_s(st, d_st, n, slots)
-    queue = _slot_queue(lambda d, rate: _state(hw, model, tp, wl, d, budget, rate),
+    queue = _slot_queue(lambda d, rate: _state(hw, model, tp, wl, d, budget, rate, k),
                         st, d_st, lam, mean_decodes, slots)
     _, per_token = jax.jvp(
-        lambda p: _prefill(hw, model, tp, wl, n, budget, p).fluid_s,
+        lambda p: _prefill(hw, model, tp, wl, n, budget, p, k).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
     wait = _wait(st, wl, slots, queue, gap_s, per_token)
@@ -853,7 +892,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     ttft_p50, ttft_p99 = quantile(lambda t: ttft_band(t[:, None]) @ w, _LEVELS,
                                   ttft_lo, ttft_hi)
 
-    itl_cdf, itl_lo, itl_hi, slow = _itl(hw, model, tp, wl, st, d_st.pre, n, slots)
+    itl_cdf, itl_lo, itl_hi, slow = _itl(hw, model, tp, wl, st, d_st.pre, n, slots, k)
     itl_p50, itl_p99 = quantile(itl_cdf, _LEVELS, itl_lo, itl_hi)
     e2e_p50, e2e_p99 = _e2e(ttft_band, wl, gap_s, ttft_lo, ttft_hi)
     good = _good_fraction(ttft_band, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s)
@@ -867,7 +906,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         "itl_p99_s": itl_p99,
         "e2e_p50_s": e2e_p50,
         "e2e_p99_s": e2e_p99,
-        "output_tokens_per_s": rate * wl.mean_output_tokens,
+        "output_tokens_per_s": rate * tokens_out,
         "achieved_req_per_s": rate,
         "goodput_req_per_s": rate * good,
         "utilization": utilization,

@@ -71,7 +71,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = roofline.chunked_prefill(
         hw, model, tp, running, pt.context_tokens, pt.long_prompt_tokens,
-        pt.token_budget,
+        pt.token_budget, pt.spec_tokens,
     )
     # chunked prefill only exists under continuous batching
     chunked = batching.is_continuous(pt.batching)
@@ -82,6 +82,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     metrics = {
         "step_s": step,
         "tokens_per_step": gained,
+        "tpot_s": step / gained,
         "user_tokens_per_s": gained / step,
         "output_tokens_per_s": output_rate,
         "slot_utilization": utilization,

@@ -24,6 +24,14 @@ expert when at least one token of the step is sent to it; with ``k`` of ``E``
 experts per token chosen uniformly, ``t`` tokens touch a fraction
 ``1 - (1 - k/E)^t`` of the experts (the standard balls-into-bins estimate).
 
+Speculative decoding (``speculative_step_s``, ``verified_decodes``,
+``tokens_per_step``): a decode that verifies ``k`` proposals computes
+``k + 1`` tokens over its cached context (FLOPs grow, the weight and KV
+reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
+(Leviathan et al. 2023); the proposer is an n-gram lookup with no GPU time
+(vLLM's ``--speculative-config '{"method": "ngram", ...}'``). Every function
+is exactly the plain decode at ``k = 0``.
+
 A run of steps whose KV read and attention keys grow linearly with the step
 (a long prompt's chunks; the simulator's runs between scheduling events) has
 its memory and compute times on two lines (``step_lines``); the larger of
@@ -166,6 +174,27 @@ def speculative_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
                   sequences * keys, sequences)
 
 
+def verify_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
+    """``speculative_step_s``, and exactly ``decode_step_s`` (value and
+    gradient) at ``k = 0``."""
+    return jnp.where(spec_tokens > 0,
+                     speculative_step_s(hw, model, tp, sequences, context_tokens,
+                                        spec_tokens),
+                     decode_step_s(hw, model, tp, sequences, context_tokens))
+
+
+def verified_decodes(decodes, decode_context_tokens, spec_tokens):
+    """``(new tokens, attention keys)`` of ``decodes`` decodes (their context
+    summed) that each verify ``k`` proposals: ``k + 1`` tokens each, token
+    ``j`` attending to its context + ``j`` keys. ``(decodes, context)``
+    exactly at ``k = 0``."""
+    new = spec_tokens + 1.0
+    spec = spec_tokens > 0
+    return (jnp.where(spec, decodes * new, decodes),
+            jnp.where(spec, new * decode_context_tokens
+                      + decodes * new * spec_tokens / 2.0, decode_context_tokens))
+
+
 def tokens_per_step(spec_tokens, acceptance):
     """Tokens a sequence gains per verification step: the proposals are
     accepted one by one, each with probability ``a``, up to the first
@@ -186,21 +215,23 @@ def chunk_attention_keys(chunk_tokens, cached_tokens):
 
 
 def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
-                 chunk_cached_tokens):
+                 chunk_cached_tokens, spec_tokens=0.0):
     """A step of ``decodes`` decodes (summed context) plus one prefill chunk.
 
     Args:
       decode_context_tokens: context summed over the decoding sequences.
       chunk_tokens: new prompt tokens in the chunk.
       chunk_cached_tokens: prompt tokens of that request prefilled before.
+      spec_tokens: proposals each decode verifies (``verified_decodes``).
     """
+    new, keys = verified_decodes(decodes, decode_context_tokens, spec_tokens)
     return step_s(
         hw,
         model,
         tp,
-        decodes + chunk_tokens,
+        new + chunk_tokens,
         decode_context_tokens + chunk_cached_tokens,
-        decode_context_tokens + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+        keys + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
         decodes + jnp.where(chunk_tokens > 0, 1.0, 0.0),
     )
 
@@ -289,7 +320,7 @@ def run_s(lines: StepLines, split, steps):
 
 
 def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
-                    token_budget):
+                    token_budget, spec_tokens=0.0):
     """A long prompt prefilled in ``token_budget`` chunks beside running decodes.
 
     Chunk ``i`` (``i < k = floor(P / b)``) has ``b`` tokens after ``i b`` cached
@@ -297,6 +328,8 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     the memory and the compute time of full chunks grow linearly in ``i``, so
     the sum of their maximum splits at one crossing index and is summed in
     closed form, with no loop over chunks.
+
+    The decodes verify ``spec_tokens`` proposals each (``verified_decodes``).
 
     Returns:
       ``(total_s, steps, worst_step_s)``: the prompt's prefill time, the number
@@ -308,7 +341,8 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     rest = prompt_tokens - full * b
     ctx = decodes * context_tokens
     kvb = kv_read_bytes_per_token(hw, model)
-    new = decodes + b
+    dec_new, dec_keys = verified_decodes(decodes, ctx, spec_tokens)
+    new = dec_new + b
     mem_bw = tp * effective_bandwidth_bytes_per_s(hw)
     flop_rate = tp * effective_flops_per_s(hw)
     fpk = attention_flops_per_key(model)
@@ -321,14 +355,14 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     lines = StepLines(
         (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
         b * kvb / mem_bw,
-        (linear_flops_per_token(hw, model) * new + fpk * (ctx + b * (b + 1.0) / 2.0))
-        / flop_rate,
+        (linear_flops_per_token(hw, model) * new
+         + fpk * (dec_keys + b * (b + 1.0) / 2.0)) / flop_rate,
         fpk * b * b / flop_rate,
         fixed_s(hw, model, tp, new, decodes + 1.0),
     )
     full_sum = run_s(lines, split_at_crossing(lines, full), full)
     last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
-    partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, full * b)
+    partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, full * b, spec_tokens)
     partial = jnp.where(rest > 0, partial, 0.0)
     steps = full + jnp.where(rest > 0, 1.0, 0.0)
     return full_sum + partial, steps, jnp.maximum(last_full, partial)

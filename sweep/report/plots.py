@@ -419,37 +419,55 @@ def prefill_interference(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     return fig
 
 
+SPEC_PANELS = 4
+"""Concurrencies the speculative-decoding chart shows, lowest to highest."""
+
+
 def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
-    """Cost and ITL vs concurrency, a line per speculative setting (k, acceptance),
-    for one hardware x model at the tensor-parallel size of its cheapest point."""
+    """Time per output token and cost against the proposal length k, a line
+    per acceptance rate, one column per concurrency (up to ``SPEC_PANELS``,
+    the lowest to the highest), for one hardware x model at the
+    tensor-parallel size of its cheapest point: where the dashed k = 0 level
+    is beaten, speculation pays."""
     fixed, _ = scenario(fix_tp(ds).sel(hardware=hardware, model=model))
     keep = ("concurrency", "spec_tokens", "spec_acceptance")
     over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in keep]
     v = fixed.sweep.cheapest(over, COST) if over else fixed
-    v = v[[COST, "step_s"]].compute()
-    fig, axes = _panels(2, 2, 4.8, 3.4, f"Speculative decoding: {hardware} x {model}",
-                        "n-gram proposals; k = 0 is plain decoding; " + _notes(ds))
-    accepts = v["spec_acceptance"].values
-    settings = [(k, a) for k in v["spec_tokens"].values if k > 0 for a in accepts]
-    lines = [(k, a, dict(color=colormaps["viridis"](i / max(len(settings) - 1, 1))),
-              f"k = {int(k)}, accept {a:g}") for i, (k, a) in enumerate(settings)]
-    if 0 in v["spec_tokens"].values:
-        lines.insert(0, (0, accepts[0], dict(color="0.2", ls="--"), "off"))
-    handles = []
-    for k, a, style, name in lines:
-        pt = v.sel(spec_tokens=k, spec_acceptance=a)
-        for ax, var, scale in ((axes[0], COST, 1.0), (axes[1], "step_s", 1e3)):
-            ax.plot(pt["concurrency"].values, pt[var].values.ravel() * scale,
-                    marker="o", ms=3, **style)
-        handles.append(Line2D([], [], marker="o", ms=3, label=name, **style))
-    for ax, name, ms in ((axes[0], COST, False), (axes[1], "step_s", True)):
-        _log2_ticks(ax, v["concurrency"].values)
-        _log(ax)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.set_xlabel(label(ds["concurrency"]))
-        ax.set_ylabel(label(ds[name], scale_ms=ms))
-    axes[1].set_title("ITL: tokens of a step arrive together", fontsize=10)
-    axes[0].set_title("cost per 1M output tokens", fontsize=10)
+    v = v[[COST, "tpot_s"]].compute()
+    conc = v["concurrency"].values
+    pick = sorted({int(round(i)) for i in np.linspace(0, len(conc) - 1,
+                                                       min(SPEC_PANELS, len(conc)))})
+    ks, accepts = v["spec_tokens"].values, v["spec_acceptance"].values
+    fig, axes = _panels(2 * len(pick), len(pick), 3.4, 3.0,
+                        f"Speculative decoding: {hardware} x {model}",
+                        "n-gram proposals; dashed: k = 0 (plain decoding); a "
+                        "step's tokens arrive together, so the ITL between "
+                        "deliveries is the whole step; " + _notes(ds))
+    colors = [colormaps["viridis"](i / max(len(accepts) - 1, 1))
+              for i in range(len(accepts))]
+    for col, i in enumerate(pick):
+        pt = v.isel(concurrency=i)
+        for row, (var, scale, name) in enumerate((
+                ("tpot_s", 1e3, "time per output token (ms)"),
+                (COST, 1.0, f"USD per 1M output tokens ({ds[COST].attrs['units']})"))):
+            ax = axes[row * len(pick) + col]
+            for a, color in zip(accepts, colors):
+                ax.plot(ks, pt[var].sel(spec_acceptance=a).values.ravel() * scale,
+                        marker="o", ms=3, color=color)
+            if 0 in ks:
+                ax.axhline(float(pt[var].sel(spec_tokens=0).isel(
+                    spec_acceptance=0)) * scale, color="0.2", ls="--", lw=1)
+            if row == 1:
+                _log(ax)
+            ax.grid(True, which="both", alpha=0.3)
+            if row == 1:
+                ax.set_xlabel("k: tokens proposed per step")
+            if col == 0:
+                ax.set_ylabel(name)
+            if row == 0:
+                ax.set_title(f"concurrency {int(conc[i])}", fontsize=10)
+    handles = [Line2D([], [], marker="o", ms=3, color=c, label=f"acceptance {a:g}")
+               for a, c in zip(accepts, colors)]
     fig.legend(handles=handles, loc="outside lower center",
                ncols=min(len(handles), 4), fontsize=8, frameon=False)
     return fig
@@ -649,11 +667,13 @@ CHARTS = (
           "Faster users cost throughput; the front is the best trade-off each "
           "hardware offers."),
     Chart("speculative_decoding.png", "Speculative decoding",
-          (COST, "step_s", "tokens_per_step"),
+          (COST, "tpot_s"),
           ("hardware", "model", "concurrency", "spec_tokens", "spec_acceptance"),
           lambda ds, h, m, lim: speculative_decoding(ds, h, m),
-          "Verifying k proposals per sequence multiplies a step's FLOPs by k + 1 "
-          "and its tokens by (1 - a^(k+1)) / (1 - a): it pays while the step is "
+          "Time per output token and cost against the proposals per step k, a "
+          "line per acceptance rate a, a column per concurrency. Verifying k "
+          "proposals per sequence multiplies a step's FLOPs by k + 1 and its "
+          "tokens by (1 - a^(k+1)) / (1 - a): it pays while the step is "
           "memory-bound (low concurrency) and costs once it is compute-bound.",
           varies=("spec_tokens",)),
     Chart("prefill_interference.png", "Chunked-prefill interference",

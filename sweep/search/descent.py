@@ -94,6 +94,8 @@ class Candidates(NamedTuple):
     arrival_rate_per_s: jax.Array  # the whole workload's rate, over all replicas
     ttft_target_s: jax.Array  # surrogate target for p99 TTFT (<= the SLO)
     itl_target_s: jax.Array  # surrogate target for p99 ITL (<= the SLO)
+    spec_tokens: jax.Array  # speculative proposals per step (0: off)
+    spec_acceptance: jax.Array  # chance each is accepted
 
 
 def _frozen(value) -> Hashable:
@@ -197,7 +199,8 @@ def objective(theta, cand: Candidates, penalty_scale, penalty_weight):
     """
     c, b, r = jnp.exp(theta[0]), jnp.exp(theta[1]), jnp.exp(theta[2])
     out = surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
-                    cand.arrival_rate_per_s / r)
+                    cand.arrival_rate_per_s / r, spec_tokens=cand.spec_tokens,
+                    spec_acceptance=cand.spec_acceptance)
 
     def over(p99, target):
         # log of the ratio, floored so that a zero p99 cannot reach log(0)

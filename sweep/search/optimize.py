@@ -85,10 +85,12 @@ class Candidate:
     hardware: Hardware
     model: Model  # at the candidate's weight and KV dtypes
     tp: int
+    spec_tokens: int = 0  # speculative proposals per step (n-gram); 0: off
 
     @property
     def label(self) -> str:
-        return f"{self.hardware.name} x {model_label(self.model)} x TP {self.tp}"
+        spec = f" x spec k={self.spec_tokens}" if self.spec_tokens else ""
+        return f"{self.hardware.name} x {model_label(self.model)} x TP {self.tp}{spec}"
 
 
 @dataclass
@@ -170,12 +172,15 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                 continue
             for tp in s.tp_values:
                 cap = float(roofline.kv_capacity_tokens(hp, mp, float(tp)))
-                c = Candidate(calibration.hardware_for(h, choice), m, int(tp))
-                if cap >= request_kv:
-                    keep.append(c)
-                else:
-                    excluded.append(f"{c.label}: weights + one average request's KV "
-                                    "exceed the GPU memory")
+                for k in s.spec_values:
+                    # each running request holds k more KV slots for its proposals
+                    c = Candidate(calibration.hardware_for(h, choice), m, int(tp),
+                                  int(k))
+                    if cap >= request_kv + k:
+                        keep.append(c)
+                    else:
+                        excluded.append(f"{c.label}: weights + one average request's "
+                                        "KV exceed the GPU memory")
     if not keep:
         raise ConfigError(
             f"search: no hardware x model x tensor_parallel of the search space fits "
@@ -219,6 +224,8 @@ def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candid
         arrival_rate_per_s=jnp.asarray([rate * (1.0 - r) for _, r in served], f32),
         ttft_target_s=jnp.asarray(np.resize(ttft_target_s, n), f32),
         itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
+        spec_tokens=jnp.asarray([c.spec_tokens for c in cands], f32),
+        spec_acceptance=jnp.full(n, job.app.search.spec_acceptance, f32),
     )
 
 
@@ -353,21 +360,25 @@ def _surrogate_infeasible(job: OptimizeJob, res: descent.SearchResult) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=("max_slots",))
-def _simulate_replicas(hw, model, tp, concurrency, token_budget, requests, mine, owner,
-                       configs, ttft_slo_s, itl_slo_s, overlong, *, max_slots: int):
+def _simulate_replicas(hw, model, tp, concurrency, token_budget, spec_tokens,
+                       spec_acceptance, requests, mine, owner, configs, ttft_slo_s,
+                       itl_slo_s, overlong, *, max_slots: int):
     """Every row (one replica's share of a stream), pooled per configuration.
 
     Args:
-      hw, model, tp, concurrency, token_budget, requests, mine: per row
-        (leading axis K).
+      hw, model, tp, concurrency, token_budget, spec_tokens, requests, mine:
+        per row (leading axis K).
+      spec_acceptance: the search's acceptance rate (scalar).
       owner: int ``(K,)``, each row's configuration (-1: padding).
       configs: int ``(W,)``, ``arange(W)``.
     """
-    def one(hw, model, tp, c, b, req, mine):
+    def one(hw, model, tp, c, b, k, req, mine):
         return simulate_requests(hw, model, tp, c, b, req, CONTINUOUS, ttft_slo_s,
-                                 itl_slo_s, overlong, mine, max_slots=max_slots)
+                                 itl_slo_s, overlong, mine, k, spec_acceptance,
+                                 max_slots=max_slots)
 
-    rows = jax.vmap(one)(hw, model, tp, concurrency, token_budget, requests, mine)
+    rows = jax.vmap(one)(hw, model, tp, concurrency, token_budget, spec_tokens,
+                         requests, mine)
     return jax.vmap(lambda c: summarize(pool(rows, owner == c)))(configs)
 
 
@@ -437,6 +448,8 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
         jnp.asarray([c.tp for c in cands], f32),
         jnp.asarray([c.concurrency for c in row_config], f32),
         jnp.asarray([c.token_budget for c in row_config], f32),
+        jnp.asarray([c.spec_tokens for c in cands], f32),
+        jnp.asarray(s.spec_acceptance, f32),
         jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
         jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32),
         jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
@@ -563,6 +576,26 @@ def _simulated_infeasible(job: OptimizeJob, tried: list[Config], rounds: int) ->
             "search.replicas_max")
 
 
+def speculation_line(job: OptimizeJob, out: Outcome) -> str:
+    """Which speculative proposal length wins: the cheapest answer at each k
+    of ``search.spec_tokens`` (empty when one k is searched)."""
+    s = job.app.search
+    if len(s.spec_values) < 2:
+        return ""
+    best: dict[int, float] = {}
+    for a in out.answers:
+        if a is not None:
+            k = job.candidates[a.candidate].spec_tokens
+            best[k] = min(best.get(k, math.inf), a.cost_per_mtok_out_usd)
+    per_k = ", ".join(f"k={int(k)}: " + (f"{best[int(k)]:.4g}" if int(k) in best
+                                          else "none meets the SLO")
+                      for k in s.spec_values)
+    winner = job.candidates[out.chosen.candidate].spec_tokens
+    return (f"speculative decoding (n-gram, acceptance {s.spec_acceptance:g}): "
+            f"k={winner} wins; cheapest USD / 1M output tokens per k (surrogate): "
+            f"{per_k}")
+
+
 def replicas_text(n: int) -> str:
     """``"1 replica"``, ``"3 replicas"``."""
     return f"{n} replica{'' if n == 1 else 's'}"
@@ -578,13 +611,15 @@ def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
         gpu_memory_utilization=job.app.search.gpu_memory_utilization,
         memory_bytes=cand.hardware.memory_bytes,
         weight_bytes=float(roofline.weight_bytes(model_params(cand.model))),
-        weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype)
+        weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
+        spec_tokens=cand.spec_tokens)
     return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
 
 
 def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str]:
     """What ``serving_flags`` cannot say (``sweep.cube.engines.notes``)."""
-    return engines.notes(engine, job.candidates[c.candidate].model.weight_dtype)
+    cand = job.candidates[c.candidate]
+    return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens)
 
 
 def bench_command(job: OptimizeJob, c: Config) -> str:
@@ -725,6 +760,7 @@ def _candidate_coords(job: OptimizeJob) -> dict:
         "tensor_parallel": _var(cd, [c.tp for c in cands], "tensor_parallel"),
         **{d: _var(cd, np.array([getattr(c.model, d) for c in cands]), d)
            for d in ("weight_dtype", "kv_dtype")},
+        "spec_tokens": _var(cd, [c.spec_tokens for c in cands], "spec_tokens"),
     }
 
 
@@ -745,6 +781,8 @@ def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
         "chosen_weight_dtype": cand.model.weight_dtype,
         "chosen_kv_dtype": cand.model.kv_dtype,
         "chosen_tensor_parallel": cand.tp,
+        "chosen_spec_tokens": cand.spec_tokens,
+        "spec_acceptance": s.spec_acceptance,
         "chosen_replicas": c.replicas,
         "chosen_concurrency": c.concurrency,
         "chosen_token_budget": c.token_budget,
