@@ -14,7 +14,11 @@ compiles) and the process's peak RSS. The ratio column is points/s against the
 1-device case of the same grid, measured the same way. Zarr writes are not
 included, unless ``--write``: then each pass is ``sweep.grid.job.run``, the
 whole sweep (evaluation, zarr writes with their block markers, the finished
-store), into a fresh folder beside the system's temporary files.
+store), into a fresh folder beside the system's temporary files, with the
+summary table reduced from the blocks as they are written
+(``sweep.cube.summary.Rows``); the time of that table from memory and of
+the same table read back from the written cube are printed after the row
+(the pass's time includes the in-memory reduction, not the tables).
 """
 
 from __future__ import annotations
@@ -61,11 +65,24 @@ if write:
 part = job.parts[part_index]
 count = math.prod(part.plan.shape)
 
+summary_s = {}
+
 def sweep():
     if write:
+        from sweep.cube import results, summary
+        # the summary table of the cube as sweep-grid prints it: reduced from
+        # the blocks in memory, and read back from the written cube
+        rows = summary.Rows.of(results.template(job.coords, job.parts, {},
+                                                job.extra), job.parts)
         with tempfile.TemporaryDirectory() as folder:
-            grid.run(job, Path(folder) / "cube.zarr", {}, "scale",
-                     devices=jax.devices()[:devices])
+            ds = grid.run(job, Path(folder) / "cube.zarr", {}, "scale",
+                          devices=jax.devices()[:devices],
+                          observe=rows.add if rows else None)
+            if rows:
+                t = time.perf_counter(); memory = rows.table(ds)
+                summary_s["memory"] = time.perf_counter() - t
+                t = time.perf_counter(); cube = summary.summary_table(ds)
+                summary_s["cube"] = time.perf_counter() - t
         return
     for _ in iterate_blocks(part.fn, part.axes, part.plan, part.tables,
                             part.table_dims, batch=part.batch,
@@ -75,6 +92,7 @@ def sweep():
 t0 = time.perf_counter(); sweep(); first = time.perf_counter() - t0
 t0 = time.perf_counter(); sweep(); second = time.perf_counter() - t0
 print(json.dumps({"points": count, "first_s": first, "second_s": second,
+                  "summary_s": summary_s,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "backend": jax.default_backend()}))
 """
@@ -111,9 +129,11 @@ def main() -> None:
                 r = run_case(kind, points, d, a.write)
                 rate = r["points"] / r["second_s"]
                 base = base or rate
+                summary = "".join(f"  summary from {k}: {v:.2f} s"
+                                  for k, v in r["summary_s"].items())
                 print(f"{kind:9} {r['points']:>11,} {d:>3} {r['first_s']:>13.2f} "
                       f"{r['second_s']:>7.2f} {rate:>11,.0f} {rate / base:>8.2f} "
-                      f"{r['rss_mb']:>11,.0f}", flush=True)
+                      f"{r['rss_mb']:>11,.0f}{summary}", flush=True)
 
 
 if __name__ == "__main__":
