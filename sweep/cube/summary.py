@@ -25,7 +25,6 @@ never holds more of a large cube than a few of its chunks.
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,15 +201,16 @@ class Rows:
     """The table's rows reduced from a sweep's blocks while they are in memory.
 
     ``add`` takes each block of the sweep's one part (``sweep.grid.job.run``'s
-    ``observe``), keeps of it only the part the rows read (the shown
-    scenarios), masks it as ``ds.sweep.feasible`` does and finds per row its
-    least cost and that point's flat position over the choices
-    (``sweep.cube.reduce.least_in``: NaN skipped, ties to the first); across
-    blocks a row keeps the least cost, ties to the first position, as
-    ``ds.sweep.cheapest`` does over the blocks of a lazy cube. So ``table``
-    gives the table ``summary_table`` reads from the written cube, without
-    reading it, but for the blocks this process did not evaluate (a resumed
-    sweep, the other shards): those are read back from the cube.
+    ``observe``, while the block before is written), keeps of it only what
+    the rows read (the shown scenarios), masks the cost as
+    ``ds.sweep.feasible`` does and finds per row its least cost and that
+    point's flat position over the choices (``sweep.cube.reduce.least_in``:
+    NaN skipped, ties to the first); across blocks a row keeps the least
+    cost, ties to the first position, as ``ds.sweep.cheapest`` does over the
+    blocks of a lazy cube. So ``table`` gives the table ``summary_table``
+    reads from the written cube without reading it, but for the blocks this
+    process did not evaluate (a resumed sweep, the other shards): those are
+    read back from the cube.
 
     Only for a cube of one part (``latency=none``): with p99 variables a
     point's feasibility needs both parts' blocks (``Rows.of`` gives None).
@@ -229,7 +229,6 @@ class Rows:
         self.pos = np.full(self.keep_shape, np.iinfo(np.int64).max)
         self.has = np.zeros(self.keep_shape, bool)
         self.values: dict[str, np.ndarray] = {}
-        self.lock = threading.Lock()
         variables = {m.name for m in part.variables}
         ds = frame.ds
         # what a block's rows read of it: the variables shown and the mask's
@@ -273,8 +272,7 @@ class Rows:
     def add(self, part, block: int, region: tuple[slice, ...], values: dict) -> None:
         """Reduces one evaluated block of the part (its variables in memory)."""
         local = self._local(region)
-        with self.lock:
-            self.seen.add(block)
+        self.seen.add(block)
         if local is None:
             return
         index = tuple(i for i, _ in local.values())
@@ -312,18 +310,17 @@ class Rows:
         for d in self.over:
             best[f"best_{d}"] = blank(self.coords[d].values[at[d]][point[d]], has)
         cells = tuple(at[d] for d in self.keep)
-        with self.lock:
-            better = (least < self.least[cells]) | (
-                (least == self.least[cells]) & (pos < self.pos[cells]))
-            self.least[cells] = np.where(better, least, self.least[cells])
-            self.pos[cells] = np.where(better, pos, self.pos[cells])
-            self.has[cells] |= has
-            for name, v in best.items():
-                if name not in self.values:
-                    self.values[name] = np.empty(
-                        self.keep_shape, object if v.dtype.kind in "US" else v.dtype)
-                self.values[name][cells] = np.where(better, v,
-                                                    self.values[name][cells])
+        better = (least < self.least[cells]) | (
+            (least == self.least[cells]) & (pos < self.pos[cells]))
+        self.least[cells] = np.where(better, least, self.least[cells])
+        self.pos[cells] = np.where(better, pos, self.pos[cells])
+        self.has[cells] |= has
+        for name, v in best.items():
+            if name not in self.values:
+                self.values[name] = np.empty(
+                    self.keep_shape, object if v.dtype.kind in "US" else v.dtype)
+            self.values[name][cells] = np.where(better, v,
+                                                self.values[name][cells])
 
     def table(self, ds: xr.Dataset) -> tuple[Table, list[str]]:
         """The table; the blocks not seen are read from the finished cube ``ds``."""

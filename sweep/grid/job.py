@@ -286,8 +286,8 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
         from the thread that writes them (``sweep.grid.writer``); an error
         it raises stops the sweep there.
       observe: optional callable ``(part, block, region, values)``, called
-        with each block this process evaluates once it is written (from the
-        same thread), e.g. to reduce it while it is in memory.
+        in this thread with each block this process evaluates, before it is
+        handed to the writer, e.g. to reduce it while it is in memory.
       shard: ``(k, n)``: evaluate only the ``k``-th of ``n`` disjoint block
         sets (``shard_blocks``) into the store that the ``n`` shards of the
         sweep share; ``config_yaml`` must be the same for all of them.
@@ -326,8 +326,6 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
                     f"{results.partial_path(out)}: writing block {key} failed: "
                     f"{e.strerror or e}; rerun to resume from the blocks "
                     "written") from e
-            if observe:
-                observe(part, b, region, values)
             written += 1
             if progress:
                 progress(written, len(mine))
@@ -341,6 +339,8 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
                 for b, region, values in iterate_blocks(
                         part.fn, part.axes, part.plan, part.tables, part.table_dims,
                         skip, part.batch, devices):
+                    if observe:  # here, while the writer (the slower side) writes
+                        observe(part, b, region, values)
                     writer.put(part, b, region, values)
         with outputs.serial(out):  # the shards finish one at a time
             if state.complete():
