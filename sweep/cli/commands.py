@@ -202,9 +202,12 @@ CACHE_ENV = "SWEEP_COMPILATION_CACHE"
 """``off`` (or ``0``, ``false``, ``no``): no persistent compilation cache;
 a folder: the cache's folder."""
 
-CACHE_MIN_COMPILE_S = 0.1
-"""Programs that compile faster than this are not cached (JAX's default, 1 s,
-leaves out a grid's roofline program, 0.5-1 s on a 2-core CPU)."""
+CACHE_MIN_COMPILE_S = 0.0
+"""Programs that compile faster than this are not cached. JAX's default, 1 s,
+leaves out a grid's roofline program (0.5-1 s on a 2-core CPU); 0.1 s left
+out the one-off operations (random-number setup, small table builds) that
+a warm ``sweep-grid`` still compiled: 1.25 s of its compile time, 0.34 s
+with every program cached (``benchmarks/first_answer.py``)."""
 
 
 def compilation_cache_dir() -> str | None:

@@ -7,7 +7,9 @@ no run directory, no compilation), then hands the command line to
 continues the unfinished run of the same config) and runs the job on the
 preflight's config. Before the first block, ``sweep-grid`` prints its plan
 (``sweep.grid.plan``); while it runs, its progress (``sweep.grid.progress``); at the
-end, the cheapest feasible point per scenario (``sweep.cube.summary``).
+end, the cheapest feasible point per scenario (``sweep.cube.summary``), reduced
+from the blocks as they are evaluated (``summary.Rows``) where the cube has
+one part.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from sweep.config.resolve import config_yaml, grid_options, restore
 from sweep.config.schema import LatencyMethod
 from sweep.cube import outputs
 from sweep.cube.outputs import OutputError
-from sweep.cube.summary import summary_table
+from sweep.cube.summary import Rows, summary_table
 from sweep.errors import ConfigError
 from sweep.grid import calibration
 from sweep.grid.plan import grid_plan
@@ -82,6 +84,9 @@ def _grid_app(cfg: DictConfig) -> None:
     what = f"shard {shard[0]}/{shard[1]} of " if shard else ""
     progress = BlockProgress(console, "sweep-grid",
                              [(p.name, len(p.plan)) for p in job.parts])
+    # the table's rows, reduced from each block while it is in memory
+    rows = Rows.of(results.template(job.coords, job.parts, attrs, job.extra),
+                   job.parts)
     try:
         with outputs.lock(out, fingerprint, shared=shard is not None):
             console.print(f"sweep-grid: {what}{plan.line(jax.default_backend())} -> "
@@ -95,7 +100,7 @@ def _grid_app(cfg: DictConfig) -> None:
                               highlight=False, soft_wrap=True)
             try:
                 ds = grid.run(job, out, attrs, yaml_text, progress=progress,
-                              shard=shard)
+                              shard=shard, observe=rows.add if rows else None)
             finally:
                 progress.close()
     except OutputError as e:
@@ -106,7 +111,7 @@ def _grid_app(cfg: DictConfig) -> None:
                       "without shard= to evaluate what the others left)",
                       markup=False, highlight=False, soft_wrap=True)
         return
-    table, notes = summary_table(ds)
+    table, notes = rows.table(ds) if rows else summary_table(ds)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     Console(width=max(Console().width, 200)).print(table)
     for note in notes:

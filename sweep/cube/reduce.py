@@ -50,10 +50,11 @@ def first_least(values: xr.DataArray, n_keep: int) -> tuple[np.ndarray, np.ndarr
     return _least_of_blocks(parts.compute(), n_keep)
 
 
-def _block_least(block: np.ndarray, n_keep: int, block_info=None) -> np.ndarray:
-    """One block's least value, its position over the whole array's last dims
-    and whether it has a value, per cell of its first ``n_keep`` dims (stacked
-    last; the other dims kept at length 1)."""
+def least_in(block: np.ndarray, n_keep: int
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per cell of the first ``n_keep`` dims of ``block``: the least value over
+    the other dims (NaN as +inf, as ``np.nanargmin`` sees it), its flat
+    position over them (ties to the first) and whether the cell has a value."""
     keep, over = block.shape[:n_keep], block.shape[n_keep:]
     flat = block.reshape(*keep, int(np.prod(over)))
     if flat.dtype.kind != "f":
@@ -62,14 +63,29 @@ def _block_least(block: np.ndarray, n_keep: int, block_info=None) -> np.ndarray:
     filled = np.where(nan, np.inf, flat)
     first = filled.argmin(axis=-1)
     least = np.take_along_axis(filled, first[..., None], axis=-1)[..., 0]
+    return least, first, ~nan.all(axis=-1)
+
+
+def position(first: np.ndarray, over: tuple[int, ...], starts, shape) -> np.ndarray:
+    """Flat positions ``first`` over a block of shape ``over`` at ``starts``,
+    as flat positions over the whole array's ``shape``."""
+    at = np.unravel_index(first, over)
+    return np.ravel_multi_index(tuple(i + s for i, s in zip(at, starts)), shape)
+
+
+def _block_least(block: np.ndarray, n_keep: int, block_info=None) -> np.ndarray:
+    """One block's least value, its position over the whole array's last dims
+    and whether it has a value, per cell of its first ``n_keep`` dims (stacked
+    last; the other dims kept at length 1)."""
+    keep, over = block.shape[:n_keep], block.shape[n_keep:]
+    least, first, has = least_in(block, n_keep)
     if block_info is None:  # the whole array
         starts, shape = (0,) * len(over), over
     else:
         starts = [lo for lo, _ in block_info[0]["array-location"][n_keep:]]
         shape = block_info[0]["shape"][n_keep:]
-    at = np.unravel_index(first, over)
-    pos = np.ravel_multi_index(tuple(i + s for i, s in zip(at, starts)), shape)
-    out = np.stack([least, pos, ~nan.all(axis=-1)], axis=-1).astype(np.float64)
+    pos = position(first, over, starts, shape)
+    out = np.stack([least, pos, has], axis=-1).astype(np.float64)
     return out.reshape(*keep, *(1,) * len(over), 3)
 
 

@@ -31,7 +31,9 @@ Batches are spread over every local device (a GPU each, or host devices
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``): one compiled
 call (``evaluate_regions``, ``jax.shard_map`` over a one-axis ``Mesh``)
 evaluates one batch per device, each device running the one-batch program,
-so a cube's values are the same on one device or eight.
+so a cube's values are the same on one device or eight. JAX dispatches
+asynchronously: the devices evaluate the next batch while the host copies,
+assembles and writes the last (``iterate_blocks``).
 """
 
 from __future__ import annotations
@@ -278,19 +280,36 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
     # the inputs go to every device once, not with each call
     axes, tables = jax.device_put((axes, tables), NamedSharding(mesh, P()))
     values, left = {}, {b: len(within) for b, (_, within) in todo.items()}
-    for i in range(0, len(units), len(devices)):
-        group = units[i:i + len(devices)]
-        group += [group[-1]] * (len(devices) - len(group))  # padding, dropped
+    groups = [units[i:i + len(devices)] for i in range(0, len(units), len(devices))]
+
+    def dispatch(group):
+        group = group + [group[-1]] * (len(devices) - len(group))  # padding, dropped
         starts = np.array([[r.start + q.start for r, q in
                             zip(todo[b][0], todo[b][1].region(s))]
                            for b, s in group], np.int32)
-        out = evaluate_regions(fn, axes, tables, starts, shape=plan.shape,
-                               chunks=batch, table_dims=table_dims, mesh=mesh)
+        return evaluate_regions(fn, axes, tables, starts, shape=plan.shape,
+                                chunks=batch, table_dims=table_dims, mesh=mesh)
+
+    # write blocks of several (small) batches: the next batch is dispatched
+    # before this one is copied to the host and assembled, so the devices do
+    # not wait for the host; a batch that is a whole write block is
+    # dispatched when the last one has been handed on, to be evaluated while
+    # that one is written (``sweep.grid.writer``): ahead of that, it would
+    # hold one more block in memory for nothing
+    ahead = len(units) > len(todo)
+    pending = dispatch(groups[0])
+    for n, group in enumerate(groups):
+        out, later = pending, groups[n + 1] if n + 1 < len(groups) else None
+        if ahead and later:
+            pending = dispatch(later)
         out = {k: np.asarray(v) for k, v in out.items()}
-        for j, (b, s) in enumerate(group[:len(units) - i]):
+        for j, (b, s) in enumerate(group):
             region, within = todo[b]
             local = within.region(s)
             cut = (j, *(slice(0, q.stop - q.start) for q in local))
+            if len(within) == 1:  # one batch is the write block: no copy
+                yield b, region, {k: v[cut] for k, v in out.items()}
+                continue
             block = values.setdefault(b, {})
             for k, v in out.items():
                 if k not in block:
@@ -299,3 +318,5 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
             left[b] -= 1
             if left[b] == 0:
                 yield b, region, values.pop(b)
+        if not ahead and later:
+            pending = dispatch(later)

@@ -35,6 +35,7 @@ from sweep.cube import contract, outputs, results
 from sweep.grid import calibration
 from sweep.grid.evaluate import Part, blocking, iterate_blocks
 from sweep.grid.plan import grid_plan
+from sweep.grid.writer import BlockWriter
 from sweep.latency import p99
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import batching, precision
@@ -275,13 +276,18 @@ def shard_blocks(job: GridJob, shard: tuple[int, int] | None) -> set[str]:
 
 def run(job: GridJob, out, attrs: dict, config_yaml: str,
         progress=None, shard: tuple[int, int] | None = None,
-        devices=None) -> xr.Dataset | None:
+        devices=None, observe=None) -> xr.Dataset | None:
     """Evaluates and writes every missing block; returns the opened cube.
 
     Args:
       out: the cube's path; an existing cube there is replaced at the end.
       progress: optional callable ``(done_blocks, total_blocks)`` (of this
-        shard's blocks, with ``shard``).
+        shard's blocks, with ``shard``), called as each block is written,
+        from the thread that writes them (``sweep.grid.writer``); an error
+        it raises stops the sweep there.
+      observe: optional callable ``(part, block, region, values)``, called
+        in this thread with each block this process evaluates, before it is
+        handed to the writer, e.g. to reduce it while it is in memory.
       shard: ``(k, n)``: evaluate only the ``k``-th of ``n`` disjoint block
         sets (``shard_blocks``) into the store that the ``n`` shards of the
         sweep share; ``config_yaml`` must be the same for all of them.
@@ -309,18 +315,33 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
         written = len(mine & done)
         if progress:
             progress(written, len(mine))
-        for part in job.parts:
-            skip = {b for b in range(len(part.plan))
-                    if results.block_key(part.name, b) in done
-                    or results.block_key(part.name, b) not in mine}
-            for b, region, values in iterate_blocks(part.fn, part.axes, part.plan,
-                                                    part.tables, part.table_dims,
-                                                    skip, part.batch, devices):
-                results.write_block(out, part.dims, region, values,
-                                    results.block_key(part.name, b))
-                written += 1
-                if progress:
-                    progress(written, len(mine))
+
+        def write(part: Part, b: int, region: tuple[slice, ...], values: dict) -> None:
+            nonlocal written
+            key = results.block_key(part.name, b)
+            try:
+                results.write_block(out, part.dims, region, values, key)
+            except OSError as e:  # a full disk, a lost mount: one line
+                raise outputs.OutputError(
+                    f"{results.partial_path(out)}: writing block {key} failed: "
+                    f"{e.strerror or e}; rerun to resume from the blocks "
+                    "written") from e
+            written += 1
+            if progress:
+                progress(written, len(mine))
+
+        # each block is written while the next one evaluates
+        with BlockWriter(write) as writer:
+            for part in job.parts:
+                skip = {b for b in range(len(part.plan))
+                        if results.block_key(part.name, b) in done
+                        or results.block_key(part.name, b) not in mine}
+                for b, region, values in iterate_blocks(
+                        part.fn, part.axes, part.plan, part.tables, part.table_dims,
+                        skip, part.batch, devices):
+                    if observe:  # here, while the writer (the slower side) writes
+                        observe(part, b, region, values)
+                    writer.put(part, b, region, values)
         with outputs.serial(out):  # the shards finish one at a time
             if state.complete():
                 results.finish_store(out)

@@ -63,8 +63,10 @@ SEARCH_EVALUATIONS_PER_S = 5.0e4
 # blocks (``memory_analysis()``) and the peak resident memory of real runs.
 BASE_BYTES = 0.45e9
 """Peak resident memory of ``sweep-grid`` on a 24-point grid."""
-ROOFLINE_BYTES_PER_POINT = 90.0
-"""Per point of a roofline block: 53 bytes of XLA output, and host copies."""
+ROOFLINE_BYTES_PER_POINT = 190.0
+"""Per point of a roofline block: 53 bytes of XLA output, and host copies; 100
+more since one block is written while the next evaluates (peak 843 -> 1,025
+MB with blocks of 1.79M points, ``benchmarks/scale.py --write``)."""
 SIM_FIXED_BYTES = 0.35e9
 """The simulator's compilation and runtime, beyond the base."""
 SIM_BYTES_PER_CONFIG_REQUEST = 21.0
@@ -245,10 +247,11 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
             # constants too (sweep.model.sensitivity.differences)
             runs = 2 * len(contract.SENSITIVITY) + 1 if g.sensitivity else 1
             time_s += SURROGATE_FIXED_S + _padded(p99) * runs / SURROGATE_CONFIGS_PER_S
-            # one compiled block's work, and the write block it fills on the host
+            # one compiled block's work, the write block it fills on the host
+            # and the one written meanwhile
             p99_bytes = (SURROGATE_FIXED_BYTES
                          + p99.size * runs * SURROGATE_BYTES_PER_CONFIG
-                         + write_blocking(p99_shape, p99.size).size * p99_vars)
+                         + 2 * write_blocking(p99_shape, p99.size).size * p99_vars)
             what += f"; {configs:,} configurations through the surrogate"
             p99_driver = f"latency.chunk_configs = {app.latency.chunk_configs}"
         if p99_bytes > memory:
