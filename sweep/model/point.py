@@ -48,9 +48,9 @@ def cost_elasticities(hw, model, pt: GridPoint, static_utilization) -> dict:
     def figures(scaled):
         rate = _decode(scaled, model, pt, static_utilization)[-1]
         return {COST: cost.cost_per_mtok_usd(scaled.usd_per_gpu_hour,
-                                             pt.tensor_parallel, rate)}, None
+                                             pt.tensor_parallel, rate)}
 
-    return sensitivity.elasticities(figures, hw, (COST,))[-1]
+    return sensitivity.elasticities(figures, hw, (COST,))
 
 
 def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilization,

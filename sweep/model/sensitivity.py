@@ -44,27 +44,22 @@ def _named(rows, of: tuple[str, ...]) -> dict:
             for j, f in enumerate(of) for i, p in enumerate(SCALED)}
 
 
-def elasticities(figures, hw, of: tuple[str, ...]):
-    """The figures at ``hw`` and their elasticities to every constant, by
-    forward-mode differentiation.
+def elasticities(figures, hw, of: tuple[str, ...]) -> dict:
+    """The figures' elasticities to every constant, by forward-mode
+    differentiation: ``contract.sensitivity(p, of=name)`` -> scalar.
 
     Args:
-      figures: ``hw -> (dict of positive scalars, aux)``; its entries named in
-        ``of`` are differentiated, ``aux`` is passed through.
+      figures: ``hw -> dict of positive scalars``; its entries named in
+        ``of`` are differentiated.
       hw: ``HardwareParams``.
       of: the figures' names, as ``contract.sensitivity`` takes them.
-
-    Returns:
-      ``(values, aux, elasticities)``: ``values`` the figures' dict, and
-      ``elasticities`` a dict ``contract.sensitivity(p, of=name)`` -> scalar.
     """
     def logs(log_scale):
-        values, aux = figures(_scaled(hw, log_scale))
-        return jnp.stack([jnp.log(values[f]) for f in of]), (values, aux)
+        values = figures(_scaled(hw, log_scale))
+        return jnp.stack([jnp.log(values[f]) for f in of])
 
     zero = jnp.zeros(len(SCALED), jnp.result_type(hw.mbu))
-    rows, (values, aux) = jax.jacfwd(logs, has_aux=True)(zero)
-    return values, aux, _named(rows, of)
+    return _named(jax.jacfwd(logs)(zero), of)
 
 
 STEP = 0.01
@@ -74,9 +69,16 @@ narrow enough that its second-order error is too (the figures are smooth)."""
 
 
 def differences(figures, hw, of: tuple[str, ...]):
-    """``elasticities`` by central differences in log scale (``STEP``): the
+    """Elasticities by central differences in log scale (``STEP``): the
     figures at ``hw`` and at each constant scaled by ``exp(+-STEP)``, in one
     vmapped call (``2 * len(SCALED) + 1`` evaluations).
+
+    Args:
+      figures: ``hw -> (dict of positive scalars, aux)``.
+
+    Returns:
+      ``(values, aux, elasticities)`` at ``hw``: the evaluation at the
+      unscaled constants is the point's own, not repeated.
 
     For figures whose derivative is not their function's: the surrogate's
     p99s come from bisections on lattice CDFs with implicit gradients that
