@@ -32,9 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 SPEC_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
              "token_budget", "context_tokens", "batching", "long_prompt_tokens",
              "traffic_tokens_per_day", "arrival_rate_per_s")
-# the axes the project adds (precision; speculative decoding), before the
-# p99-only rate
-OWN_DIMS = ("weight_dtype", "kv_dtype", "spec_tokens", "spec_acceptance")
+# the axes the project adds (precision; speculative decoding; prefix
+# caching), before the p99-only rate
+OWN_DIMS = ("weight_dtype", "kv_dtype", "spec_tokens", "spec_acceptance",
+            "prefix_caching")
 SPEC_VARIABLES = (
     "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
@@ -125,7 +126,8 @@ def test_named_passes_arguments_by_name_and_refuses_a_wrong_count():
 
 @pytest.fixture(scope="module")
 def square_job():
-    """Concurrency and token budget of the same length (2 x 2), two long prompts."""
+    """Concurrency and token budget of the same length (2 x 2), two long
+    prompts, prefix caching off and on."""
     with hydra_context():
         app, options = grid_options("grid", [
             "grid=small", "hardware=h100_sxm", "model=qwen3_8b",
@@ -133,7 +135,8 @@ def square_job():
             "grid.token_budget=[256,2048]", "grid.context_tokens=[1500]",
             "grid.long_prompt_tokens=[2048,8192]",
             "grid.batching=[static,continuous]", "latency=surrogate",
-            "workload=seed_chat", "calibration=roofline"])
+            "workload=seed_chat", "workload.prefix_hit_fraction=0.5",
+            "grid.prefix_caching=[false,true]", "calibration=roofline"])
     job = grid.prepare(app, options)
     part = job.parts[0]
     cube = {}
