@@ -46,7 +46,7 @@ SPEC_VARIABLES = (
 # p99 latency depends on neither the context, the long prompt nor the traffic
 P99_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
             "token_budget", "batching", "weight_dtype", "kv_dtype", "spec_tokens",
-            "spec_acceptance", "arrival_rate_per_s")
+            "spec_acceptance", "prefix_caching", "arrival_rate_per_s")
 
 # unit words a reader's pint knows without ``UNIT_DEFINITIONS``
 SI_WORDS = {"s", "hour", "day", "byte"}
@@ -162,7 +162,7 @@ def test_point_functions_take_every_input_by_name(square_job):
         assert named == set(part.fn.names), part.name
     params = inspect.signature(SimulatePoint.__call__).parameters
     assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == [
-        *P99_DIMS, "requests", "slo"]
+        *P99_DIMS, "requests", "prefix_hit", "slo"]
 
 
 def test_cube_values_sit_at_their_coordinates(square_job):

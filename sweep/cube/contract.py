@@ -207,7 +207,7 @@ AXES: tuple[Axis, ...] = (
     # automatic prefix caching (sweep.model.roofline.cached_prefix_tokens):
     # 0 off, 1 on at each workload's prefix_hit_fraction
     Axis("prefix_caching", "1", "prefix caching (0 off, 1 on)", CONFIG, INTEGER,
-         parts=(ROOFLINE,), header="prefix cache", low=0, high=1,
+         header="prefix cache", low=0, high=1,
          affects=("prefix_hit_fraction", "prefill_tokens_per_s",
                   "cost_per_mtok_in_usd", "long_prefill_s", "long_prefill_steps",
                   "long_prefill_worst_itl_s")),
