@@ -97,7 +97,7 @@ class Candidates(NamedTuple):
     spec_tokens: jax.Array  # speculative proposals per step (0: off)
     spec_acceptance: jax.Array  # chance each is accepted
     # share of each prompt in the prefix cache (the workload's; 0: no caching)
-    prefix_hit_fraction: jax.Array = 0.0
+    prefix_hit_fraction: jax.Array
 
 
 def _frozen(value) -> Hashable:
