@@ -104,11 +104,17 @@ def _sum_linear(lo, hi, a, s):
     return n * a + s * n * (hi + lo - 1.0) / 2.0
 
 
+def _cached_prefix(prompt_tokens, hit):
+    """The prompt's tokens in the prefix cache: whole 16-token blocks."""
+    return np.floor(hit * prompt_tokens / F32(16.0)) * F32(16.0)
+
+
 def _chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, token_budget,
-                     spec):
+                     spec, cached):
     b = token_budget
-    full = np.floor(prompt_tokens / b)
-    rest = prompt_tokens - full * b
+    left = prompt_tokens - cached
+    full = np.floor(left / b)
+    rest = left - full * b
     ctx = decodes * context_tokens
     kvb = _kv_bytes_per_token(m)
     # each decode verifies ``spec`` proposals: k + 1 tokens, token j over ctx + j keys
@@ -119,10 +125,10 @@ def _chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, token_bu
     mem_bw = tp * hw.memory_bandwidth_bytes_per_s * hw.mbu
     flop_rate = tp * hw.peak_flops_per_s * hw.mfu
     fpk = _attention_flops_per_key(m)
-    a_m = (_weight_bytes_read(m, new) + ctx * kvb) / mem_bw
+    a_m = (_weight_bytes_read(m, new) + (ctx + cached) * kvb) / mem_bw
     s_m = b * kvb / mem_bw
-    a_c = (2.0 * m.active_params * new + fpk * (dec_keys + b * (b + 1.0) / 2.0)
-           ) / flop_rate
+    a_c = (2.0 * m.active_params * new
+           + fpk * (dec_keys + b * cached + b * (b + 1.0) / 2.0)) / flop_rate
     s_c = fpk * b * b / flop_rate
     fixed = _allreduce_s(hw, m, tp, new) + hw.step_overhead_s
     d0, ds = a_m - a_c, s_m - s_c
@@ -142,8 +148,8 @@ def _chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, token_bu
     )
     last_full = np.maximum(a_m + s_m * (full - 1.0), a_c + s_c * (full - 1.0)) + fixed
     last_full = np.where(full > 0, last_full, zero)
-    partial = _step_s(hw, m, tp, verified + rest, ctx + full * b,
-                      dec_keys + _chunk_attention_keys(rest, full * b))
+    partial = _step_s(hw, m, tp, verified + rest, ctx + (cached + full * b),
+                      dec_keys + _chunk_attention_keys(rest, cached + full * b))
     partial = np.where(rest > 0, partial, zero)
     steps = full + np.where(rest > 0, F32(1.0), F32(0.0))
     return full_sum + partial, steps, np.maximum(last_full, partial)
@@ -178,11 +184,14 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
     utilization = np.where(pt.batching == STATIC, static_utilization, F32(1.0))
     output_rate = running * gained / step * utilization
     zero = np.zeros_like(step)
-    prefill = _mixed_step_s(hw, m, tp, zero, zero, wl.mean_prompt_tokens, zero)
+    hit = np.where(pt.prefix_caching > 0, wl.prefix_hit_fraction, F32(0.0))
+    prompt_cached = _cached_prefix(wl.mean_prompt_tokens, hit)
+    prefill = _mixed_step_s(hw, m, tp, zero, zero,
+                            wl.mean_prompt_tokens - prompt_cached, prompt_cached)
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = _chunked_prefill(
         hw, m, tp, running, pt.context_tokens, pt.long_prompt_tokens, pt.token_budget,
-        spec)
+        spec, _cached_prefix(pt.long_prompt_tokens, hit))
     chunked = pt.batching == CONTINUOUS
     nan = F32(np.nan)
     capacity_per_day = output_rate * SECONDS_PER_DAY
@@ -201,6 +210,7 @@ def evaluate_point_numpy(hw, m, wl, pt: GridPoint, static_utilization) -> dict:
         "slot_utilization": utilization,
         "cost_per_mtok_out_usd": _cost_per_mtok_usd(hw.usd_per_gpu_hour, tp,
                                                     output_rate),
+        "prefix_hit_fraction": prompt_cached / wl.mean_prompt_tokens,
         "prefill_tokens_per_s": prefill_rate,
         "cost_per_mtok_in_usd": _cost_per_mtok_usd(hw.usd_per_gpu_hour, tp,
                                                    prefill_rate),
@@ -227,10 +237,11 @@ def _region_indices(starts, shape, chunks) -> list[np.ndarray]:
 def _point_args(axes, index):
     """``evaluate_point_numpy``'s parameters, axis ``d`` read by ``index(x, d)``."""
     take = lambda tree, d: jax.tree.map(lambda x: index(x, d), tree)  # noqa: E731
-    # the point model reads only the mean prompt of a workload
-    wl = axes[WORKLOAD_AXIS]._replace(
-        mean_prompt_tokens=index(axes[WORKLOAD_AXIS].mean_prompt_tokens,
-                                 WORKLOAD_AXIS))
+    # the point model reads only the mean prompt and hit fraction of a workload
+    w = axes[WORKLOAD_AXIS]
+    wl = w._replace(
+        mean_prompt_tokens=index(w.mean_prompt_tokens, WORKLOAD_AXIS),
+        prefix_hit_fraction=index(w.prefix_hit_fraction, WORKLOAD_AXIS))
     pt = GridPoint(*(index(axes[d], d) for d in range(3, len(axes))))
     return take(axes[0], 0), take(axes[1], 1), wl, pt
 
@@ -299,14 +310,15 @@ def _py_step_s(hw, m, tp, new_tokens, kv_read_tokens, attention_keys):
 
 
 def _py_chunked_prefill(hw, m, tp, decodes, context_tokens, prompt_tokens, budget,
-                        spec=0):
-    """Chunk by chunk, as the SPEC describes it (no closed form); each decode
-    verifies ``spec`` proposals (k + 1 tokens, token j over context + j keys)."""
+                        spec=0, cached=0.0):
+    """Chunk by chunk, as the SPEC describes it (no closed form), from the
+    ``cached`` prefix on; each decode verifies ``spec`` proposals (k + 1
+    tokens, token j over context + j keys)."""
     ctx = decodes * context_tokens
     dec_keys = decodes * sum(context_tokens + j for j in range(int(spec) + 1))
     total = worst = 0.0
     steps = 0
-    done = 0.0
+    done = cached
     while done < prompt_tokens:
         chunk = min(budget, prompt_tokens - done)
         keys = dec_keys + chunk * done + chunk * (chunk + 1.0) / 2.0
@@ -339,11 +351,16 @@ def _py_point(hw, m, wl, pt, static_utilization):
     util = static_utilization if pt["batching"] == STATIC else 1.0
     rate = running * gained / step * util
     prompt = wl["mean_prompt_tokens"]
-    prefill_rate = prompt / _py_step_s(hw, m, tp, prompt, 0.0,
-                                       prompt * (prompt + 1.0) / 2.0)
+    hit = wl["prefix_hit_fraction"] if pt["prefix_caching"] > 0 else 0.0
+    hit_tokens = math.floor(hit * prompt / 16.0) * 16.0  # whole 16-token blocks
+    new = prompt - hit_tokens
+    prefill_rate = prompt / _py_step_s(hw, m, tp, new, hit_tokens,
+                                       new * hit_tokens + new * (new + 1.0) / 2.0)
     if pt["batching"] == CONTINUOUS:
-        long = _py_chunked_prefill(hw, m, tp, running, ctx, pt["long_prompt_tokens"],
-                                   pt["token_budget"], k)
+        long_prompt = pt["long_prompt_tokens"]
+        long = _py_chunked_prefill(hw, m, tp, running, ctx, long_prompt,
+                                   pt["token_budget"], k,
+                                   math.floor(hit * long_prompt / 16.0) * 16.0)
     else:
         long = (nan, nan, nan)
     price = hw["usd_per_gpu_hour"] * tp
@@ -357,6 +374,7 @@ def _py_point(hw, m, wl, pt, static_utilization):
         "output_tokens_per_s": rate,
         "slot_utilization": util,
         "cost_per_mtok_out_usd": price / (rate * 3600.0) * 1e6,
+        "prefix_hit_fraction": hit_tokens / prompt,
         "prefill_tokens_per_s": prefill_rate,
         "cost_per_mtok_in_usd": price / (prefill_rate * 3600.0) * 1e6,
         "long_prefill_s": long[0],
@@ -371,7 +389,8 @@ def _py_point(hw, m, wl, pt, static_utilization):
 PY_METRICS = (
     "step_s", "tokens_per_step", "tpot_s", "user_tokens_per_s", "output_tokens_per_s",
     "slot_utilization",
-    "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
+    "cost_per_mtok_out_usd", "prefix_hit_fraction", "prefill_tokens_per_s",
+    "cost_per_mtok_in_usd",
     "long_prefill_s", "long_prefill_steps", "long_prefill_worst_itl_s", "replicas",
     "effective_cost_per_mtok_out_usd",
 )

@@ -34,6 +34,10 @@ of steps, no histograms), plus the simulator's documented choices:
   decoding request holds k more KV slots (the running total rounded up to
   whole tokens), and a preempted one recomputes ``round(1 + gain (d - 1))``
   generated tokens. ITL samples are the gaps between deliveries.
+* prefix caching (``prefix_hit_fraction`` h): a request's first
+  ``floor(h P / 16) * 16`` prompt tokens (whole 16-token blocks) are in the
+  cache whenever it is admitted (readmissions too): they are held in KV and
+  count as prefilled, so its chunks start after them and read them.
 
 Step times come from a small float64 copy of the roofline formulas
 (``step_time_s``), written out here rather than imported.
@@ -95,7 +99,8 @@ class _Req:
     tokens: int = 0  # output tokens
     emitted: int = 0  # tokens sent to the user
     generated: int = 0  # tokens in the KV cache beyond the prompt (padding too)
-    need: int = 0  # tokens this prefill must compute (prompt + emitted)
+    need: int = 0  # tokens this prefill holds (prompt + emitted)
+    hit: int = 0  # of them, the cached prefix (never computed)
     prefilled: int = 0
     decoding: bool = False
     finished: bool = False
@@ -123,7 +128,8 @@ class ReferenceResult:
 def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                        prompt_tokens, output_tokens, batching=CONTINUOUS,
                        max_context_tokens=math.inf, truncate=False,
-                       spec_tokens=0, spec_acceptance=0.0) -> ReferenceResult:
+                       spec_tokens=0, spec_acceptance=0.0,
+                       prefix_hit_fraction=0.0) -> ReferenceResult:
     """Runs the scheduler one step at a time until every request has finished."""
     cap = kv_capacity_tokens(hw, model, tp)
     k = int(spec_tokens)
@@ -147,6 +153,8 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         if k > 0:
             r.output = 1 + math.ceil((r.output - 1) / gain)  # deliveries
         r.need = r.prompt
+        r.hit = math.floor(prefix_hit_fraction * r.prompt / 16) * 16
+        r.prefilled = r.hit
         waiting.append(r)
     preempted: list[_Req] = []  # the last preempted is readmitted first
     running: list[_Req] = []  # admission order
@@ -174,7 +182,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                 victim.need = victim.prompt + (
                     victim.emitted if k == 0 or victim.emitted == 0
                     else math.floor(1 + gain * (victim.emitted - 1) + 0.5))
-                victim.prefilled, victim.decoding = 0, False
+                victim.prefilled, victim.decoding = victim.hit, False
                 victim.generated = victim.emitted
                 preempted.append(victim)
                 preemptions += 1

@@ -54,7 +54,7 @@ def test_seed_table_through_cli_and_cube(seed_run):
                 tensor_parallel=1, context_tokens=1500, batching="continuous",
                 weight_dtype="bf16", kv_dtype="bf16").isel(
         token_budget=0, long_prompt_tokens=0, traffic_tokens_per_day=0,
-        spec_tokens=0, spec_acceptance=0)
+        spec_tokens=0, spec_acceptance=0, prefix_caching=0)
     for n, itl_ms, user, gpu, usd in SEED_TABLE:
         p = pt.sel(concurrency=n)
         assert round(float(p.step_s) * 1e3, 2) == itl_ms
@@ -72,7 +72,7 @@ def test_cube_contract(seed_run):
         "hardware", "model", "workload", "tensor_parallel", "concurrency",
         "token_budget", "context_tokens", "batching", "long_prompt_tokens",
         "traffic_tokens_per_day", "weight_dtype", "kv_dtype", "spec_tokens",
-        "spec_acceptance"]
+        "spec_acceptance", "prefix_caching"]
     for name in ("step_s", "user_tokens_per_s", "output_tokens_per_s",
                  "slot_utilization", "cost_per_mtok_out_usd", "prefill_tokens_per_s",
                  "cost_per_mtok_in_usd", "kv_fits", "max_concurrency_fit",

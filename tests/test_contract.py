@@ -32,9 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 SPEC_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
              "token_budget", "context_tokens", "batching", "long_prompt_tokens",
              "traffic_tokens_per_day", "arrival_rate_per_s")
-# the axes the project adds (precision; speculative decoding), before the
-# p99-only rate
-OWN_DIMS = ("weight_dtype", "kv_dtype", "spec_tokens", "spec_acceptance")
+# the axes the project adds (precision; speculative decoding; prefix
+# caching), before the p99-only rate
+OWN_DIMS = ("weight_dtype", "kv_dtype", "spec_tokens", "spec_acceptance",
+            "prefix_caching")
 SPEC_VARIABLES = (
     "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
@@ -45,7 +46,7 @@ SPEC_VARIABLES = (
 # p99 latency depends on neither the context, the long prompt nor the traffic
 P99_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
             "token_budget", "batching", "weight_dtype", "kv_dtype", "spec_tokens",
-            "spec_acceptance", "arrival_rate_per_s")
+            "spec_acceptance", "prefix_caching", "arrival_rate_per_s")
 
 # unit words a reader's pint knows without ``UNIT_DEFINITIONS``
 SI_WORDS = {"s", "hour", "day", "byte"}
@@ -125,7 +126,8 @@ def test_named_passes_arguments_by_name_and_refuses_a_wrong_count():
 
 @pytest.fixture(scope="module")
 def square_job():
-    """Concurrency and token budget of the same length (2 x 2), two long prompts."""
+    """Concurrency and token budget of the same length (2 x 2), two long
+    prompts, prefix caching off and on."""
     with hydra_context():
         app, options = grid_options("grid", [
             "grid=small", "hardware=h100_sxm", "model=qwen3_8b",
@@ -133,7 +135,8 @@ def square_job():
             "grid.token_budget=[256,2048]", "grid.context_tokens=[1500]",
             "grid.long_prompt_tokens=[2048,8192]",
             "grid.batching=[static,continuous]", "latency=surrogate",
-            "workload=seed_chat", "calibration=roofline"])
+            "workload=seed_chat", "workload.prefix_hit_fraction=0.5",
+            "grid.prefix_caching=[false,true]", "calibration=roofline"])
     job = grid.prepare(app, options)
     part = job.parts[0]
     cube = {}
@@ -159,7 +162,7 @@ def test_point_functions_take_every_input_by_name(square_job):
         assert named == set(part.fn.names), part.name
     params = inspect.signature(SimulatePoint.__call__).parameters
     assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == [
-        *P99_DIMS, "requests", "slo"]
+        *P99_DIMS, "requests", "prefix_hit", "slo"]
 
 
 def test_cube_values_sit_at_their_coordinates(square_job):

@@ -140,3 +140,23 @@ def test_optimize_report_shows_each_engines_notes():
     assert lines == ["* vLLM flags: `--quantization fp8`",
                      "* TensorRT-LLM flags: `--tp_size 1`; fp8 weights: serve a "
                      "checkpoint"]
+
+
+def test_prefix_caching_flags():
+    """vLLM: --enable-prefix-caching, a flag alone; SGLang's radix cache and
+    TensorRT-LLM's block reuse are on by default: a note, no flag."""
+    from sweep.cube import engines
+
+    common = dict(tensor_parallel=1, concurrency=8, token_budget=2048,
+                  gpu_memory_utilization=None)
+    on = engines.flags("vllm", prefix_caching=True, **common)
+    assert engines.command_line(on) == (
+        "--tensor-parallel-size 1 --max-num-seqs 8 --max-num-batched-tokens 2048 "
+        "--enable-prefix-caching")
+    assert "--enable-prefix-caching" not in engines.flags("vllm", **common)
+    for name in ("sglang", "trtllm"):
+        assert engines.flags(name, prefix_caching=True, **common) == engines.flags(
+            name, **common)
+        assert len(engines.notes(name, prefix_caching=True)) == 1
+        assert engines.notes(name) == []
+    assert engines.notes("vllm", prefix_caching=True) == []

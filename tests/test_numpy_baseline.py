@@ -32,7 +32,9 @@ OVERRIDES = [
     "grid.traffic_tokens_per_day=[1.0e+7,1.0e+9]",
     "grid.spec_tokens=[0,3]",
     "grid.spec_acceptance=[0.6,1.0]",
-    "grid.chunk_points=5000",
+    "grid.prefix_caching=[false,true]",
+    "workload.prefix_hit_fraction=0.45",
+    "grid.chunk_points=2000",
     "calibration=roofline",  # the baseline is the bound
 ]
 

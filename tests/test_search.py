@@ -50,7 +50,8 @@ def _candidates(scenario, rates, tps=TP):
         workload=jax.tree.map(lambda x: jnp.stack([x] * n), lw),
         tp=jnp.asarray(tps, f32), arrival_rate_per_s=jnp.asarray(rates, f32),
         ttft_target_s=jnp.full(n, SLO[0], f32), itl_target_s=jnp.full(n, SLO[1], f32),
-        spec_tokens=jnp.zeros(n, f32), spec_acceptance=jnp.zeros(n, f32))
+        spec_tokens=jnp.zeros(n, f32), spec_acceptance=jnp.zeros(n, f32),
+        prefix_hit_fraction=jnp.zeros(n, f32))
 
 
 def test_lattice_values():

@@ -69,16 +69,16 @@ def sim64():
     run's percentiles are checked against the physical floor."""
     @jax.jit
     def run(hw, model, conc, budget, arrival, prompt, output, batching, ttft_slo,
-            itl_slo, overlong, mine, spec_tokens, spec_acceptance):
+            itl_slo, overlong, mine, spec_tokens, spec_acceptance, hit):
         return simulate_requests(hw, model, 1.0, conc, budget,
                                  Requests(arrival, prompt, output), batching,
                                  ttft_slo, itl_slo, overlong, mine, spec_tokens,
-                                 spec_acceptance, max_slots=SLOTS)
+                                 spec_acceptance, hit, max_slots=SLOTS)
 
     def call(arrival, prompt, output, conc=8, budget=512, batching=CONTINUOUS,
              memory_bytes=80e9, ttft_slo=np.inf, itl_slo=np.inf,
              max_context_tokens=np.inf, overlong=REJECT, mine=None, spec_tokens=0,
-             spec_acceptance=0.0):
+             spec_acceptance=0.0, prefix_hit_fraction=0.0):
         mine = np.ones(len(arrival), bool) if mine is None else mine
         with jax.enable_x64(True):
             out = run(h100(np.float64, memory_bytes),
@@ -86,7 +86,7 @@ def sim64():
                       np.float64(conc), np.float64(budget), arrival, prompt, output,
                       np.int32(batching), np.float64(ttft_slo), np.float64(itl_slo),
                       np.int32(overlong), mine, np.float64(spec_tokens),
-                      np.float64(spec_acceptance))
+                      np.float64(spec_acceptance), np.float64(prefix_hit_fraction))
             out = jax.tree.map(np.asarray, out)
         assert_above_floor(out, h100(np.float64, memory_bytes),
                            qwen3_8b(np.float64, max_context_tokens), 1.0, prompt,
@@ -189,6 +189,70 @@ def test_speculation_matches_reference(sim64, seed, batching, conc, budget, memo
     np.testing.assert_array_equal(got.gaps, np.ceil((output - 1) / gain))
     np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
     assert_itl_percentiles(got, ref.itl_s, budget * (k + 1))
+
+
+def hard_requests(seed):
+    """Bursts of 8 requests arriving together; a tenth of the prompts 100k
+    tokens long."""
+    rng = np.random.default_rng(seed)
+    arrival = np.repeat(np.cumsum(rng.exponential(0.5, R // 8)), 8)
+    prompt = rng.choice([17.0, 300.0, 4000.0, 100_000.0], R, p=[0.3, 0.3, 0.3, 0.1])
+    return arrival, prompt, rng.choice([1.0, 20.0, 200.0], R)
+
+
+PREFIX_CASES = [
+    # (seed, batching, concurrency, budget, memory, hit fraction): a memory
+    # for 101k KV tokens forces preemptions (readmissions find their prefix)
+    (20, CONTINUOUS, 8, 2048, 80e9, 0.5),
+    (26, CONTINUOUS, 8, 512, WEIGHTS + KV_BYTES * 101_000, 0.7),
+    (22, STATIC, 4, 1024, 80e9, 0.5),
+]
+
+
+@pytest.mark.parametrize("seed,batching,conc,budget,memory,hit", PREFIX_CASES)
+def test_prefix_caching_matches_reference(sim64, seed, batching, conc, budget, memory,
+                                          hit):
+    arrival, prompt, output = hard_requests(seed)
+    ttft_slo, itl_slo = 2.0, 0.05
+    got = sim64(arrival, prompt, output, conc, budget, batching, memory, ttft_slo,
+                itl_slo, prefix_hit_fraction=hit)
+    ref = simulate_reference(h100(np.float64, memory), qwen3_8b(np.float64), 1.0,
+                             conc, budget, arrival, prompt, output, batching,
+                             prefix_hit_fraction=hit)
+    assert got.status == 0
+    assert (got.steps, got.preemptions) == (ref.steps, ref.preemptions)
+    if seed == 21:
+        assert ref.preemptions > 0
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    good = (ref.ttft_s <= ttft_slo) & (ref.max_gap_s <= itl_slo)
+    np.testing.assert_array_equal(got.good, good)
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
+    assert_itl_percentiles(got, ref.itl_s, budget)
+    # the cache removes prefill work: the p99 TTFT drops
+    off = simulate_reference(h100(np.float64, memory), qwen3_8b(np.float64), 1.0,
+                             conc, budget, arrival, prompt, output, batching)
+    assert np.percentile(ref.ttft_s, 99) < np.percentile(off.ttft_s, 99)
+
+
+def test_prefix_caching_by_hand(sim64):
+    """One request alone (prompt 1,000, hit fraction 0.5, budget 512): 31
+    blocks of 16 = 496 tokens cached, the other 504 in one chunk that reads
+    and attends to the 496; output 3: two decodes at contexts 1,001 and 1,002
+    (the prompt and the tokens generated so far)."""
+    kvb, fpk, w = KV_BYTES, 4 * 36 * 32 * 128, WEIGHTS
+
+    def step(new, read, keys):
+        return max((w + read * kvb) / 3.35e12,
+                   (2 * 8.19e9 * new + fpk * keys) / 9.89e14)
+
+    prefill = step(504, 496, 504 * 496 + 504 * 505 / 2)
+    arrival = np.concatenate([[0.0], 1e6 + np.arange(R - 1)])  # the rest much later
+    got = sim64(arrival, np.full(R, 1000.0), np.full(R, 3.0), prefix_hit_fraction=0.5)
+    assert got.ttft_s[0] == pytest.approx(prefill, rel=1e-12)
+    assert got.e2e_s[0] == pytest.approx(
+        prefill + step(1, 1001, 1001) + step(1, 1002, 1002), rel=1e-12)
 
 
 def test_speculation_by_hand(sim64):

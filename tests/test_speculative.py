@@ -55,7 +55,8 @@ def cube_path(tmp_path_factory):
 def cube(cube_path) -> xr.Dataset:
     return sweep.open_cube(cube_path).load().squeeze(
         ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
-         "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype"]).isel(
+         "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
+         "prefix_caching"]).isel(
         traffic_tokens_per_day=0, token_budget=-1)
 
 

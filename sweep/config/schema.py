@@ -266,10 +266,20 @@ class Workload:
                   "max_context_tokens: reject it (as vLLM does), or truncate its "
                   "prompt (vLLM's --truncate-prompt-tokens)"},
     )
+    prefix_hit_fraction: float = field(
+        default=0.0,
+        metadata={"help": "share of each prompt's tokens found in the prefix cache "
+                  "when prefix caching is on (grid.prefix_caching), in [0, 1): "
+                  "shared system prompts, multi-turn history"},
+    )
 
     def __post_init__(self) -> None:
         p = f"workload[{self.name}]"
         _in_range(self, p, "arrival_rate_per_s", 1e-9, 1e12)
+        h = self.prefix_hit_fraction
+        _check(isinstance(h, (int, float)) and not isinstance(h, bool)
+               and math.isfinite(h) and 0 <= h < 1, f"{p}.prefix_hit_fraction", h,
+               "must be a finite number in [0, 1)")
         if self.replay == Replay.exact:
             _check(self.prompt.kind == LengthKind.trace
                    and self.output.kind == LengthKind.trace, f"{p}.replay", "exact",
@@ -412,6 +422,10 @@ class Grid:
     spec_acceptance: Any = field(
         default_factory=lambda: [0.7],
         metadata={"help": "chance each proposed token is accepted (0-1)"})
+    prefix_caching: list[bool] = field(
+        default_factory=lambda: [False],
+        metadata={"help": "automatic prefix caching off (false) and/or on (true, at "
+                  "each workload's prefix_hit_fraction); a 0/1 cube axis"})
     arrival_rate_per_s: Any = field(
         default_factory=list,
         metadata={"help": "request rates for p99 latency; empty: each workload's own"},
@@ -438,6 +452,8 @@ class Grid:
             spec = getattr(self, a.name) if a.kind != contract.LABEL else None
             if spec is None or (a.optional and len(spec) == 0):
                 continue
+            if a.name == "prefix_caching":  # on/off flags: a 0/1 coordinate
+                spec = [float(v) for v in spec]
             self.axes[a.name] = _numeric_axis(
                 spec, f"grid.{a.name}", integer=a.kind == contract.INTEGER,
                 low=a.low, high=MAX_TOKENS if a.high is None else a.high)

@@ -375,7 +375,9 @@ class SweepAccessor:
           quantisation and KV-cache dtype flags, and in ``notes`` the
           pre-quantised checkpoint a weight dtype needs where no flag exists;
           at a ``spec_tokens`` k > 0, the engine's n-gram speculation flags
-          (TensorRT-LLM's, in ``notes``).
+          (TensorRT-LLM's, in ``notes``); at ``prefix_caching`` 1, vLLM's
+          ``--enable-prefix-caching`` (SGLang's and TensorRT-LLM's caches are
+          on by default: ``notes``).
         """
         engines.engine(engine)  # an unknown name fails before any reading
         ds = self._ds
@@ -412,14 +414,16 @@ class SweepAccessor:
         weights, kv = (point_dtype(self._ds, pt, d) for d in ("weight_dtype",
                                                               "kv_dtype"))
         spec = int(value("spec_tokens") or 0)
+        cache = bool(value("prefix_caching") or 0)
         flags = engines.flags(
             engine, tensor_parallel=int(pt["tensor_parallel"]),
             concurrency=value("concurrency"), token_budget=value("token_budget"),
             gpu_memory_utilization=None if util is None else float(util),
             memory_bytes=value("memory_bytes"), weight_bytes=value("weight_bytes"),
-            weight_dtype=weights, kv_dtype=kv, spec_tokens=spec)
+            weight_dtype=weights, kv_dtype=kv, spec_tokens=spec,
+            prefix_caching=cache)
         replicas = value("replicas")
         return ServingFlags(engine, flags, engines.command_line(flags),
                             None if replicas is None else int(replicas),
-                            tuple(engines.notes(engine, weights, spec)))
+                            tuple(engines.notes(engine, weights, spec, cache)))
 

@@ -204,6 +204,13 @@ AXES: tuple[Axis, ...] = (
          INTEGER, header="spec k", low=0, high=64),
     Axis("spec_acceptance", "1", "speculative acceptance rate per token", CONFIG,
          REAL, header="accept", low=0, high=1),
+    # automatic prefix caching (sweep.model.roofline.cached_prefix_tokens):
+    # 0 off, 1 on at each workload's prefix_hit_fraction
+    Axis("prefix_caching", "1", "prefix caching (0 off, 1 on)", CONFIG, INTEGER,
+         header="prefix cache", low=0, high=1,
+         affects=("prefix_hit_fraction", "prefill_tokens_per_s",
+                  "cost_per_mtok_in_usd", "long_prefill_s", "long_prefill_steps",
+                  "long_prefill_worst_itl_s")),
     Axis("arrival_rate_per_s", "request / s", "arrival rate", SCENARIO, REAL,
          parts=(P99,), header="req/s", low=1e-9, high=1e12, optional=True),
 )
@@ -223,7 +230,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("slot_utilization", "1", "batch slot utilisation"),
     Metric("cost_per_mtok_out_usd", "USD / Mtoken", "cost per 1M output tokens",
            column=Column("USD/1M out", "{:.3f}", section=COST)),
-    Metric("prefill_tokens_per_s", "token / s", "prefill rate"),
+    Metric("prefix_hit_fraction", "1", "share of the mean prompt read from the "
+           "prefix cache (whole 16-token blocks; 0 without prefix caching)"),
+    Metric("prefill_tokens_per_s", "token / s", "prefill rate (input tokens, "
+           "cached ones included)"),
     Metric("cost_per_mtok_in_usd", "USD / Mtoken", "cost per 1M input tokens"),
     Metric("long_prefill_s", "s", "long-prompt prefill time"),
     Metric("long_prefill_steps", "step", "long-prompt prefill steps"),

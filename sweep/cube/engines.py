@@ -28,6 +28,14 @@ SGLang; TensorRT-LLM):
   max_draft_len: k}`` in the ``--extra_llm_api_options`` YAML (its docs,
   "Speculative Decoding", ``NGramDecodingConfig``), said in ``notes``
 
+* prefix caching on (a workload's ``prefix_hit_fraction`` > 0):
+  ``--enable-prefix-caching`` (vLLM's "Engine Arguments"; 16-token blocks,
+  ``--block-size``, as the model counts its hits); none for SGLang, whose
+  radix cache is on unless ``--disable-radix-cache`` ("Server Arguments");
+  none for TensorRT-LLM, whose KV block reuse is on unless
+  ``kv_cache_config: {enable_block_reuse: false}`` in the
+  ``--extra_llm_api_options`` YAML (``KvCacheConfig``); said in ``notes``
+
 A weight dtype an engine cannot quantise to at load needs a checkpoint
 quantised beforehand, whose config the engine reads (no flag): GPTQ or AWQ
 for int4 in vLLM, NVFP4 (NVIDIA ModelOpt) for fp4 in vLLM and SGLang, a
@@ -80,6 +88,8 @@ class Engine(NamedTuple):
     checkpoints: dict[str, str]  # weight dtype -> the checkpoint it serves
     # n-gram speculation with k proposals -> its flags (None: no flag; notes)
     speculation: Callable[[int], dict[str, int | str]] | None = None
+    # prefix caching on: its flags, or what ``notes`` says where none is needed
+    prefix_caching: dict[str, str] | str = ""
 
 
 ENGINES = {
@@ -90,7 +100,8 @@ ENGINES = {
         {"int4": "a GPTQ or AWQ checkpoint (4-bit, group size 128)",
          "fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt or llm-compressor)"},
         lambda k: {"--speculative-config":
-                   f'\'{{"method": "ngram", "num_speculative_tokens": {k}}}\''}),
+                   f'\'{{"method": "ngram", "num_speculative_tokens": {k}}}\''},
+        {"--enable-prefix-caching": ""}),
     "sglang": Engine(
         "SGLang", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
         "--mem-fraction-static", False,
@@ -98,14 +109,19 @@ ENGINES = {
         {"fp8": ("--kv-cache-dtype", "fp8_e5m2")},
         {"fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt)"},
         lambda k: {"--speculative-algorithm": "NGRAM",
-                   "--speculative-num-draft-tokens": k + 1}),
+                   "--speculative-num-draft-tokens": k + 1},
+        "prefix caching: SGLang's radix cache is on by default (no flag; "
+        "--disable-radix-cache turns it off)"),
     "trtllm": Engine(
         "TensorRT-LLM", "--tp_size", "--max_batch_size", "--max_num_tokens",
         "--kv_cache_free_gpu_memory_fraction", True,
         {}, {"fp8": ("--kv_cache_dtype", "fp8")},
         {"fp8": "an FP8 checkpoint of NVIDIA ModelOpt",
          "int4": "a W4A16 AWQ checkpoint of NVIDIA ModelOpt",
-         "fp4": "an NVFP4 checkpoint of NVIDIA ModelOpt"}),
+         "fp4": "an NVFP4 checkpoint of NVIDIA ModelOpt"},
+        None, "prefix caching: TensorRT-LLM reuses KV blocks by default (no flag; "
+        "kv_cache_config: {enable_block_reuse: true} in the --extra_llm_api_options "
+        "YAML)"),
 }
 """Engine name (what ``engine=`` takes) -> its argument names."""
 
@@ -132,15 +148,16 @@ def kv_free_fraction(gpu_memory_utilization: float, memory_bytes: float,
 def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
           token_budget: int | None, gpu_memory_utilization: float | None,
           memory_bytes: float | None = None, weight_bytes: float | None = None,
-          weight_dtype: str = PLAIN, kv_dtype: str = PLAIN, spec_tokens: int = 0
-          ) -> dict[str, int | float | str]:
+          weight_dtype: str = PLAIN, kv_dtype: str = PLAIN, spec_tokens: int = 0,
+          prefix_caching: bool = False) -> dict[str, int | float | str]:
     """One deployment's arguments for engine ``name`` (``None``: not set).
 
     ``weight_bytes`` is the whole model's; TensorRT-LLM's memory fraction
     needs it and ``memory_bytes`` (one GPU's), and is left out without them.
     A ``weight_dtype`` or ``kv_dtype`` other than bf16 adds the engine's
     flag for it where it has one (``notes``: where it has none); so does
-    n-gram speculation with ``spec_tokens`` proposals per step.
+    n-gram speculation with ``spec_tokens`` proposals per step, and prefix
+    caching (a flag with the value ``""`` stands alone).
     """
     e = engine(name)
     out: dict[str, int | float | str] = {e.tensor_parallel: int(tensor_parallel)}
@@ -154,6 +171,8 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
             out[flag] = value
     if spec_tokens and e.speculation is not None:
         out.update(e.speculation(int(spec_tokens)))
+    if prefix_caching and isinstance(e.prefix_caching, dict):
+        out.update(e.prefix_caching)
     if gpu_memory_utilization is None:
         return out
     if not e.memory_after_weights:
@@ -164,7 +183,8 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
     return out
 
 
-def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0) -> list[str]:
+def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0,
+          prefix_caching: bool = False) -> list[str]:
     """What the flags cannot say: the checkpoint quantised beforehand that a
     weight dtype needs in engine ``name`` (none for bf16, or where a flag
     quantises at load), and speculation where the engine has no flag."""
@@ -179,13 +199,15 @@ def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0) -> list[st
                    f"{e.label} takes it in the --extra_llm_api_options YAML, as "
                    f"speculative_config: {{decoding_type: NGram, max_draft_len: "
                    f"{int(spec_tokens)}}}")
+    if prefix_caching and isinstance(e.prefix_caching, str):
+        out.append(e.prefix_caching)
     return out
 
 
 def command_line(values: dict[str, int | float | str]) -> str:
     """``--flag value ...`` (floats as ``%g``)."""
-    return " ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
-                    for k, v in values.items())
+    return " ".join(k if v == "" else f"{k} {v:g}" if isinstance(v, float)
+                    else f"{k} {v}" for k, v in values.items())
 
 
 def bench_command(*, hf_id: str, request_rate_per_s: float, num_prompts: int,

@@ -150,7 +150,7 @@ def _padded(tables: list[WorkloadTables]) -> list[WorkloadParams]:
         out.append(WorkloadParams(
             t.mean_prompt_tokens, t.mean_output_tokens,
             np.concatenate([t.output_values, np.full(pad, t.output_values[-1])]),
-            np.concatenate([t.output_probs, np.zeros(pad)])))
+            np.concatenate([t.output_probs, np.zeros(pad)]), t.prefix_hit_fraction))
     return out
 
 

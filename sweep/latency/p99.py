@@ -1,8 +1,8 @@
 """The p99 part of a grid cube: simulator or surrogate over the latency axes.
 
 p99 latency depends on the hardware, model, workload, tensor parallelism,
-concurrency, token budget, batching mode, precision, speculative decoding
-and arrival rate, not on the
+concurrency, token budget, batching mode, precision, speculative decoding,
+prefix caching and arrival rate, not on the
 roofline-only axes (context, long prompt, traffic): its variables live on
 ``DIMS`` only, and xarray broadcasts them against the rest of the cube.
 
@@ -86,12 +86,14 @@ class SimulatePoint:
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, arrival_rate_per_s, requests, slo):
+                 spec_acceptance, prefix_caching, arrival_rate_per_s, requests,
+                 prefix_hit, slo):
         del arrival_rate_per_s  # the requests arrive at it already
         model = precision.apply(model, weight_dtype, kv_dtype)
         r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
                      requests, batching, slo[0], slo[1], workload, None, spec_tokens,
-                     spec_acceptance, max_slots=self.max_slots)._asdict()
+                     spec_acceptance, jnp.where(prefix_caching > 0, prefix_hit, 0.0),
+                     max_slots=self.max_slots)._asdict()
         kv_ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
         return _summary(r, slo, kv_ok, r["status"])
 
@@ -116,14 +118,16 @@ class SurrogatePoint:
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, arrival_rate_per_s, served, rejected, slo):
+                 spec_acceptance, prefix_caching, arrival_rate_per_s, served,
+                 rejected, prefix_hit, slo):
         del workload
         model = precision.apply(model, weight_dtype, kv_dtype)
+        hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
 
         def figures(hw):
             r = dict(surrogate(hw, model, served, tensor_parallel, concurrency,
                                token_budget, arrival_rate_per_s * (1.0 - rejected),
-                               slo[0], slo[1], spec_tokens, spec_acceptance))
+                               slo[0], slo[1], spec_tokens, spec_acceptance, hit))
             return {f: r[f] for f in _P99S}, r
 
         if self.sensitivity:
@@ -177,6 +181,9 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
     shared = {d: inputs[d] for d in DIMS if d in inputs and d != "workload"}
     rate_input = rates.astype(np.float32)
     method = app.latency.method
+    # each workload's prefix hit fraction, used where prefix_caching is on
+    prefix_hit = (np.array([w.prefix_hit_fraction for w in workloads], np.float32),
+                  ("workload",))
     if method == LatencyMethod.simulate:
         keys = jax.random.split(jax.random.key(app.seed), len(workloads))
         streams = [[workload_requests(k, w, t, app.latency.num_requests, r)
@@ -188,7 +195,7 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
         overlong = np.array([OVERLONG.index(w.overlong.value) for w in workloads],
                             np.int32)
         lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
-                   "slo": (slo, ())}
+                   "prefix_hit": prefix_hit, "slo": (slo, ())}
         workload_input = overlong
         # a simulated block takes seconds or more: its chunk is written (and a
         # resumed run restarts) one compiled block at a time
@@ -202,7 +209,7 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
                        ("model", "workload")),
             "rejected": (np.array([[r for _, r in row] for row in served], np.float32),
                          ("model", "workload")),
-            "slo": (slo, ())}
+            "prefix_hit": prefix_hit, "slo": (slo, ())}
         workload_input = np.zeros(len(workloads), np.float32)
         plan, batch_points = write_blocking(shape, batch), batch
     # the simulator's percentiles are order statistics and histogram bins:

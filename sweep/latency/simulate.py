@@ -36,6 +36,13 @@ step-by-step reference):
   slots, and the ITL samples are the gaps between deliveries. The run
   machinery counts deliveries; ``_token_context`` and ``_kv_at`` turn them
   into tokens (exactly the integers of plain decoding at k = 0).
+* prefix caching (``prefix_hit_fraction`` h): each prompt's first ``h P``
+  tokens, in whole 16-token blocks (vLLM's block size;
+  ``roofline.cached_prefix_tokens``), are in the prefix cache at admission:
+  they count in the KV the request holds, but its prefill computes only the
+  rest, as chunks whose cached prefix starts at them (their KV is read and
+  attended to, not recomputed). A readmitted (preempted) request finds them
+  again.
 * static batching (``transformers.generate`` style): a batch of up to
   ``concurrency`` arrived requests is admitted only when nothing runs,
   reserving ``sum(prompt) + size * max(output)`` KV tokens, so it never
@@ -79,7 +86,7 @@ only when nothing else is due, so the rules keep their order. That is about 3
 turns per request.
 
 Slots: running and preempted requests occupy ``max_slots`` slots (``Slots``:
-one entry of each of 13 int and 4 float field arrays; a turn scatters only the
+one entry of each of 14 int and 4 float field arrays; a turn scatters only the
 fields it changes, and XLA on CPU copies far less than it did for one slot
 matrix, which it copied whole twice per turn). No turn sorts or searches them:
 the prompts being prefilled are a FIFO ring of slots (admission order), free
@@ -235,7 +242,9 @@ class Slots(NamedTuple):
     req: jax.Array  # request index
     adm: jax.Array  # admission number (the newest running has the largest)
     cum: jax.Array  # prefill tokens queued before this prefill (its FIFO position)
-    need: jax.Array  # tokens this prefill computes (prompt + emitted)
+    need: jax.Array  # tokens this prefill holds in KV (prompt + emitted)
+    hit: jax.Array  # of them, the prefix found in the prefix cache: the
+    #   prefill computes need - hit tokens, from the cached prefix on
     prompt: jax.Array
     output: jax.Array
     emitted: jax.Array  # tokens emitted before the current prefill
@@ -304,7 +313,7 @@ class _State(NamedTuple):
     n_real: jax.Array  # DECODE slots still emitting
     sum_base: jax.Array  # BASE summed over DECODE slots
     sum_prompt: jax.Array  # PROMPT summed over DECODE slots (speculation's KV)
-    kv_prefill: jax.Array  # NEED summed over PREFILL slots
+    kv_prefill: jax.Array  # NEED summed over PREFILL slots (their KV)
     event_step: jax.Array  # the last step that finished a prompt: its index,
     event_s: jax.Array  # its end time (event_s + event_lo_s),
     event_lo_s: jax.Array
@@ -340,6 +349,7 @@ class _Ctx(NamedTuple):
     num_served: jax.Array  # int32: requests [0, num_served) are served
     spec_tokens: jax.Array  # int32, proposals verified per decode (0: off)
     spec_gain: jax.Array  # tokens each decode step gains (1 without speculation)
+    hit: jax.Array  # shape=(R,), int32, each prompt's prefix in the prefix cache
 
 
 def _lines(cx: _Ctx, dt, new_tokens, kv0, kv_slope, keys0, keys_slope, sequences):
@@ -748,7 +758,7 @@ def _preempt(cx: _Ctx, s: _State, blocked):
             last_token_s=jnp.where(decoding, _since(s.t_s, s.t_lo_s, c.arrival_s),
                                    c.last_token_s),
             gap_s=-1.0),
-        queued=s.queued - jnp.where(undo, c.need, 0),
+        queued=s.queued - jnp.where(undo, c.need - c.hit, 0),
         prefilled=jnp.where(undo, jnp.minimum(s.prefilled, c.cum), s.prefilled),
         kv_prefill=s.kv_prefill - jnp.where(undo, c.need, 0),
         fifo_tail=tail,
@@ -798,6 +808,8 @@ def _admit(cx: _Ctx, s: _State, blocked):
     # a static batch reserves KV for its longest output in tokens
     out_tokens = new(cx.output_tokens[a_c], c.output)
     need = new(cx.prompt[a_c], c.need)
+    # a readmitted request finds its prompt's cached prefix again
+    hit = new(cx.hit[a_c], c.hit)
     arrived = from_wait | (has_new & (cx.arrival_s[a_c] - t <= t_lo))
     empty = s.n_run == 0
     batch_prompt = jnp.where(empty, 0, s.batch_prompt)
@@ -814,9 +826,10 @@ def _admit(cx: _Ctx, s: _State, blocked):
     slots = _write(
         s.slots, slot, do, state=PREFILL, adm=s.admissions, cum=s.queued,
         req=new(a, c.req), prompt=prompt, output=output, emitted=new(0, c.emitted),
-        need=need, slow=new(0, c.slow), flags=new(0, c.flags),
+        need=need, hit=hit, slow=new(0, c.slow), flags=new(0, c.flags),
         arrival_s=new(cx.arrival_s[a_c], c.arrival_s), gap_s=new(-1.0, c.gap_s))
     added = jnp.where(do, need, 0)
+    work = jnp.where(do, need - hit, 0)  # the FIFO holds tokens to compute
     next_req = a + _n(do & fresh)
     n_run = s.n_run + _n(do)
     n_wait = s.n_wait - _n(do & from_wait)
@@ -832,7 +845,7 @@ def _admit(cx: _Ctx, s: _State, blocked):
         t_lo_s=t_lo,
         next_req=next_req,
         admissions=s.admissions + _n(do),
-        queued=s.queued + added,
+        queued=s.queued + work,
         kv_prefill=s.kv_prefill + added,
         n_run=n_run,
         batch_open=s.batch_open | do,
@@ -863,13 +876,15 @@ def _event_step(cx: _Ctx, s: _State, prefilled, left, n_dec, ctx_f):
     and the prompts it finishes.
     """
     dt = ctx_f.dtype
-    cum, need = s.slots.cum, s.slots.need
-    done_old = jnp.clip(prefilled - cum, 0, need)
-    done_new = jnp.clip(prefilled + left - cum, 0, need)
+    cum, hit = s.slots.cum, s.slots.hit
+    work = s.slots.need - hit
+    done_old = jnp.clip(prefilled - cum, 0, work)
+    done_new = jnp.clip(prefilled + left - cum, 0, work)
     taken = jnp.where(s.slots.state == PREFILL, done_new - done_old, 0)
-    taken_f, done_f = taken.astype(dt), done_old.astype(dt)
+    # a chunk's cached prefix: the prompt's cached tokens and those done
+    taken_f, done_f = taken.astype(dt), (hit + done_old).astype(dt)
     chunks = taken.sum(dtype=jnp.int32)
-    finished = ((taken > 0) & (done_new == need)).sum(dtype=jnp.int32)
+    finished = ((taken > 0) & (done_new == work)).sum(dtype=jnp.int32)
     ctx_t = _token_context(cx, s, ctx_f, n_dec)
     dec_new, dec_keys = _verified(cx, dt, n_dec, ctx_t)
     lines = _lines(
@@ -903,7 +918,7 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
     go = ~s.done & ~blocked & (n_run > 0)
     h = s.fifo[first % size]
     head_cum = s.slots.cum[h]
-    head_end = head_cum + s.slots.need[h]
+    head_end = head_cum + s.slots.need[h] - s.slots.hit[h]
     ctx0 = s.sum_base + n_dec * k
     # each decode's k proposals take budget too (vLLM counts them)
     left = jnp.maximum(cx.budget - n_dec * (cx.spec_tokens + 1), 0)
@@ -918,7 +933,7 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
                        _BIG)
     horizon = jnp.minimum(jnp.minimum(cap_chunk, cap_done), cap_kv)
     horizon = jnp.where(go, horizon, 0)
-    p0 = jnp.where(has_pref, prefilled - head_cum, 0).astype(dt)
+    p0 = jnp.where(has_pref, prefilled - head_cum + s.slots.hit[h], 0).astype(dt)
     chunk_f = chunk.astype(dt)
     # speculation: contexts grow by ``spec_gain`` tokens per step, each
     # decode verifying k + 1 tokens (``_verified``)
@@ -1043,7 +1058,8 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
 def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Requests,
                       batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
                       overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
-                      *, max_slots: int, max_iterations: int | None = None,
+                      prefix_hit_fraction=0.0, *, max_slots: int,
+                      max_iterations: int | None = None,
                       turns_per_check: int = 64) -> SimOutcome:
     """Simulates one configuration and keeps per-request results.
 
@@ -1072,6 +1088,11 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         expectation rather than a draw per step. Its tokens arrive together:
         a request makes ``delivery_count`` deliveries, and the ITL samples are the
         gaps between deliveries (as a streaming client sees them). k = 0: off.
+      prefix_hit_fraction: the share ``h < 1`` of each prompt found in the
+        prefix cache (automatic prefix caching): its first ``h P`` tokens in
+        whole 16-token blocks (``roofline.cached_prefix_tokens``) are held
+        in KV and read, not computed; the prompt's chunks start after them.
+        A preempted request finds them again when readmitted. 0: off.
       max_slots: static size of the slot arrays: the largest concurrency of a
         grid is always exact. A smaller size is faster under light load; if
         the slots ever fill up below the configuration's concurrency, status
@@ -1117,6 +1138,8 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         output_tokens=output[order].astype(jnp.int32),
         num_served=served.sum(dtype=jnp.int32),
         spec_tokens=spec_k.astype(jnp.int32), spec_gain=gain.astype(dt),
+        hit=roofline.cached_prefix_tokens(
+            prompt, jnp.asarray(prefix_hit_fraction, dt))[order].astype(jnp.int32),
     )
     init = _initial(num_req, max_slots, dt)
 
@@ -1251,7 +1274,8 @@ def pool(outcomes: SimOutcome, rows) -> SimOutcome:
 def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
              batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
              overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
-             *, max_slots: int, max_iterations: int | None = None,
+             prefix_hit_fraction=0.0, *, max_slots: int,
+             max_iterations: int | None = None,
              turns_per_check: int = 64) -> SimResult:
     """Simulates one configuration; see ``simulate_requests`` for the arguments.
 
@@ -1260,6 +1284,7 @@ def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
     """
     outcome = simulate_requests(
         hw, model, tp, concurrency, token_budget, requests, batching, ttft_slo_s,
-        itl_slo_s, overlong, mine, spec_tokens, spec_acceptance, max_slots=max_slots,
+        itl_slo_s, overlong, mine, spec_tokens, spec_acceptance, prefix_hit_fraction,
+        max_slots=max_slots,
         max_iterations=max_iterations, turns_per_check=turns_per_check)
     return summarize(outcome)

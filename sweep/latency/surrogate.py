@@ -323,17 +323,19 @@ def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens, spec_toke
 
 
 def _ramp(hw, model, tp, decodes, context_tokens, chunk_tokens, span_tokens,
-          spec_tokens):
-    """The ramp of chunk steps with prefixes uniform on ``[0, span]``."""
+          spec_tokens, cached_tokens=0.0):
+    """The ramp of chunk steps with prefixes uniform on ``[c, c + span]``,
+    ``c`` the prompt's prefix in the prefix cache."""
     lines = _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens,
                          spec_tokens)
     ds = lines.memory_slope_s - lines.compute_slope_s
     cross = jnp.where(ds == 0.0, 0.0, roofline.crossing(lines))
-    split = jnp.clip(cross, 0.0, span_tokens)
+    split = jnp.clip(cross - cached_tokens, 0.0, span_tokens)
     some = span_tokens > 1e-6
     w_low = jnp.where(some, split / jnp.where(some, span_tokens, 1.0), 0.0)
-    return _Ramp(lines.at(jnp.zeros_like(span_tokens)), lines.at(split),
-                 lines.at(span_tokens), w_low)
+    return _Ramp(lines.at(jnp.zeros_like(span_tokens) + cached_tokens),
+                 lines.at(split + cached_tokens), lines.at(span_tokens + cached_tokens),
+                 w_low)
 
 
 def _uniform_cdf(t, lo, hi, scale):
@@ -366,18 +368,24 @@ class _Prefill(NamedTuple):
     budget_tokens: jax.Array  # b = prefill tokens one step can take (scalar)
 
 
-def _prefill(hw, model, tp, wl, decodes, token_budget, prompt_tokens, spec_tokens):
+def _prefill(hw, model, tp, wl, decodes, token_budget, prompt_tokens, spec_tokens,
+             cached_tokens=0.0):
+    """``prompt_tokens``: the tokens each band's prefill computes, after its
+    ``cached_tokens`` (``cached_workload``)."""
     ctx = wl.decode_context_tokens
     # a decode's proposals take budget too
     b = smooth_max(token_budget - roofline.verified_decodes(decodes, 0.0,
                                                             spec_tokens)[0], 1.0, 1.0)
     alone, _, _ = roofline.chunked_prefill(hw, model, tp, decodes, ctx,
-                                           prompt_tokens, b, spec_tokens)
+                                           prompt_tokens + cached_tokens, b,
+                                           spec_tokens, cached_tokens)
     k = ste_ceil(prompt_tokens / b)
     m = prompt_tokens / k
-    alone_ramp = _ramp(hw, model, tp, decodes, ctx, m, prompt_tokens - m, spec_tokens)
+    alone_ramp = _ramp(hw, model, tp, decodes, ctx, m, prompt_tokens - m, spec_tokens,
+                       cached_tokens)
     fluid_ramp = _ramp(hw, model, tp, decodes, ctx, b, softplus(prompt_tokens - b,
-                                                                1.0), spec_tokens)
+                                                                1.0), spec_tokens,
+                       cached_tokens)
     fluid = prompt_tokens / b * fluid_ramp.mean
     return _Prefill(alone, k, alone_ramp, fluid, fluid_ramp, b)
 
@@ -397,10 +405,11 @@ class _State(NamedTuple):
     residence_s: jax.Array  # mean time holding a slot
 
 
-def _state(hw, model, tp, wl, decodes, token_budget, lam, spec_tokens):
+def _state(hw, model, tp, wl, decodes, token_budget, lam, spec_tokens,
+           cached_tokens=0.0):
     """Everything that follows from ``n`` decodes and an admitted rate."""
     pre = _prefill(hw, model, tp, wl, decodes, token_budget, wl.prompt_tokens,
-                   spec_tokens)
+                   spec_tokens, cached_tokens)
     w = wl.band_probs
     alone, fluid = w @ pre.alone_s, w @ pre.fluid_s
     rho = lam * alone / (1.0 + lam * softplus(alone - fluid, 1e-3 * alone + 1e-12))
@@ -833,9 +842,31 @@ def speculative_workload(wl: LatencyWorkload, spec_tokens, gain) -> LatencyWorkl
                              wl.slot_kv_cv))
 
 
+def cached_workload(wl: LatencyWorkload, hit_fraction):
+    """The workload's prefill work with prefix caching at hit fraction ``h``:
+    each band's prompt less its cached prefix (``roofline.cached_prefix_tokens``
+    of the band's mean prompt), the spread of the work ``(1 - h)`` times the
+    prompts' and its second moment ``(1 - h)^2`` times theirs. The KV a
+    request holds and the decode contexts keep the whole prompt.
+
+    Returns ``(workload, cached tokens per band)``; exactly ``wl`` at h = 0.
+    """
+    on = hit_fraction > 0
+    cached = roofline.cached_prefix_tokens(wl.prompt_tokens, hit_fraction)
+    work = wl.prompt_tokens - cached
+    keep = 1.0 - hit_fraction
+    return wl._replace(
+        prompt_tokens=jnp.where(on, work, wl.prompt_tokens),
+        prompt_spread_tokens=jnp.where(on, keep * wl.prompt_spread_tokens,
+                                       wl.prompt_spread_tokens),
+        mean_prompt_tokens=jnp.where(on, wl.band_probs @ work, wl.mean_prompt_tokens),
+        mean_prompt_sq_tokens=jnp.where(on, keep**2 * wl.mean_prompt_sq_tokens,
+                                        wl.mean_prompt_sq_tokens)), cached
+
+
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
-              spec_tokens=0.0, spec_acceptance=0.0):
+              spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -851,6 +882,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         proposals (``speculative_workload``; every decode step verifies
         ``k`` proposals, ``roofline.verify_step_s``); ITL is the gap between
         deliveries, as in the simulator. 0: off.
+      prefix_hit_fraction: prefix caching (``cached_workload``): each
+        prompt's prefill computes only what follows its cached prefix, as
+        chunks that read the prefix. 0: off.
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
@@ -865,26 +899,29 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       flags: ``SATURATED``, ``KV_INFEASIBLE``).
     """
     dtype = wl.band_probs.dtype
-    tp, conc, budget, lam, ttft_slo_s, itl_slo_s, k, a = (
+    tp, conc, budget, lam, ttft_slo_s, itl_slo_s, k, a, h = (
         jnp.asarray(x, dtype) for x in (tp, concurrency, token_budget,
                                         arrival_rate_per_s, ttft_slo_s, itl_slo_s,
-                                        spec_tokens, spec_acceptance))
+                                        spec_tokens, spec_acceptance,
+                                        prefix_hit_fraction))
     tokens_out = wl.mean_output_tokens
     wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))
+    wl, cached = cached_workload(wl, h)
     w = wl.band_probs
     mean_decodes = wl.mean_output_tokens - 1.0
     slots, kv_mean_slots = _slots(hw, model, tp, wl, conc)
 
     def state(n):
-        return _state(hw, model, tp, wl, n, budget, lam, k)
+        return _state(hw, model, tp, wl, n, budget, lam, k, cached)
 
     n, st, d_st = _solve_decodes(state, lam, mean_decodes, slots)
     slot_util, utilization, rate = _throughput(st, wl, lam, mean_decodes, slots)
     gap_s = _tagged_gap_s(st, d_st, n, slots)
-    queue = _slot_queue(lambda d, rate: _state(hw, model, tp, wl, d, budget, rate, k),
-                        st, d_st, lam, mean_decodes, slots)
+    queue = _slot_queue(
+        lambda d, rate: _state(hw, model, tp, wl, d, budget, rate, k, cached),
+        st, d_st, lam, mean_decodes, slots)
     _, per_token = jax.jvp(
-        lambda p: _prefill(hw, model, tp, wl, n, budget, p, k).fluid_s,
+        lambda p: _prefill(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
     wait = _wait(st, wl, slots, queue, gap_s, per_token)

@@ -264,6 +264,8 @@ class WorkloadTables:
     pairs: np.ndarray | None = None
     # shape=(N,): those rows' timestamps (s from the first of them)
     pair_arrival_s: np.ndarray | None = None
+    # share of each prompt in the prefix cache when caching is on
+    prefix_hit_fraction: float = 0.0
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -310,7 +312,8 @@ def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
         _check_span(arrival, w, "every timestamp is equal:")
         if w.replay == Replay.exact:
             _check_span(pair_arrival, w, "the rows with both lengths >= 1 are")
-    return WorkloadTables(w.name, pv, pp, ov, op, arrival, pairs, pair_arrival)
+    return WorkloadTables(w.name, pv, pp, ov, op, arrival, pairs, pair_arrival,
+                          float(w.prefix_hit_fraction))
 
 
 def context_limit(prompt, output, max_context_tokens, truncate, xp=np):

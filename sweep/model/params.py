@@ -80,6 +80,8 @@ class WorkloadParams(NamedTuple):
     mean_output_tokens: jax.Array
     output_values: jax.Array  # shape=(K,), ascending support of output lengths
     output_probs: jax.Array  # shape=(K,), their probabilities
+    # share of each prompt found in the prefix cache when caching is on
+    prefix_hit_fraction: jax.Array = 0.0
 
 
 class GridPoint(NamedTuple):
@@ -100,3 +102,5 @@ class GridPoint(NamedTuple):
     # chance each proposed token is accepted
     spec_tokens: jax.Array = 0.0
     spec_acceptance: jax.Array = 0.0
+    # automatic prefix caching: 1 on (the workload's hit fraction), 0 off
+    prefix_caching: jax.Array = 0.0

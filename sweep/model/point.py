@@ -67,18 +67,23 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     tp = pt.tensor_parallel
     running, step, gained, utilization, output_rate = _decode(
         hw, model, pt, static_utilization)
-    prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens)
+    # with prefix caching each prompt's first h P tokens (whole blocks) are
+    # read from the cache, not computed; input tokens count the cached ones
+    hit = jnp.where(pt.prefix_caching > 0, wl.prefix_hit_fraction, 0.0)
+    cached = roofline.cached_prefix_tokens(wl.mean_prompt_tokens, hit)
+    prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens, cached)
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = roofline.chunked_prefill(
         hw, model, tp, running, pt.context_tokens, pt.long_prompt_tokens,
         pt.token_budget, pt.spec_tokens,
+        roofline.cached_prefix_tokens(pt.long_prompt_tokens, hit),
     )
     # chunked prefill only exists under continuous batching
     chunked = batching.is_continuous(pt.batching)
     replicas = cost.replicas_for_traffic(output_rate, pt.traffic_tokens_per_day)
     # the engine reserves KV slots for the k proposed tokens of each sequence
-    cached = pt.context_tokens + pt.spec_tokens
-    fits = roofline.kv_fits(hw, model, tp, running, cached)
+    held = pt.context_tokens + pt.spec_tokens
+    fits = roofline.kv_fits(hw, model, tp, running, held)
     metrics = {
         "step_s": step,
         "tokens_per_step": gained,
@@ -89,6 +94,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         "cost_per_mtok_out_usd": cost.cost_per_mtok_usd(
             hw.usd_per_gpu_hour, tp, output_rate
         ),
+        "prefix_hit_fraction": cached / wl.mean_prompt_tokens,
         "prefill_tokens_per_s": prefill_rate,
         "cost_per_mtok_in_usd": cost.cost_per_mtok_usd(
             hw.usd_per_gpu_hour, tp, prefill_rate
@@ -105,7 +111,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         metrics.update(cost_elasticities(hw, model, pt, static_utilization))
     metrics = {k: jnp.where(fits, v, jnp.nan) for k, v in metrics.items()}
     metrics["kv_fits"] = fits
-    metrics["max_concurrency_fit"] = roofline.max_concurrency_fit(hw, model, tp, cached)
+    metrics["max_concurrency_fit"] = roofline.max_concurrency_fit(hw, model, tp, held)
     return metrics
 
 

@@ -32,6 +32,13 @@ reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
 (vLLM's ``--speculative-config '{"method": "ngram", ...}'``). Every function
 is exactly the plain decode at ``k = 0``.
 
+Prefix caching (vLLM's automatic prefix caching, SGLang's RadixAttention):
+a prompt whose first ``c`` tokens are cached (``cached_prefix_tokens``)
+prefills only its last ``P - c`` tokens, as chunks that start after the
+cached prefix: the cached tokens' KV is read and attended to, their linear
+and attention FLOPs are not spent again (``prefill_step_s``,
+``chunked_prefill``). Exactly the uncached prefill at ``c = 0``.
+
 A run of steps whose KV read and attention keys grow linearly with the step
 (a long prompt's chunks; the simulator's runs between scheduling events) has
 its memory and compute times on two lines (``step_lines``); the larger of
@@ -209,6 +216,21 @@ def tokens_per_step(spec_tokens, acceptance):
     return jnp.where(spec_tokens > 0, gained, 1.0)  # exactly 1 without speculation
 
 
+PREFIX_BLOCK_TOKENS = 16.0
+"""Tokens per cached block: a prompt's prefix is reused in whole KV blocks
+(vLLM's default ``--block-size`` on GPUs; SGLang's radix cache matches
+single tokens, so this rounds its hits down by under a block)."""
+
+
+def cached_prefix_tokens(prompt_tokens, hit_fraction):
+    """Tokens of a ``prompt_tokens`` prompt found in the prefix cache: its
+    first ``h P`` tokens at hit fraction ``h < 1``, rounded down to whole
+    blocks of ``PREFIX_BLOCK_TOKENS``; always fewer than the prompt (the
+    last token is computed, as vLLM recomputes it on a full hit). 0 at h = 0."""
+    blocks = jnp.floor(hit_fraction * prompt_tokens / PREFIX_BLOCK_TOKENS)
+    return blocks * PREFIX_BLOCK_TOKENS
+
+
 def chunk_attention_keys(chunk_tokens, cached_tokens):
     """Keys a causal chunk of ``m`` new tokens after ``p`` cached ones attends to."""
     return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1.0) / 2.0
@@ -236,9 +258,12 @@ def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
     )
 
 
-def prefill_step_s(hw, model, tp, prompt_tokens):
-    """A whole prompt prefilled in one step with nothing cached."""
-    return mixed_step_s(hw, model, tp, 0.0, 0.0, prompt_tokens, 0.0)
+def prefill_step_s(hw, model, tp, prompt_tokens, cached_tokens=0.0):
+    """A whole prompt prefilled in one step: its ``prompt - cached`` new
+    tokens after the ``cached_tokens`` the prefix cache holds (read and
+    attended to, not computed)."""
+    return mixed_step_s(hw, model, tp, 0.0, 0.0, prompt_tokens - cached_tokens,
+                        cached_tokens)
 
 
 class StepLines(NamedTuple):
@@ -320,11 +345,13 @@ def run_s(lines: StepLines, split, steps):
 
 
 def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
-                    token_budget, spec_tokens=0.0):
+                    token_budget, spec_tokens=0.0, cached_tokens=0.0):
     """A long prompt prefilled in ``token_budget`` chunks beside running decodes.
 
-    Chunk ``i`` (``i < k = floor(P / b)``) has ``b`` tokens after ``i b`` cached
-    ones; a last chunk of ``P - k b`` tokens follows when that is non-zero. Both
+    The prompt's first ``c = cached_tokens`` tokens are in the prefix cache;
+    chunk ``i`` (``i < k = floor((P - c) / b)``) has ``b`` tokens after
+    ``c + i b`` cached ones; a last chunk of ``P - c - k b`` tokens follows
+    when that is non-zero. Both
     the memory and the compute time of full chunks grow linearly in ``i``, so
     the sum of their maximum splits at one crossing index and is summed in
     closed form, with no loop over chunks.
@@ -337,8 +364,9 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
       users see).
     """
     b = token_budget
-    full = jnp.floor(prompt_tokens / b)
-    rest = prompt_tokens - full * b
+    left = prompt_tokens - cached_tokens
+    full = jnp.floor(left / b)
+    rest = left - full * b
     ctx = decodes * context_tokens
     kvb = kv_read_bytes_per_token(hw, model)
     dec_new, dec_keys = verified_decodes(decodes, ctx, spec_tokens)
@@ -346,23 +374,25 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     mem_bw = tp * effective_bandwidth_bytes_per_s(hw)
     flop_rate = tp * effective_flops_per_s(hw)
     fpk = attention_flops_per_key(model)
-    # step i of the full chunks: step_lines(.., ctx, b, ctx + b (b + 1) / 2,
-    # b b), written out: it divides by the group's rates once and takes the
-    # compute slope as (fpk b) b, and the grid's and the surrogate's figures
-    # and gradients are bitwise tied to this order (XLA turns a division by a
-    # broadcast into a reciprocal multiply and fuses multiply-adds within a
-    # fusion, so the same formula rounds differently in another order)
+    # step i of the full chunks: step_lines(.., ctx + c, b, ctx + b c
+    # + b (b + 1) / 2, b b), written out: it divides by the group's rates
+    # once and takes the compute slope as (fpk b) b, and the grid's and the
+    # surrogate's figures and gradients are bitwise tied to this order (XLA
+    # turns a division by a broadcast into a reciprocal multiply and fuses
+    # multiply-adds within a fusion, so the same formula rounds differently
+    # in another order)
     lines = StepLines(
-        (weight_bytes_read(model, new) + ctx * kvb) / mem_bw,
+        (weight_bytes_read(model, new) + (ctx + cached_tokens) * kvb) / mem_bw,
         b * kvb / mem_bw,
         (linear_flops_per_token(hw, model) * new
-         + fpk * (dec_keys + b * (b + 1.0) / 2.0)) / flop_rate,
+         + fpk * (dec_keys + b * cached_tokens + b * (b + 1.0) / 2.0)) / flop_rate,
         fpk * b * b / flop_rate,
         fixed_s(hw, model, tp, new, decodes + 1.0),
     )
     full_sum = run_s(lines, split_at_crossing(lines, full), full)
     last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
-    partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, full * b, spec_tokens)
+    partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, cached_tokens + full * b,
+                           spec_tokens)
     partial = jnp.where(rest > 0, partial, 0.0)
     steps = full + jnp.where(rest > 0, 1.0, 0.0)
     return full_sum + partial, steps, jnp.maximum(last_full, partial)

@@ -96,6 +96,8 @@ class Candidates(NamedTuple):
     itl_target_s: jax.Array  # surrogate target for p99 ITL (<= the SLO)
     spec_tokens: jax.Array  # speculative proposals per step (0: off)
     spec_acceptance: jax.Array  # chance each is accepted
+    # share of each prompt in the prefix cache (the workload's; 0: no caching)
+    prefix_hit_fraction: jax.Array
 
 
 def _frozen(value) -> Hashable:
@@ -200,7 +202,8 @@ def objective(theta, cand: Candidates, penalty_scale, penalty_weight):
     c, b, r = jnp.exp(theta[0]), jnp.exp(theta[1]), jnp.exp(theta[2])
     out = surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
                     cand.arrival_rate_per_s / r, spec_tokens=cand.spec_tokens,
-                    spec_acceptance=cand.spec_acceptance)
+                    spec_acceptance=cand.spec_acceptance,
+                    prefix_hit_fraction=cand.prefix_hit_fraction)
 
     def over(p99, target):
         # log of the ratio, floored so that a zero p99 cannot reach log(0)

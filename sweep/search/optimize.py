@@ -226,6 +226,7 @@ def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candid
         itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
         spec_tokens=jnp.asarray([c.spec_tokens for c in cands], f32),
         spec_acceptance=jnp.full(n, job.app.search.spec_acceptance, f32),
+        prefix_hit_fraction=jnp.full(n, job.app.workload.prefix_hit_fraction, f32),
     )
 
 
@@ -362,20 +363,21 @@ def _surrogate_infeasible(job: OptimizeJob, res: descent.SearchResult) -> str:
 @functools.partial(jax.jit, static_argnames=("max_slots",))
 def _simulate_replicas(hw, model, tp, concurrency, token_budget, spec_tokens,
                        spec_acceptance, requests, mine, owner, configs, ttft_slo_s,
-                       itl_slo_s, overlong, *, max_slots: int):
+                       itl_slo_s, overlong, prefix_hit_fraction, *, max_slots: int):
     """Every row (one replica's share of a stream), pooled per configuration.
 
     Args:
       hw, model, tp, concurrency, token_budget, spec_tokens, requests, mine:
         per row (leading axis K).
       spec_acceptance: the search's acceptance rate (scalar).
+      prefix_hit_fraction: the workload's (scalar; prefix caching, 0: off).
       owner: int ``(K,)``, each row's configuration (-1: padding).
       configs: int ``(W,)``, ``arange(W)``.
     """
     def one(hw, model, tp, c, b, k, req, mine):
         return simulate_requests(hw, model, tp, c, b, req, CONTINUOUS, ttft_slo_s,
                                  itl_slo_s, overlong, mine, k, spec_acceptance,
-                                 max_slots=max_slots)
+                                 prefix_hit_fraction, max_slots=max_slots)
 
     rows = jax.vmap(one)(hw, model, tp, concurrency, token_budget, spec_tokens,
                          requests, mine)
@@ -453,7 +455,8 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
         jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
         jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32),
         jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
-        jnp.int32(OVERLONG.index(app.workload.overlong.value)), max_slots=max_slots)
+        jnp.int32(OVERLONG.index(app.workload.overlong.value)),
+        jnp.asarray(app.workload.prefix_hit_fraction, f32), max_slots=max_slots)
     out = jax.tree.map(np.asarray, out._asdict())
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
             for i, r in enumerate(routes)]
@@ -612,14 +615,16 @@ def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
         memory_bytes=cand.hardware.memory_bytes,
         weight_bytes=float(roofline.weight_bytes(model_params(cand.model))),
         weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
-        spec_tokens=cand.spec_tokens)
+        spec_tokens=cand.spec_tokens,
+        prefix_caching=job.app.workload.prefix_hit_fraction > 0)
     return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
 
 
 def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str]:
     """What ``serving_flags`` cannot say (``sweep.cube.engines.notes``)."""
     cand = job.candidates[c.candidate]
-    return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens)
+    return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens,
+                         job.app.workload.prefix_hit_fraction > 0)
 
 
 def bench_command(job: OptimizeJob, c: Config) -> str:
