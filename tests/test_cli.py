@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import resource
+import signal
 import socket
+import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from helpers import (
     config_yaml,
     grid_job,
     run_script,
+    script,
 )
 
 import sweep
@@ -216,6 +220,44 @@ def test_out_the_tool_must_not_write_is_refused_before_compute(tmp_path, case):
     assert (tmp_path / "f.txt").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "ro") == [
         "d", "f.txt"], "nothing written, no run directory"
+
+
+def _file_size_limit(limit: int):
+    """A child's writes past ``limit`` bytes per file fail with EFBIG, as a
+    full disk's fail with ENOSPC (the signal that would kill it ignored)."""
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_failed_block_write_is_one_line_and_a_rerun_resumes(tmp_path):
+    # 196,608 points in one block: every chunk file is over 96 KiB, the
+    # store's metadata (written first) under it
+    args = ["experiment=seed", "grid.tensor_parallel=[1,2,4,8]",
+            f"grid.concurrency=[{','.join(str(n) for n in range(1, 257, 4))}]",
+            f"grid.token_budget=[{','.join(str(256 * i) for i in range(1, 33))}]",
+            "grid.context_tokens=[1000,2000,4000,8000]", "out=c.zarr"]
+    proc = subprocess.run([script("sweep-grid"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900,
+                          preexec_fn=_file_size_limit(96 * 1024),
+                          restore_signals=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "sweep-grid: error: c.zarr.partial: writing block roofline.0 failed: File "
+        "too large; rerun to resume from the blocks written")
+    assert not (tmp_path / "c.zarr").exists()
+    assert (tmp_path / "c.zarr.partial").is_dir()
+    proc = run(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "c.zarr.partial").exists()
+    cube = sweep.open_cube(tmp_path / "c.zarr").load()
+    assert cube.sizes["concurrency"] == 64
+    # every block written: a step time wherever the point fits (NaN, the
+    # fill value, would mark a block never written)
+    fits = cube["kv_fits"].astype(bool)
+    assert bool(fits.any())
+    assert bool((np.isfinite(cube["step_s"]) == fits).all())
 
 
 def test_a_second_writer_is_refused_then_the_cube_replaced(seed_run):

@@ -9,10 +9,19 @@ import math
 import numpy as np
 import pytest
 import xarray as xr
-from helpers import chunked, compose_app, cost_per_mtok, run_script, step
+from helpers import (
+    check_png,
+    chunked,
+    compose_app,
+    cost_per_mtok,
+    report,
+    run_script,
+    step,
+)
 
 import sweep
 from sweep.config.schema import ConfigError
+from sweep.report import plots
 
 HIT, PROMPT, LONG, BUDGET = 0.6, 1500, 8192, 2048
 
@@ -30,7 +39,7 @@ def prefill_by_hand(prompt, cached):
 
 
 @pytest.fixture(scope="module")
-def cube(tmp_path_factory) -> xr.Dataset:
+def cube_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("prefix") / "prefix.zarr"
     proc = run_script("sweep-grid", [
         "experiment=seed", "grid.prefix_caching=[false,true]",
@@ -38,7 +47,12 @@ def cube(tmp_path_factory) -> xr.Dataset:
         f"grid.token_budget=[{BUDGET}]", "grid.batching=[continuous]",
         f"out={out}"], cwd=out.parent)
     assert proc.returncode == 0, proc.stderr
-    return sweep.open_cube(out).load().squeeze(
+    return out
+
+
+@pytest.fixture(scope="module")
+def cube(cube_path) -> xr.Dataset:
+    return sweep.open_cube(cube_path).load().squeeze(
         ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
          "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
          "spec_tokens", "spec_acceptance", "token_budget"]).isel(
@@ -175,3 +189,47 @@ def test_p99_with_caching(tmp_path, method):
     assert float(on.ttft_p99_s) < float(off.ttft_p99_s)
     # never below the prefill of the uncached tokens alone
     assert float(on.ttft_p50_s) >= prefill_by_hand(PROMPT, 896) * (1 - 2e-3)
+    if method == "surrogate":
+        _check_report(out, tmp_path / "r", ds)
+
+
+def _plotted(ax) -> tuple[np.ndarray, np.ndarray]:
+    """The x and y of a panel's line (off to on)."""
+    line = ax.get_lines()[0]
+    return np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+
+
+def _check_report(out, folder, ds: xr.Dataset) -> None:
+    """sweep-report draws the trade-off; its panels plot the cube's values at
+    hit fraction 0 (off) and the workload's (on): the grid has one
+    configuration, so each is the cheapest point."""
+    report([out, "--out", folder])
+    check_png(folder / "prefix_caching.png")
+    assert "### Prefix caching" in (folder / "report.md").read_text()
+    fig = plots.prefix_caching(sweep.open_cube(out), "h100_sxm", "qwen3_8b", {})
+    axes = fig.get_axes()
+    assert [ax.get_ylabel() for ax in axes] == [
+        "cost per 1M input tokens (USD / Mtoken)", "p99 TTFT (ms)", "p99 ITL (ms)"]
+    for ax, var, scale in zip(axes, ("cost_per_mtok_in_usd", "ttft_p99_s",
+                                     "itl_p99_s"), (1.0, 1e3, 1e3)):
+        x, y = _plotted(ax)
+        np.testing.assert_allclose(x, [0.0, cached_by_hand(PROMPT, HIT) / PROMPT],
+                                   rtol=1e-6)
+        np.testing.assert_allclose(y, ds[var].values * scale, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_chart_without_p99_shows_the_prefill_rate(cube_path):
+    """On a roofline cube the second panel is the prefill rate per GPU (the
+    same at both concurrencies: it is prefill alone) against the hit fraction."""
+    fig = plots.prefix_caching(sweep.open_cube(cube_path), "h100_sxm",
+                               "qwen3_8b", {})
+    axes = fig.get_axes()
+    assert axes[1].get_ylabel() == "prefill rate per GPU (tokens/s/GPU)"
+    x, y = _plotted(axes[1])
+    np.testing.assert_allclose(x, [0.0, cached_by_hand(PROMPT, HIT) / PROMPT],
+                               rtol=1e-6)
+    np.testing.assert_allclose(
+        y, [PROMPT / step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2),
+            PROMPT / prefill_by_hand(PROMPT, cached_by_hand(PROMPT, HIT))],
+        rtol=2e-3)

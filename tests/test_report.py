@@ -40,15 +40,18 @@ def default_report(cube_path) -> Path:  # noqa: F811
 
 
 def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
-    # the cube sweeps no speculative setting: that chart alone is left out
+    # the cube sweeps neither speculation nor prefix caching: their charts
+    # alone are left out
     charts = [c for c in plots.CHARTS if not c.varies]
-    assert [c.file for c in plots.CHARTS if c.varies] == ["speculative_decoding.png"]
+    assert [c.file for c in plots.CHARTS if c.varies] == [
+        "speculative_decoding.png", "prefix_caching.png"]
     for chart in charts:
         check_png(default_report / chart.file)
     md = (default_report / "report.md").read_text()
     for chart in charts:
         assert f"]({chart.file})" in md
     assert not (default_report / "speculative_decoding.png").exists()
+    assert not (default_report / "prefix_caching.png").exists()
     assert "Skipped charts" not in md
     ds = sweep.open_cube(cube_path)
     assert f"`{ds.attrs['sweep_version']}`" in md

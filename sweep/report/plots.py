@@ -68,12 +68,13 @@ PRECISION_DIMS = ("weight_dtype", "kv_dtype")
 """Fixed at their first value in the report (``scenario``)."""
 
 
-def scenario(ds: xr.Dataset) -> tuple[xr.Dataset, list[str]]:
-    """Fixes the scenario dims, batching and precision; returns the cube and
-    what was fixed."""
+def scenario(ds: xr.Dataset, keep: tuple[str, ...] = ()
+             ) -> tuple[xr.Dataset, list[str]]:
+    """Fixes the scenario dims (but ``keep``), batching and precision; returns
+    the cube and what was fixed."""
     notes, sel = [], {}
     for d in SCENARIO_DIMS:
-        if d in ds.dims:
+        if d in ds.dims and d not in keep:
             sel[d] = 0
             extra = f" (first of {ds.sizes[d]})" if ds.sizes[d] > 1 else ""
             notes.append(f"{d} = {format_value(ds[d].values[0])}{extra}")
@@ -473,6 +474,73 @@ def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     return fig
 
 
+PREFIX_KEEP = ("workload", "arrival_rate_per_s", "prefix_caching")
+"""What the prefix-caching chart compares: each workload (its own hit
+fraction) at each arrival rate, caching off and on."""
+
+
+def prefix_caching(ds: xr.Dataset, hardware: str, model: str,
+                   limits: dict[str, float]) -> Figure:
+    """Cost of input tokens and the p99s against the share of each prompt
+    cached, a line per workload (and arrival rate) from caching off (hollow,
+    hit fraction 0) to on (filled, the workload's hit fraction), each at its
+    cheapest point meeting ``limits``, for one hardware x model at the
+    tensor-parallel size of its cheapest point. Without a p99 part the
+    second panel is the prefill rate per GPU."""
+    fixed, notes = scenario(fix_tp(ds).sel(hardware=hardware, model=model),
+                            keep=PREFIX_KEEP)
+    fixed = fixed.sweep.feasible(**limits)
+    over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in PREFIX_KEEP]
+    p99 = [v for v in ("ttft_p99_s", "itl_p99_s") if v in fixed]
+    names = ["prefix_hit_fraction", "cost_per_mtok_in_usd", "prefill_tokens_per_s",
+             *p99]
+    best = fixed.sweep.cheapest(over, COST) if over else fixed
+    best = best[names].compute()
+    # fix_tp leaves one size per hardware x model: a scalar coordinate here
+    tp = float(fixed["tensor_parallel"]) if "tensor_parallel" in fixed.coords else 1.0
+    panels = [("cost_per_mtok_in_usd", 1.0, label(ds["cost_per_mtok_in_usd"]))]
+    if p99:
+        panels += [(v, 1e3, f"p99 {v.split('_')[0].upper()} (ms)") for v in p99]
+    else:
+        panels += [("prefill_tokens_per_s", 1.0 / tp,
+                    "prefill rate per GPU (tokens/s/GPU)")]
+    fig, axes = _panels(len(panels), len(panels), 3.6, 3.2,
+                        f"Prefix caching: {hardware} x {model}",
+                        "hollow: caching off; filled: on at the workload's hit "
+                        "fraction; each at its cheapest point that meets the SLO; "
+                        + "; ".join(notes))
+    workloads = [str(w) for w in best["workload"].values] if "workload" in best.dims \
+        else [None]
+    rates = best["arrival_rate_per_s"].values if "arrival_rate_per_s" in best.dims \
+        else [None]
+    cmap = colormaps["tab10"]
+    handles = []
+    for wi, w in enumerate(workloads):
+        pw = best.sel(workload=w) if w is not None else best
+        for ri, r in enumerate(rates):
+            color = cmap((wi * len(rates) + ri) % 10)
+            text = " at ".join(x for x in (w, None if r is None else f"{r:g} req/s")
+                               if x)
+            handles.append(Line2D([], [], color=color, marker="o", label=text))
+            for ax, (var, scale, _) in zip(axes, panels):
+                pt = pw[var].sel(arrival_rate_per_s=r) if (
+                    r is not None and "arrival_rate_per_s" in pw[var].dims) else pw[var]
+                hit = pw["prefix_hit_fraction"].values
+                y = np.asarray(pt.values, dtype=np.float64) * scale
+                ax.plot(hit, y, color=color, lw=1)
+                for h, v, on in zip(hit, y, pw["prefix_caching"].values):
+                    ax.plot([h], [v], "o", color=color,
+                            mfc=color if on else "white")
+    for ax, (_, _, name) in zip(axes, panels):
+        ax.set_xlabel("share of the prompt cached")
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    fig.legend(handles=handles, loc="outside lower center",
+               ncols=min(len(handles), 4), fontsize=8, frameon=False)
+    return fig
+
+
 def _notes(ds: xr.Dataset) -> str:
     return "; ".join(scenario(ds)[1])
 
@@ -676,6 +744,17 @@ CHARTS = (
           "tokens by (1 - a^(k+1)) / (1 - a): it pays while the step is "
           "memory-bound (low concurrency) and costs once it is compute-bound.",
           varies=("spec_tokens",)),
+    Chart("prefix_caching.png", "Prefix caching",
+          ("prefix_hit_fraction", "cost_per_mtok_in_usd", "prefill_tokens_per_s",
+           COST, "kv_fits"),
+          ("hardware", "model", "prefix_caching"),
+          prefix_caching,
+          "Cost per 1M input tokens and the p99 TTFT and ITL (or, without a "
+          "p99 part, the prefill rate) against the share of each prompt read "
+          "from the prefix cache: a hit skips the cached tokens' prefill "
+          "compute but not their KV reads, so TTFT and the input cost fall "
+          "almost in proportion while the decode cost stays.",
+          varies=("prefix_caching",)),
     Chart("prefill_interference.png", "Chunked-prefill interference",
           ("long_prefill_s", "long_prefill_worst_itl_s", "step_s", COST),
           ("hardware", "model", "concurrency", "token_budget"),
