@@ -36,6 +36,7 @@ t0 = time.perf_counter()
 report, app = sys.argv[1], sys.argv[2]
 times = collections.defaultdict(float)
 counts = collections.Counter()
+programs = collections.defaultdict(float)  # "phase fun_name" -> seconds
 
 def timed(owner, name, key):
     inner = getattr(owner, name)
@@ -63,6 +64,7 @@ def listen(event, duration, **kwargs):
     if event in EVENTS:
         times[EVENTS[event]] += duration
         counts[EVENTS[event]] += 1
+        programs[f"{EVENTS[event]} {kwargs.get('fun_name', '?')}"] += duration
 
 jax.monitoring.register_event_duration_secs_listener(listen)
 timed(ConfigLoaderImpl, "load_configuration", "compose")
@@ -70,7 +72,7 @@ timed(xr.Dataset, "to_zarr", "write")
 
 def dump():
     with open(report, "w") as f:
-        json.dump({"times": times, "counts": counts,
+        json.dump({"times": times, "counts": counts, "programs": programs,
                    "in_process_s": time.perf_counter() - t0}, f)
 
 atexit.register(dump)
@@ -104,6 +106,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commands", nargs="*", default=["sweep-optimize", "sweep-grid"])
     ap.add_argument("--runs", type=int, default=1, help="warm runs after the cold one")
+    ap.add_argument("--programs", type=int, default=0, metavar="N",
+                    help="also list the N costliest programs (trace, lower, "
+                         "compile seconds, by function name) of each run")
     a = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs")
     head = "".join(f"{p:>13}" for p in (*PHASES, "rest"))
@@ -122,6 +127,9 @@ def main() -> None:
                 rest = r["wall_s"] - sum(t.get(p, 0) for p in PHASES)
                 print(f"{command:15} {'cold' if i == 0 else 'warm':5} "
                       f"{r['wall_s']:>7.2f}{cells}{rest:>13.2f}", flush=True)
+                top = sorted(r["programs"].items(), key=lambda kv: -kv[1])
+                for name, seconds in top[:a.programs]:
+                    print(f"{'':22}{seconds:>8.2f}  {name}")
 
 
 if __name__ == "__main__":
