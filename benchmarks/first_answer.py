@@ -14,7 +14,12 @@ to a new folder: cold), then again with the cache the first run filled
   tracing to a jaxpr, lowering to MLIR, XLA compiling a program the
   persistent cache did not hold), each counted;
 * write: ``Dataset.to_zarr`` calls;
-* the rest: evaluation, the preflight's checks, the summary, start-up.
+* the rest: evaluation, the preflight's checks, the summary, start-up;
+* cache hits: programs read from the persistent cache, of those looked up
+  there (a warm run should read every one).
+
+``--programs N`` lists the N costliest programs of each run (trace, lower
+and compile seconds by function name).
 
 Wall is the process's whole life, measured outside it.
 """
@@ -67,6 +72,10 @@ def listen(event, duration, **kwargs):
         programs[f"{EVENTS[event]} {kwargs.get('fun_name', '?')}"] += duration
 
 jax.monitoring.register_event_duration_secs_listener(listen)
+CACHE = {"/jax/compilation_cache/compile_requests_use_cache": "cache requests",
+         "/jax/compilation_cache/cache_hits": "cache hits"}
+jax.monitoring.register_event_listener(
+    lambda event, **kwargs: counts.update([CACHE[event]]) if event in CACHE else None)
 timed(ConfigLoaderImpl, "load_configuration", "compose")
 timed(xr.Dataset, "to_zarr", "write")
 
@@ -112,7 +121,7 @@ def main() -> None:
     a = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs")
     head = "".join(f"{p:>13}" for p in (*PHASES, "rest"))
-    print(f"{'command':15} {'cache':5} {'wall s':>7}{head}")
+    print(f"{'command':15} {'cache':5} {'wall s':>7}{head}  cache hits")
     for command in a.commands:
         with tempfile.TemporaryDirectory() as tmp:
             cache = Path(tmp) / "cache"
@@ -126,7 +135,9 @@ def main() -> None:
                     if p != "imports" else f"{t.get(p, 0):>13.2f}" for p in PHASES)
                 rest = r["wall_s"] - sum(t.get(p, 0) for p in PHASES)
                 print(f"{command:15} {'cold' if i == 0 else 'warm':5} "
-                      f"{r['wall_s']:>7.2f}{cells}{rest:>13.2f}", flush=True)
+                      f"{r['wall_s']:>7.2f}{cells}{rest:>13.2f}  "
+                      f"{n.get('cache hits', 0)}/{n.get('cache requests', 0)}",
+                      flush=True)
                 top = sorted(r["programs"].items(), key=lambda kv: -kv[1])
                 for name, seconds in top[:a.programs]:
                     print(f"{'':22}{seconds:>8.2f}  {name}")

@@ -17,7 +17,7 @@ import yaml
 from helpers import hydra_context
 
 import sweep
-from sweep.config.resolve import composed, composing_once, compose_object, grid_options
+from sweep.config.resolve import compose_object, composed, composing_once, grid_options
 
 CONF = Path(sweep.__file__).parent.parent / "conf"
 
@@ -52,12 +52,11 @@ def test_options_equal_one_full_composition_per_option():
     overrides = [*SWEPT, *EDITS]
     with hydra_context():
         base, options = grid_options("grid", overrides)
-        others = [o for o in EDITS]
         for group in ("hardware", "model", "workload"):
             listed = list(getattr(base.grid, group))
             assert [o.name for o in options[group]] == listed
             for name, got in zip(listed, options[group], strict=True):
-                want = getattr(compose_object("grid", [*others, f"{group}={name}"]),
+                want = getattr(compose_object("grid", [*EDITS, f"{group}={name}"]),
                                group)
                 assert got == want, (group, name)
     # the edits reached every option (and the calibration is the base's)

@@ -91,7 +91,10 @@ class Command:
         self._checked = None
 
     def main(self, hydra_app) -> None:
-        """The console script: the preflight, then ``hydra_app()``."""
+        """The console script: the preflight, then ``hydra_app()``. The
+        compilation cache is on from the start: the preflight's checks may
+        compile small programs too (``sweep-optimize``'s did, uncached)."""
+        enable_compilation_cache()
         self._checked = start(self.name, self.app, self.check, **self._place)
         hydra_app()
 
