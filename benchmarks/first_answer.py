@@ -14,7 +14,12 @@ to a new folder: cold), then again with the cache the first run filled
   tracing to a jaxpr, lowering to MLIR, XLA compiling a program the
   persistent cache did not hold), each counted;
 * write: ``Dataset.to_zarr`` calls;
-* the rest: evaluation, the preflight's checks, the summary, start-up.
+* the rest: evaluation, the preflight's checks, the summary, start-up;
+* cache hits: programs read from the persistent cache, of those looked up
+  there (a warm run should read every one).
+
+``--programs N`` lists the N costliest programs of each run (trace, lower
+and compile seconds by function name).
 
 Wall is the process's whole life, measured outside it.
 """
@@ -36,6 +41,7 @@ t0 = time.perf_counter()
 report, app = sys.argv[1], sys.argv[2]
 times = collections.defaultdict(float)
 counts = collections.Counter()
+programs = collections.defaultdict(float)  # "phase fun_name" -> seconds
 
 def timed(owner, name, key):
     inner = getattr(owner, name)
@@ -63,14 +69,19 @@ def listen(event, duration, **kwargs):
     if event in EVENTS:
         times[EVENTS[event]] += duration
         counts[EVENTS[event]] += 1
+        programs[f"{EVENTS[event]} {kwargs.get('fun_name', '?')}"] += duration
 
 jax.monitoring.register_event_duration_secs_listener(listen)
+CACHE = {"/jax/compilation_cache/compile_requests_use_cache": "cache requests",
+         "/jax/compilation_cache/cache_hits": "cache hits"}
+jax.monitoring.register_event_listener(
+    lambda event, **kwargs: counts.update([CACHE[event]]) if event in CACHE else None)
 timed(ConfigLoaderImpl, "load_configuration", "compose")
 timed(xr.Dataset, "to_zarr", "write")
 
 def dump():
     with open(report, "w") as f:
-        json.dump({"times": times, "counts": counts,
+        json.dump({"times": times, "counts": counts, "programs": programs,
                    "in_process_s": time.perf_counter() - t0}, f)
 
 atexit.register(dump)
@@ -104,10 +115,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--commands", nargs="*", default=["sweep-optimize", "sweep-grid"])
     ap.add_argument("--runs", type=int, default=1, help="warm runs after the cold one")
+    ap.add_argument("--programs", type=int, default=0, metavar="N",
+                    help="also list the N costliest programs (trace, lower, "
+                         "compile seconds, by function name) of each run")
     a = ap.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs")
     head = "".join(f"{p:>13}" for p in (*PHASES, "rest"))
-    print(f"{'command':15} {'cache':5} {'wall s':>7}{head}")
+    print(f"{'command':15} {'cache':5} {'wall s':>7}{head}  cache hits")
     for command in a.commands:
         with tempfile.TemporaryDirectory() as tmp:
             cache = Path(tmp) / "cache"
@@ -121,7 +135,12 @@ def main() -> None:
                     if p != "imports" else f"{t.get(p, 0):>13.2f}" for p in PHASES)
                 rest = r["wall_s"] - sum(t.get(p, 0) for p in PHASES)
                 print(f"{command:15} {'cold' if i == 0 else 'warm':5} "
-                      f"{r['wall_s']:>7.2f}{cells}{rest:>13.2f}", flush=True)
+                      f"{r['wall_s']:>7.2f}{cells}{rest:>13.2f}  "
+                      f"{n.get('cache hits', 0)}/{n.get('cache requests', 0)}",
+                      flush=True)
+                top = sorted(r["programs"].items(), key=lambda kv: -kv[1])
+                for name, seconds in top[:a.programs]:
+                    print(f"{'':22}{seconds:>8.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -29,13 +29,12 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from hydra import compose, initialize_config_module
+from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf, open_dict
 
-from sweep.config.resolve import config_yaml, stash_lists
+from sweep.config.resolve import composed, composing_once, config_yaml, stash_lists
 from sweep.config.store import register_configs, resolve_lists_to_nodes
 from sweep.cube import outputs
 from sweep.cube.outputs import OutputError
@@ -52,20 +51,23 @@ def fail(command: str, e: ConfigError) -> None:
     sys.exit(2)
 
 
-def preflight(command: str, app: str, argv: list[str], check):
+def preflight(command: str, app: str, argv: list[str], *checks):
     """Composes and checks the config before Hydra creates a run directory.
 
-    Skipped when Hydra's own flags are given (``--help``, ``--cfg``, ``-m``):
-    those are Hydra's to handle.
+    Each of ``checks`` is called with ``(app, argv)`` in turn, in one Hydra
+    context that composes the app once per list of overrides
+    (``sweep.config.resolve.composing_once``). Skipped when Hydra's own flags
+    are given (``--help``, ``--cfg``, ``-m``): those are Hydra's to handle.
 
     Returns:
-      What ``check`` returned, or None when skipped.
+      What each check returned (None each when skipped).
     """
     if any(a.startswith("-") for a in argv):
-        return None
+        return [None] * len(checks)
     try:
-        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-            return check(app, argv)
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"), \
+                composing_once():
+            return [check(app, argv) for check in checks]
     except ConfigError as e:
         fail(command, e)
     finally:
@@ -89,7 +91,10 @@ class Command:
         self._checked = None
 
     def main(self, hydra_app) -> None:
-        """The console script: the preflight, then ``hydra_app()``."""
+        """The console script: the preflight, then ``hydra_app()``. The
+        compilation cache is on from the start: the preflight's checks may
+        compile small programs too (``sweep-optimize``'s did, uncached)."""
+        enable_compilation_cache()
         self._checked = start(self.name, self.app, self.check, **self._place)
         hydra_app()
 
@@ -124,10 +129,10 @@ def start(command: str, app: str, check, *, kind: str | None, default_name: str,
     argv = stash_lists(sys.argv[1:])
     if "--resolve" in argv:  # Hydra then resolves the config in place
         resolve_lists_to_nodes()
-    checked = preflight(command, app, argv, check)
-    sys.argv[1:] = argv + (preflight(command, app, argv, partial(
+    checked, placement = preflight(command, app, argv, check, partial(
         place_run, command=command, kind=kind, default_name=default_name,
-        resume=resume)) or [])
+        resume=resume))
+    sys.argv[1:] = argv + (placement or [])
     return checked
 
 
@@ -154,7 +159,7 @@ def place_run(app: str, argv: list[str], *, command: str, kind: str | None,
     continued in its own run directory, and a line says which. The user's own
     ``hydra.*`` settings win.
     """
-    cfg = compose(config_name=app, overrides=argv, return_hydra_config=True)
+    cfg, run_dir = composed(app, argv)  # the job's config (without Hydra's node)
     given = {o.split("=")[0].lstrip("+~") for o in argv}
     if cfg.out:
         if kind is not None:
@@ -164,10 +169,7 @@ def place_run(app: str, argv: list[str], *, command: str, kind: str | None,
         return []
     from sweep.cube import results
     from sweep.grid import job as grid
-    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
     folders = "*".join(glob.escape(p) for p in re.split(r"\$\{[^}]*\}", run_dir))
-    with open_dict(cfg):
-        del cfg["hydra"]  # what the job's config is (``@hydra.main`` drops it)
     state = results.find_unfinished(folders, default_name,
                                     grid.config_digest(config_yaml(cfg)))
     if state is None:

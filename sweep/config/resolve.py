@@ -11,6 +11,18 @@ every listed GPU.
 Every failure becomes one ``ConfigError`` line naming the key, the value and
 what is allowed.
 
+Composing costs. One composition of an app takes 0.6-2 s on a 2-core CPU
+(Hydra's defaults tree, its pure-Python YAML reader, OmegaConf merges), over
+half of it the measured profiles of ``calibration=auto`` (benchmarks/README.md,
+"Time to first answer"). An option's composition reads only its groups'
+nodes, and no shipped config writes into those from the ``calibration``
+group (its profiles apply after composition: ``sweep.grid.calibration``),
+so the option compositions choose ``calibration=roofline`` (``OPTION_CHOICES``)
+unless an ``experiment`` is given (a global config may write anywhere).
+Within ``composing_once`` an app is composed once per list of overrides:
+the preflight's check and its placement of the run (``sweep.cli.commands``)
+read the same composition.
+
 Long numeric lists. Hydra's override grammar visits a list's elements through
 a lookup that scans the list from its start (quadratic: one composition with
 10,000 values took 24 s, benchmarks/README.md "Config parsing", and a run
@@ -26,12 +38,14 @@ values back where a config or the command line is recorded.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from sweep.config.schema import ConfigError
@@ -124,10 +138,41 @@ def _one_line(e: BaseException) -> str:
     return f"{head} ({key})" if key and key not in head else head
 
 
+_once: dict[tuple[str, tuple[str, ...]], tuple[DictConfig, str]] | None = None
+
+
+@contextmanager
+def composing_once() -> Iterator[None]:
+    """Within: ``composed`` composes each app x overrides once, and hands out
+    that composition again (read it, do not change it)."""
+    global _once
+    outer, _once = _once, {}
+    try:
+        yield
+    finally:
+        _once = outer
+
+
+def composed(app: str, overrides: list[str]) -> tuple[DictConfig, str]:
+    """Hydra's composition of ``app``: the app's config (without Hydra's node,
+    as ``compose`` returns it) and Hydra's ``run.dir`` setting, unresolved."""
+    key = (app, tuple(overrides))
+    if _once is not None and key in _once:
+        return _once[key]
+    cfg = compose(config_name=app, overrides=overrides, return_hydra_config=True)
+    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+    with open_dict(cfg):
+        del cfg["hydra"]
+    if _once is not None:
+        _once[key] = cfg, run_dir
+        return _once[key]
+    return cfg, run_dir
+
+
 def compose_object(app: str, overrides: list[str]):
     """Composes ``app`` with ``overrides`` and returns the validated dataclasses."""
     try:
-        cfg = compose(config_name=app, overrides=overrides)
+        cfg, _ = composed(app, overrides)
         return OmegaConf.to_object(cfg)
     except AssertionError:
         # OmegaConf asserts when an override sets a field inside a null node
@@ -160,6 +205,11 @@ def _into_null(app: str, overrides: list[str]) -> str:
     return f"overrides {overrides}: one sets a field inside a null section"
 
 
+def _root(override: str) -> str:
+    """The top-level key or group an override chooses or edits."""
+    return re.split(r"[./@=]", override.lstrip("+~"), maxsplit=1)[0]
+
+
 def _named_groups(overrides: list[str]) -> set[str]:
     """Groups the command line chooses or edits (``g=...`` or ``g.field=...``)."""
     named = set()
@@ -168,6 +218,12 @@ def _named_groups(overrides: list[str]) -> set[str]:
         if root in SWEPT_GROUPS:
             named.add(root)
     return named
+
+
+OPTION_CHOICES = {"calibration": "roofline"}
+"""Groups an option's composition chooses in place of the command line's
+choice and fields (the cheapest option: no profiles), where the app has them
+and no ``experiment`` is given (module docstring)."""
 
 
 def grid_options(app: str, overrides: list[str], section: str = "grid",
@@ -207,6 +263,10 @@ def grid_options(app: str, overrides: list[str], section: str = "grid",
             if o.split("=")[0].lstrip("+~") not in (*listed_groups, "experiment")
             and not o.lstrip("+~").startswith(f"{section}.")]
     experiment = [o for o in overrides if o.split("=")[0].lstrip("+~") == "experiment"]
+    if not experiment:
+        cheap = {g: v for g, v in OPTION_CHOICES.items() if hasattr(base, g)}
+        kept = [o for o in kept if _root(o) not in cheap] + [
+            f"{g}={v}" for g, v in cheap.items()]
     out = {g: [] for g in groups}
     count = max(len(v) if v is not None else 1 for v in names.values())
     for i in range(count):

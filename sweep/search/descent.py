@@ -356,16 +356,28 @@ def _run_lane(settings: Settings, cand: Candidates, init):
     scan. Returns ``(final carry, objective at each search step)``."""
     opt = make_optimizer(settings)
     r_max = settings.replicas_max
-    nan = jnp.full((NEIGHBOURS,), jnp.nan, jnp.float32)
+
+    def lane(value):
+        # the same values, varying with ``init`` under ``vmap``: the scan's
+        # batching rule then finds which carries vary in one pass per vmap
+        # instead of two (the carry comes out varying anyway), which halves
+        # the tracing of the search; the scan's body is unchanged
+        return jnp.where(jnp.isnan(init[0]), value, value)
+
+    nan = lane(jnp.full((NEIGHBOURS,), jnp.nan, jnp.float32))
     carry = _Carry(
-        theta=init, opt_state=opt.init(init),
-        lo=jnp.int32(0), hi=jnp.int32(r_max),
-        feasible=jnp.zeros(NEIGHBOURS, bool),
-        replicas=jnp.full(NEIGHBOURS, r_max, jnp.int32),
+        theta=init,
+        # the moments vary per lane; the step counts do not
+        opt_state=jax.tree.map(
+            lambda x: lane(x) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+            opt.init(init)),
+        lo=lane(jnp.int32(0)), hi=lane(jnp.int32(r_max)),
+        feasible=lane(jnp.zeros(NEIGHBOURS, bool)),
+        replicas=lane(jnp.full(NEIGHBOURS, r_max, jnp.int32)),
         concurrency=nan, token_budget=nan,
         metrics={m: nan for m in METRICS},
         reach={m: nan for m in REACH},
-        max_abs_grad=jnp.float32(0.0), nonfinite_steps=jnp.int32(0),
+        max_abs_grad=lane(jnp.float32(0.0)), nonfinite_steps=lane(jnp.int32(0)),
     )
     scales = _penalty_scales(settings)
     xs = (jnp.arange(len(scales)), jnp.asarray(scales, jnp.float32))
