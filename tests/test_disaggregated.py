@@ -247,3 +247,82 @@ def test_simulated_request_by_hand(dis64):
     assert got.e2e_s[0] == pytest.approx(
         ttft + hand_step(1, 999, 1000) + hand_step(1, 1001, 1001), rel=1e-12)
     assert got.gaps[0] == 2.0
+
+
+# --- sweep-optimize (sweep.search.disaggregate) ---------------------------------
+
+RATE = 20.0  # req/s of the seed workload: several instances per pool
+
+
+def test_enumerated_deployments_by_hand():
+    """The roofline's P:D enumeration on the seed (H100, Qwen3-8B, TP 1, the
+    bound): each deployment's pools within 95 % of their capacity, by hand in
+    float64, the cheapest first."""
+    from helpers import optimize_inputs
+
+    from sweep.search import disaggregate, optimize
+
+    job = optimize.prepare(*optimize_inputs([
+        "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
+        "calibration=roofline", "search=quick", "search.tensor_parallel=[1]",
+        "search.gpu_memory_utilization=1.0", "search.disaggregated=[false,true]",
+        f"workload.arrival_rate_per_s={RATE}"]))
+    deps = disaggregate.enumerate_deployments(job)
+    assert deps
+    costs = [d.cost_per_mtok_out_usd for d in deps]
+    assert costs == sorted(costs)
+    ratios = set()
+    for d in deps:
+        n, b = d.concurrency, d.token_budget
+        itl = decode(n, PROMPT + OUT_MEAN / 2)
+        prefill = chunked(0, 0, PROMPT, b)[0]
+        p0 = max(int(np.ceil(RATE * prefill / 0.95)), 1)
+        d0 = max(int(np.ceil(RATE * (OUT_MEAN - 1) * itl / (n * 0.95))), 1)
+        assert p0 <= d.prefill_instances <= p0 + 2, d
+        assert d0 <= d.decode_instances <= d0 + 2, d
+        assert d.itl_s == pytest.approx(itl, rel=2e-5)
+        assert d.zero_load_ttft_s == pytest.approx(
+            prefill + PROMPT * KVB / LINK, rel=2e-5)
+        assert d.prefill_utilization == pytest.approx(
+            RATE * prefill / d.prefill_instances, rel=2e-5)
+        assert d.cost_per_mtok_out_usd == pytest.approx(
+            cost_per_mtok(RATE * OUT_MEAN, gpus=d.instances), rel=1e-9)
+        assert b >= n and itl <= job.app.slo.itl_p99_s
+        ratios.add(d.ratio)
+    assert len(ratios) >= 4  # several P:D ratios are priced
+
+
+def test_search_disaggregated_must_keep_the_aggregated_baseline():
+    with pytest.raises(ConfigError, match=r"search\.disaggregated = \[True\]: "
+                                          r"allowed: \[false\] or \[false, true\]"):
+        compose_app("optimize", ["hardware=h100_sxm", "model=qwen3_8b",
+                                 "search.disaggregated=[true]"])
+
+
+@pytest.mark.slow
+def test_optimizer_compares_aggregated_and_disaggregated(tmp_path):
+    """``sweep-optimize search.disaggregated=[false,true]`` in float32 as
+    users run it: the verdict names the winner and its P:D ratio, the flags
+    of both pools, and the dataset stores every disaggregated simulation and
+    the choice, verified within the SLO by the simulator."""
+    out = tmp_path / "opt.zarr"
+    proc = run_script("sweep-optimize", [
+        "hardware=h100_sxm", "model=qwen3_8b", "search=quick",
+        "search.tensor_parallel=[1]", "search.verify_requests=60",
+        "search.verify_top=2", "search.rounds=2",
+        "search.disaggregated=[false,true]", "search.disaggregated_max_instances=4",
+        f"workload.arrival_rate_per_s={RATE}", f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert " wins: disaggregated " in proc.stdout
+    assert "kv_role\":\"kv_producer" in proc.stdout
+    assert "kv_role\":\"kv_consumer" in proc.stdout
+    ds = xr.open_zarr(out)
+    assert ds.attrs["deployment"] in ("aggregated", "disaggregated")
+    met = ds.disaggregated_slo_met.values
+    assert met.any()
+    chosen = ds.attrs["disaggregated_cost_per_mtok_out_usd"]
+    assert chosen == min(ds.disaggregated_cost_per_mtok_out_usd.values[met])
+    assert (ds.disaggregated_simulated_ttft_p99_s.values[met]
+            <= ds.attrs["slo_ttft_p99_s"]).all()
+    agg = ds.attrs["chosen_cost_per_mtok_out_usd"]
+    assert (ds.attrs["deployment"] == "disaggregated") == (chosen < agg)

@@ -722,6 +722,15 @@ class Search:
         default=Routing.round_robin,
         metadata={"help": "how the load balancer splits the stream over the "
                   "replicas: round_robin (request i to replica i mod R) or random"})
+    disaggregated: list[bool] = field(
+        default_factory=lambda: [False],
+        metadata={"help": "deployments compared: [false] one aggregated engine per "
+                  "replica; [false, true] also disaggregated prefill/decode pools "
+                  "(P:D ratios enumerated from the roofline, verified by the "
+                  "simulator: sweep.search.disaggregate)"})
+    disaggregated_max_instances: int = field(
+        default=16, metadata={"help": "most prefill (and most decode) instances of "
+                              "a disaggregated deployment"})
     rounds: int = field(
         default=4, metadata={"help": "search + simulate rounds (tightening)"})
     tighten_margin: float = field(
@@ -741,8 +750,13 @@ class Search:
                            ("levels_per_octave", 64), ("replicas_max", 2**20),
                            ("verify_top", 1_000), ("verify_requests", MAX_TOKENS),
                            ("verify_requests_max", MAX_TOKENS),
+                           ("disaggregated_max_instances", 4096),
                            ("rounds", 100)):
             _in_range(self, "search", name, 1, high)
+        flags = list(self.disaggregated)
+        _check(False in flags and len(set(flags)) == len(flags), "search.disaggregated",
+               flags, "allowed: [false] or [false, true] (the aggregated search runs "
+               "and is the baseline)")
         _check(self.concurrency_max >= self.concurrency_min, "search.concurrency_max",
                self.concurrency_max, f"must be >= concurrency_min "
                f"({self.concurrency_min})")

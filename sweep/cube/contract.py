@@ -346,6 +346,8 @@ OPTIMIZE_AXES: tuple[Axis, ...] = (
          parts=(OPTIMIZE,)),
     Axis("verification", "", "simulation, in order", "", INTEGER,
          parts=(OPTIMIZE,)),
+    Axis("disaggregated_verification", "", "simulation of a disaggregated "
+         "deployment, in order", "", INTEGER, parts=(OPTIMIZE,)),
 )
 """The dims of ``sweep-optimize``'s dataset."""
 
