@@ -21,7 +21,8 @@ and the simulator instead:
 2. **Verification**: in order of cost (GPUs of both pools; ties: headroom),
    ``verify_top`` deployments at a time run through the simulator
    (``sweep.latency.disaggregated``) on the aggregated verification's
-   stream (common random numbers): ``verify_requests`` per instance, at most
+   stream (common random numbers): ``verify_requests`` per instance of the
+   batch's largest deployment, rounded up to a power of two, at most
    ``verify_requests_max``. The first batch with a deployment whose p99s
    meet the SLO gives the answer, its cheapest such; at most
    ``search.rounds`` batches.
@@ -178,11 +179,13 @@ def _bucket(n: int) -> int:
 def simulate_deployments(job, deps: list[Deployment], stream: Requests,
                          width: int) -> list[dict[str, float]]:
     """Each deployment over the first ``verify_requests x (p + d)`` requests
-    of ``stream`` (at most ``verify_requests_max``; one length per call, that
-    of the largest), as ``SimResult`` fields with ``requests`` added."""
+    of ``stream`` rounded up to a power of two (at most
+    ``verify_requests_max``; one length per call, that of the largest), as
+    ``SimResult`` fields with ``requests`` added."""
     app, s = job.app, job.app.search
-    n = min(s.verify_requests * max(d.instances for d in deps), s.verify_requests_max)
-    n = min(-(-n // 64) * 64, len(stream.arrival_s))
+    # a power of two: few compiled shapes across batches and runs
+    n = min(_bucket(s.verify_requests * max(d.instances for d in deps)),
+            s.verify_requests_max, len(stream.arrival_s))
     rows = deps + [deps[0]] * (width - len(deps))
     cands = [job.candidates[d.candidate] for d in rows]
     f32 = jnp.float32
