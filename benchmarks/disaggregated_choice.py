@@ -7,8 +7,9 @@ with ``search.disaggregated=[false,true]``: the aggregated search
 (``sweep.search.optimize.run``: surrogate descent, the cheapest answers
 simulated, targets tightened) and the disaggregated one
 (``sweep.search.disaggregate.run``: P:D ratios from the roofline, the
-cheapest simulated until one meets the SLO). Both answers are verified by
-the simulator; the table prints each one's price, GPUs and simulated p99s,
+cheapest simulated until one meets the SLO; here it runs also when the
+aggregated search finds the SLO infeasible, where the console script
+stops). Both answers are verified by the simulator; the table prints each one's price, GPUs and simulated p99s,
 and which wins.
 
 Settings (``search=quick`` and the overrides in ``COMMON``) keep the run to
@@ -86,22 +87,27 @@ def one(overrides: list[str]) -> dict:
     base, hardware, models = optimize.options("optimize", [*overrides, *COMMON])
     job = optimize.prepare(base, hardware, models)
     t0 = time.perf_counter()
-    agg = optimize.run(job, log=lambda line: None)
+    try:
+        a = optimize.run(job, log=lambda line: None).chosen
+    except optimize.Infeasible:
+        a = None  # the disaggregated search still runs (sweep-optimize stops here)
     split = disaggregate.run(job, log=lambda line: None)
     wall = time.perf_counter() - t0
-    a, d = agg.chosen, split.chosen
-    row = {"agg_usd": a.cost_per_mtok_out_usd,
-           "agg_gpus": a.replicas * job.candidates[a.candidate].tp,
-           "agg_ttft": a.simulated["ttft_p99_s"], "agg_itl": a.simulated["itl_p99_s"],
-           "agg_conf": f"{a.replicas}x N{a.concurrency} B{a.token_budget}",
-           "wall_s": wall, "simulated": len(split.simulated)}
+    d = split.chosen
+    row = {"wall_s": wall, "simulated": len(split.simulated)}
+    if a is not None:
+        row.update(agg_usd=a.cost_per_mtok_out_usd,
+                   agg_gpus=a.replicas * job.candidates[a.candidate].tp,
+                   agg_ttft=a.simulated["ttft_p99_s"], agg_itl=a.simulated["itl_p99_s"],
+                   agg_conf=f"{a.replicas}x N{a.concurrency} B{a.token_budget}")
     if d is not None:
         row.update(dis_usd=d.cost_per_mtok_out_usd,
                    dis_gpus=d.instances * job.candidates[d.candidate].tp,
                    dis_ttft=d.simulated["ttft_p99_s"], dis_itl=d.simulated["itl_p99_s"],
                    dis_conf=f"{d.ratio} N{d.concurrency} B{d.token_budget}")
-    row["winner"] = ("disaggregated" if d is not None
-                     and d.cost_per_mtok_out_usd < a.cost_per_mtok_out_usd
+    row["winner"] = ("neither" if a is None and d is None else "disaggregated"
+                     if d is not None and (a is None or d.cost_per_mtok_out_usd
+                                           < a.cost_per_mtok_out_usd)
                      else "aggregated")
     return row
 
@@ -121,17 +127,15 @@ def main() -> None:
     for label, overrides in rows:
         GlobalHydra.instance().clear()
         with initialize_config_module("sweep.conf", version_base="1.3"):
-            try:
-                r = one(overrides)
-            except optimize.Infeasible as e:
-                print(f"| {label} | infeasible: {e} |", flush=True)
-                continue
+            r = one(overrides)
+        agg = (f"{r['agg_conf']} | {r['agg_gpus']} | {r['agg_usd']:.3f} | "
+               f"{r['agg_ttft']:.3f} | {r['agg_itl'] * 1e3:.1f}" if "agg_usd" in r
+               else "infeasible (surrogate) | - | - | - | -")
         dis = (f"{r['dis_conf']} | {r['dis_gpus']} | {r['dis_usd']:.3f} | "
                f"{r['dis_ttft']:.3f} | {r['dis_itl'] * 1e3:.1f}" if "dis_usd" in r
                else "none met the SLO | - | - | - | -")
-        print(f"| {label} | {r['agg_conf']} | {r['agg_gpus']} | {r['agg_usd']:.3f} | "
-              f"{r['agg_ttft']:.3f} | {r['agg_itl'] * 1e3:.1f} | {dis} | "
-              f"{r['winner']} | {r['wall_s']:.0f} |", flush=True)
+        print(f"| {label} | {agg} | {dis} | {r['winner']} | {r['wall_s']:.0f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

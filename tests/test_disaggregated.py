@@ -307,8 +307,8 @@ def test_optimizer_compares_aggregated_and_disaggregated(tmp_path):
     the choice, verified within the SLO by the simulator."""
     out = tmp_path / "opt.zarr"
     proc = run_script("sweep-optimize", [
-        "hardware=h100_sxm", "model=qwen3_8b", "search=quick",
-        "search.tensor_parallel=[1]", "search.verify_requests=60",
+        "hardware=h100_sxm", "model=qwen3_8b", "search=quick", "search.steps=30",
+        "search.restarts=1", "search.tensor_parallel=[1]", "search.verify_requests=30",
         "search.verify_top=2", "search.rounds=2",
         "search.disaggregated=[false,true]", "search.disaggregated_max_instances=4",
         f"workload.arrival_rate_per_s={RATE}", f"out={out}"], cwd=tmp_path)
