@@ -82,6 +82,19 @@ def test_aggregated_points_are_unchanged(cube):
                 chunked(N, 1500, LONG, BUDGET)[2], rel=2e-5)
 
 
+@pytest.mark.slow
+def test_serving_flags_name_both_pools(cube):
+    at = dict(prefill_instances=2, decode_instances=3)
+    dis = cube.sweep.to_serving_flags(disaggregated=1, **at)
+    agg = cube.sweep.to_serving_flags(disaggregated=0, **at)
+    assert dis.cli == agg.cli == ("--tensor-parallel-size 1 --max-num-seqs 64 "
+                                  "--max-num-batched-tokens 2048 "
+                                  "--gpu-memory-utilization 1")
+    assert any("2 prefill and 3 decode instances" in n and "kv_producer" in n
+               for n in dis.notes)
+    assert not any("disaggregated" in n for n in agg.notes)
+
+
 def test_cube_without_disaggregation_has_no_extra_variables():
     from sweep.cube import contract
 
