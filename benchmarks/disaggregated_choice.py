@@ -9,8 +9,8 @@ simulated, targets tightened) and the disaggregated one
 (``sweep.search.disaggregate.run``: P:D ratios from the roofline, the
 cheapest simulated until one meets the SLO; here it runs also when the
 aggregated search finds the SLO infeasible, where the console script
-stops). Both answers are verified by the simulator; the table prints each one's price, GPUs and simulated p99s,
-and which wins.
+stops). Both answers are verified by the simulator; the table prints each
+one's price, GPUs and simulated p99s, and which wins.
 
 Settings (``search=quick`` and the overrides in ``COMMON``) keep the run to
 minutes per scenario on a 2-core CPU; they are the same for every scenario.
@@ -31,7 +31,8 @@ from hydra.core.global_hydra import GlobalHydra
 from sweep.config.store import register_configs
 from sweep.search import disaggregate, optimize
 
-COMMON = ["search=quick", "search.verify_requests=100", "search.verify_requests_max=1024",
+COMMON = ["search=quick", "search.verify_requests=100",
+          "search.verify_requests_max=1024",
           "search.verify_top=2", "search.rounds=2", "search.disaggregated=[false,true]",
           "search.disaggregated_max_instances=8"]
 TIGHT = ["slo.ttft_p99_s=2.0", "slo.itl_p99_s=0.02"]
@@ -66,7 +67,8 @@ SCENARIOS = [
                                        "workload.arrival_rate_per_s=10",
                                        "search.tensor_parallel=[1]"]),
     ("h200 qwen3-32b chat 10/s", ["hardware=h200_sxm", "model=qwen3_32b",
-                                  "workload=seed_chat", "workload.arrival_rate_per_s=10",
+                                  "workload=seed_chat",
+                                  "workload.arrival_rate_per_s=10",
                                   "search.tensor_parallel=[1]"]),
     ("b200 llama3.1-8b RAG 4/s ITL 20ms", ["hardware=b200", "model=llama3_1_8b",
                                            "workload=rag_long_prompt",
@@ -119,7 +121,8 @@ def main() -> None:
     register_configs()
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, "
           f"{time.strftime('%Y-%m-%d')}; settings: {' '.join(COMMON)}")
-    print("| scenario | aggregated: replicas x N B | GPUs | USD/1M out | sim p99 TTFT s "
+    print("| scenario | aggregated: replicas x N B | GPUs | USD/1M out | "
+          "sim p99 TTFT s "
           "| sim p99 ITL ms | disaggregated: P:D N B | GPUs | USD/1M out | sim p99 "
           "TTFT s | sim p99 ITL ms | winner | wall s |")
     print("|" + " --- |" * 13)

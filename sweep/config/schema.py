@@ -438,8 +438,8 @@ class Grid:
         metadata={"help": "one aggregated engine (false) and/or disaggregated "
                   "prefill/decode (true): prefill_instances prefill-only and "
                   "decode_instances decode-only instances of the point's tensor "
-                  "parallelism, the prompt's KV sent over hardware.kv_link_bytes_per_s; "
-                  "a 0/1 cube axis"})
+                  "parallelism, the prompt's KV sent over "
+                  "hardware.kv_link_bytes_per_s; a 0/1 cube axis"})
     prefill_instances: Any = field(
         default_factory=lambda: [1],
         metadata={"help": "prefill instances of a disaggregated deployment (>= 1)"})

@@ -121,8 +121,8 @@ def enumerate_deployments(job) -> list[Deployment]:
         hw = hardware_params(cand.hardware, s.gpu_memory_utilization)
         model = model_params(cand.model)
         tp, k = float(cand.tp), float(cand.spec_tokens)
-        step = np.asarray(roofline.verify_step_s(hw, model, tp, N, prompt + out_mean / 2,
-                                                 k), float)
+        step = np.asarray(roofline.verify_step_s(hw, model, tp, N,
+                                                 prompt + out_mean / 2, k), float)
         gain = float(roofline.tokens_per_step(k, s.spec_acceptance))
         decode_rps = N * gain / step / after_first
         prefill = np.asarray(roofline.chunked_prefill(
@@ -247,9 +247,9 @@ def run(job, log=print) -> Result:
             dep.simulated = sim
             tried.append(dep)
             ok = met(job, sim)
-            say(f"  simulated {describe(job, dep)}: p99 TTFT {sim['ttft_p99_s']:.4g} s, "
-                f"p99 ITL {sim['itl_p99_s']:.4g} s over {sim['requests']:,} requests "
-                f"-> {'confirmed' if ok else 'missed'}")
+            say(f"  simulated {describe(job, dep)}: p99 TTFT "
+                f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s over "
+                f"{sim['requests']:,} requests -> {'confirmed' if ok else 'missed'}")
         confirmed = [x for x in todo if met(job, x.simulated)]
         if confirmed:
             chosen = min(confirmed, key=lambda x: x.cost_per_mtok_out_usd)
@@ -268,7 +268,8 @@ def kv_transfer_config(role: str) -> str:
     """vLLM's ``--kv-transfer-config`` for a pool (``kv_producer`` or
     ``kv_consumer``): our reading of vLLM's ``KVTransferConfig`` (``kv_role``
     one of ``kv_producer``, ``kv_consumer``, ``kv_both``)."""
-    return f"--kv-transfer-config '{{\"kv_connector\":\"{KV_CONNECTOR}\",\"kv_role\":\"{role}\"}}'"
+    config = f'{{"kv_connector":"{KV_CONNECTOR}","kv_role":"{role}"}}'
+    return f"--kv-transfer-config '{config}'"
 
 
 def pool_flags(job, d: Deployment) -> dict[str, str]:
@@ -283,9 +284,11 @@ def pool_flags(job, d: Deployment) -> dict[str, str]:
             gpu_memory_utilization=job.app.search.gpu_memory_utilization,
             weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
             spec_tokens=cand.spec_tokens if pool == "decode" else 0,
-            prefix_caching=pool == "prefill" and job.app.workload.prefix_hit_fraction > 0)
+            prefix_caching=(pool == "prefill"
+                            and job.app.workload.prefix_hit_fraction > 0))
         n = f"{count} instance{'' if count == 1 else 's'}"
-        out[pool] = f"{engines.command_line(values)} {kv_transfer_config(role)}  (x {n})"
+        out[pool] = (f"{engines.command_line(values)} {kv_transfer_config(role)}  "
+                     f"(x {n})")
     return out
 
 
