@@ -1,6 +1,6 @@
 """sweep-optimize choosing between aggregated and disaggregated deployments.
 
-Twelve scenarios (hardware x model x workload x arrival rate x SLO, from the
+Fourteen scenarios (hardware x model x workload x arrival rate x SLO, from the
 shipped configs and the public traces under ``SWEEP_DATA_DIR``). Each runs
 ``sweep-optimize``'s two searches in process, as the console script does
 with ``search.disaggregated=[false,true]``: the aggregated search
@@ -16,7 +16,7 @@ Settings (``search=quick`` and the overrides in ``COMMON``) keep the run to
 minutes per scenario on a 2-core CPU; they are the same for every scenario.
 
 Usage: ``SWEEP_DATA_DIR=... python benchmarks/disaggregated_choice.py
-[--only N]``
+[--only N ...]``
 """
 
 from __future__ import annotations
@@ -78,6 +78,15 @@ SCENARIOS = [
                                       "workload=seed_chat",
                                       "workload.arrival_rate_per_s=5",
                                       "search.tensor_parallel=[1]"]),
+    ("h100 qwen3-8b RAG 4/s TTFT 1.5s ITL 12ms", [
+        "hardware=h100_sxm", "model=qwen3_8b", "workload=rag_long_prompt",
+        "workload.arrival_rate_per_s=4", "search.tensor_parallel=[1]",
+        "slo.ttft_p99_s=1.5", "slo.itl_p99_s=0.012"]),
+    ("h100 qwen3-8b chat 40/s ITL 15ms", ["hardware=h100_sxm", "model=qwen3_8b",
+                                          "workload=seed_chat",
+                                          "workload.arrival_rate_per_s=40",
+                                          "search.tensor_parallel=[1]",
+                                          "slo.itl_p99_s=0.015"]),
     ("h100 llama3.1-70b chat 5/s TP4", ["hardware=h100_sxm", "model=llama3_1_70b",
                                         "workload=seed_chat",
                                         "workload.arrival_rate_per_s=5",
@@ -116,7 +125,8 @@ def one(overrides: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", type=int, default=None, help="run scenario N only")
+    ap.add_argument("--only", type=int, nargs="*", default=None,
+                    help="run these scenarios only (indices)")
     args = ap.parse_args()
     register_configs()
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, "
@@ -126,7 +136,7 @@ def main() -> None:
           "| sim p99 ITL ms | disaggregated: P:D N B | GPUs | USD/1M out | sim p99 "
           "TTFT s | sim p99 ITL ms | winner | wall s |")
     print("|" + " --- |" * 13)
-    rows = SCENARIOS if args.only is None else [SCENARIOS[args.only]]
+    rows = SCENARIOS if args.only is None else [SCENARIOS[i] for i in args.only]
     for label, overrides in rows:
         GlobalHydra.instance().clear()
         with initialize_config_module("sweep.conf", version_base="1.3"):
