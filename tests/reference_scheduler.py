@@ -39,6 +39,19 @@ of steps, no histograms), plus the simulator's documented choices:
   cache whenever it is admitted (readmissions too): they are held in KV and
   count as prefilled, so its chunks start after them and read them.
 
+* per-request cached tokens (``cached_tokens``, overriding the hit fraction):
+  a request's first ``cached_tokens[i]`` prompt tokens are in KV whenever it
+  is admitted, as above (a disaggregated decode instance receives the
+  prompt's KV: all of it but the last token, which it computes).
+* disaggregated prefill/decode (``simulate_disaggregated_reference``): the
+  stream goes round-robin over ``p`` prefill instances, each this scheduler
+  with every output one token; a request's first token comes at the end of
+  its prefill plus the KV transfer ``P kv_bytes_per_token / (tp link)``; it
+  then arrives at a decode instance (round-robin over ``d`` in that order)
+  with ``P - 1`` prompt tokens cached and ``output - 1`` tokens to make; the
+  decode instance's first token is the request's second (its wait for a slot
+  is the first inter-token gap).
+
 Step times come from a small float64 copy of the roofline formulas
 (``step_time_s``), written out here rather than imported.
 """
@@ -129,7 +142,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                        prompt_tokens, output_tokens, batching=CONTINUOUS,
                        max_context_tokens=math.inf, truncate=False,
                        spec_tokens=0, spec_acceptance=0.0,
-                       prefix_hit_fraction=0.0) -> ReferenceResult:
+                       prefix_hit_fraction=0.0, cached_tokens=None) -> ReferenceResult:
     """Runs the scheduler one step at a time until every request has finished."""
     cap = kv_capacity_tokens(hw, model, tp)
     k = int(spec_tokens)
@@ -153,7 +166,9 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         if k > 0:
             r.output = 1 + math.ceil((r.output - 1) / gain)  # deliveries
         r.need = r.prompt
-        r.hit = math.floor(prefix_hit_fraction * r.prompt / 16) * 16
+        r.hit = (math.floor(prefix_hit_fraction * r.prompt / 16) * 16
+                 if cached_tokens is None
+                 else min(int(cached_tokens[r.index]), r.prompt - 1))
         r.prefilled = r.hit
         waiting.append(r)
     preempted: list[_Req] = []  # the last preempted is readmitted first
@@ -275,4 +290,77 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         duration_s=t,
         oversize=oversize,
         rejected=rejected,
+    )
+
+
+def _within_context(prompt, output, max_context_tokens, truncate):
+    """``(prompt, output, served)`` under the context limit, as above."""
+    if prompt + output <= max_context_tokens:
+        return prompt, output, True
+    if not truncate:
+        return prompt, output, False
+    prompt = max(int(max_context_tokens) - output, 1)
+    return prompt, min(output, int(max_context_tokens) - prompt), True
+
+
+def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
+                                     arrival_s, prompt_tokens, output_tokens,
+                                     prefill_instances, decode_instances,
+                                     max_context_tokens=math.inf, truncate=False,
+                                     spec_tokens=0, spec_acceptance=0.0,
+                                     prefix_hit_fraction=0.0) -> ReferenceResult:
+    """``p`` prefill and ``d`` decode instances fed one stream (module docstring)."""
+    n = len(arrival_s)
+    kvb = (2.0 * _f(model.layers) * _f(model.kv_heads) * _f(model.head_dim)
+           * _f(model.kv_dtype_bytes))
+    arrival = [float(a) for a in arrival_s]
+    limited = [_within_context(int(prompt_tokens[i]), int(output_tokens[i]),
+                               max_context_tokens, truncate) for i in range(n)]
+    served = [i for i in sorted(range(n), key=lambda i: arrival[i]) if limited[i][2]]
+    prompt = [x[0] for x in limited]
+    output = [x[1] for x in limited]
+
+    def run(instances, members, arrive, prompts, outputs, cached=None, **kw):
+        """Round-robin over ``instances`` schedulers, in ``members``' order:
+        per-request (ttft, e2e, largest gap), every gap, and the run totals."""
+        got, gaps, steps, preemptions, duration, oversize = {}, [], 0, 0, 0.0, False
+        for j in range(instances):
+            mine = members[j::instances]
+            if not mine:
+                continue
+            res = simulate_reference(
+                hw, model, tp, concurrency, token_budget, [arrive[i] for i in mine],
+                [prompts[i] for i in mine], [outputs[i] for i in mine],
+                cached_tokens=None if cached is None else [cached[i] for i in mine],
+                **kw)
+            for pos, i in enumerate(mine):
+                got[i] = (res.ttft_s[pos], res.e2e_s[pos], res.max_gap_s[pos])
+            gaps.extend(res.itl_s)
+            steps += res.steps
+            preemptions += res.preemptions
+            duration = max(duration, res.duration_s)
+            oversize |= res.oversize
+        return got, gaps, steps, preemptions, duration, oversize
+
+    first, _, *pre = run(int(prefill_instances), served, arrival, prompt, [1] * n,
+                      prefix_hit_fraction=prefix_hit_fraction)
+    ttft = [math.nan] * n
+    for i in served:
+        ttft[i] = first[i][0] + prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
+    handed = [arrival[i] + ttft[i] if i in first else math.nan for i in range(n)]
+    to_decode = sorted((i for i in served if output[i] > 1), key=lambda i: handed[i])
+    rest, dec_gaps, *dec = run(int(decode_instances), to_decode, handed, prompt,
+                     [o - 1 for o in output], spec_tokens=spec_tokens,
+                     spec_acceptance=spec_acceptance,
+                     cached=[p - 1 for p in prompt])
+    e2e, max_gap = list(ttft), [0.0] * n
+    for i, (gap, tail, largest) in rest.items():
+        e2e[i] = ttft[i] + tail
+        max_gap[i] = max(gap, largest)
+    return ReferenceResult(
+        ttft_s=np.array(ttft), e2e_s=np.array(e2e), max_gap_s=np.array(max_gap),
+        itl_s=np.array([rest[i][0] for i in to_decode] + dec_gaps),
+        steps=pre[0] + dec[0], preemptions=pre[1] + dec[1],
+        duration_s=max(pre[2], dec[2]), oversize=pre[3] or dec[3],
+        rejected=np.array([not x[2] for x in limited]),
     )

@@ -76,7 +76,8 @@ def test_cube_contract(seed_run):
         "hardware", "model", "workload", "tensor_parallel", "concurrency",
         "token_budget", "context_tokens", "batching", "long_prompt_tokens",
         "traffic_tokens_per_day", "weight_dtype", "kv_dtype", "spec_tokens",
-        "spec_acceptance", "prefix_caching"]
+        "spec_acceptance", "prefix_caching", "disaggregated", "prefill_instances",
+        "decode_instances"]
     for name in ("step_s", "user_tokens_per_s", "output_tokens_per_s",
                  "slot_utilization", "cost_per_mtok_out_usd", "prefill_tokens_per_s",
                  "cost_per_mtok_in_usd", "kv_fits", "max_concurrency_fit",

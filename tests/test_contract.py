@@ -33,9 +33,9 @@ SPEC_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
              "token_budget", "context_tokens", "batching", "long_prompt_tokens",
              "traffic_tokens_per_day", "arrival_rate_per_s")
 # the axes the project adds (precision; speculative decoding; prefix
-# caching), before the p99-only rate
+# caching; disaggregated prefill/decode), before the p99-only rate
 OWN_DIMS = ("weight_dtype", "kv_dtype", "spec_tokens", "spec_acceptance",
-            "prefix_caching")
+            "prefix_caching", "disaggregated", "prefill_instances", "decode_instances")
 SPEC_VARIABLES = (
     "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",

@@ -40,11 +40,11 @@ def default_report(cube_path) -> Path:  # noqa: F811
 
 
 def test_every_chart_drawn(default_report, cube_path):  # noqa: F811
-    # the cube sweeps neither speculation nor prefix caching: their charts
-    # alone are left out
+    # the cube sweeps neither speculation, prefix caching nor disaggregation:
+    # their charts alone are left out
     charts = [c for c in plots.CHARTS if not c.varies]
     assert [c.file for c in plots.CHARTS if c.varies] == [
-        "speculative_decoding.png", "prefix_caching.png"]
+        "speculative_decoding.png", "prefix_caching.png", "disaggregation.png"]
     for chart in charts:
         check_png(default_report / chart.file)
     md = (default_report / "report.md").read_text()

@@ -104,7 +104,7 @@ def _optimize_app(cfg: DictConfig) -> None:
     import jax
 
     from sweep.cube import results
-    from sweep.search import optimize
+    from sweep.search import disaggregate, optimize
     job = COMMAND.prepared()
     err = Console(stderr=True)
     out = Path(job.app.out).expanduser() if job.app.out else Path(
@@ -125,10 +125,17 @@ def _optimize_app(cfg: DictConfig) -> None:
             err.print(calibration.line(job.app.calibration, choices), markup=False,
                       highlight=False, soft_wrap=True)
             outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
+            split = None
+            if True in job.app.search.disaggregated:
+                split = disaggregate.run(job, log=lambda line: err.print(
+                    line, markup=False))
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
                                        restore(overrides()), job.specs)
             attrs.update(calibration.attrs(job.app.calibration, choices))
-            optimize.write(optimize.to_dataset(job, outcome, attrs), out)
+            ds = optimize.to_dataset(job, outcome, attrs)
+            if split is not None:
+                ds = disaggregate.annotate(ds, job, outcome.chosen, split)
+            optimize.write(ds, out)
     except optimize.Infeasible as e:
         print(f"{COMMAND.name}: {e}", file=sys.stderr)
         sys.exit(INFEASIBLE_EXIT)
@@ -149,6 +156,15 @@ def _optimize_app(cfg: DictConfig) -> None:
             console.print(f"  note: {note}", markup=False, soft_wrap=True)
     console.print(f"check on one replica: {optimize.bench_command(job, chosen)}",
                   markup=False, soft_wrap=True)
+    if split is not None:
+        console.print(disaggregate.verdict(job, chosen, split), markup=False,
+                      soft_wrap=True)
+        if split.chosen is not None:
+            for pool, flags in disaggregate.pool_flags(job, split.chosen).items():
+                console.print(f"vLLM {pool} pool flags: {flags}", markup=False,
+                              soft_wrap=True)
+            console.print(f"  note: {disaggregate.FLAGS_NOTE}", markup=False,
+                          soft_wrap=True)
     console.print(f"{outcome.rounds} round(s), {outcome.evaluations:,} surrogate "
                   f"evaluations ({outcome.search_s:.1f} s), {outcome.simulations} "
                   f"simulated configurations ({outcome.simulate_s:.1f} s)")

@@ -126,6 +126,12 @@ class Hardware:
         default=0.0,
         metadata={"help": "fixed time each sequence adds to a step (attention "
                   "launch, sampling)"})
+    kv_link_bytes_per_s: float = field(
+        default=5.0e10,
+        metadata={"help": "bytes/s one GPU sends KV over to another instance, "
+                  "one direction (disaggregated prefill/decode): the node's "
+                  "scale-out NIC per GPU (InfiniBand NDR 400 Gb/s = 5e10), or "
+                  "NVLink when prefill and decode share a node"})
     max_gpus_per_node: int = field(
         default=8,
         metadata={"help": "GPUs one node holds: the largest tensor-parallel size "
@@ -138,6 +144,7 @@ class Hardware:
                                 ("peak_flops_per_s", 1e6, 1e18),
                                 ("memory_bytes", 1e6, 1e14),
                                 ("interconnect_bytes_per_s", 1e3, 1e15),
+                                ("kv_link_bytes_per_s", 1e3, 1e15),
                                 ("usd_per_gpu_hour", 1e-6, 1e4),
                                 ("mbu", 1e-3, 1), ("mfu", 1e-3, 1)):
             _in_range(self, p, name, low, high)
@@ -426,6 +433,19 @@ class Grid:
         default_factory=lambda: [False],
         metadata={"help": "automatic prefix caching off (false) and/or on (true, at "
                   "each workload's prefix_hit_fraction); a 0/1 cube axis"})
+    disaggregated: list[bool] = field(
+        default_factory=lambda: [False],
+        metadata={"help": "one aggregated engine (false) and/or disaggregated "
+                  "prefill/decode (true): prefill_instances prefill-only and "
+                  "decode_instances decode-only instances of the point's tensor "
+                  "parallelism, the prompt's KV sent over "
+                  "hardware.kv_link_bytes_per_s; a 0/1 cube axis"})
+    prefill_instances: Any = field(
+        default_factory=lambda: [1],
+        metadata={"help": "prefill instances of a disaggregated deployment (>= 1)"})
+    decode_instances: Any = field(
+        default_factory=lambda: [1],
+        metadata={"help": "decode instances of a disaggregated deployment (>= 1)"})
     arrival_rate_per_s: Any = field(
         default_factory=list,
         metadata={"help": "request rates for p99 latency; empty: each workload's own"},
@@ -452,7 +472,7 @@ class Grid:
             spec = getattr(self, a.name) if a.kind != contract.LABEL else None
             if spec is None or (a.optional and len(spec) == 0):
                 continue
-            if a.name == "prefix_caching":  # on/off flags: a 0/1 coordinate
+            if a.name in ("prefix_caching", "disaggregated"):  # flags: 0/1
                 spec = [float(v) for v in spec]
             self.axes[a.name] = _numeric_axis(
                 spec, f"grid.{a.name}", integer=a.kind == contract.INTEGER,
@@ -466,7 +486,9 @@ class Grid:
     @property
     def optional_variables(self) -> frozenset[str]:
         """The cube's optional variables asked for (``contract.Metric.option``)."""
-        return frozenset({contract.SENSITIVITY_OPTION} if self.sensitivity else ())
+        return frozenset(
+            ({contract.SENSITIVITY_OPTION} if self.sensitivity else set())
+            | ({contract.DISAGGREGATION_OPTION} if any(self.disaggregated) else set()))
 
     def precision(self, name: str, models: list[Model]) -> list[str]:
         """The values of a precision axis (``weight_dtype``, ``kv_dtype``): the
@@ -700,6 +722,15 @@ class Search:
         default=Routing.round_robin,
         metadata={"help": "how the load balancer splits the stream over the "
                   "replicas: round_robin (request i to replica i mod R) or random"})
+    disaggregated: list[bool] = field(
+        default_factory=lambda: [False],
+        metadata={"help": "deployments compared: [false] one aggregated engine per "
+                  "replica; [false, true] also disaggregated prefill/decode pools "
+                  "(P:D ratios enumerated from the roofline, verified by the "
+                  "simulator: sweep.search.disaggregate)"})
+    disaggregated_max_instances: int = field(
+        default=16, metadata={"help": "most prefill (and most decode) instances of "
+                              "a disaggregated deployment"})
     rounds: int = field(
         default=4, metadata={"help": "search + simulate rounds (tightening)"})
     tighten_margin: float = field(
@@ -719,8 +750,13 @@ class Search:
                            ("levels_per_octave", 64), ("replicas_max", 2**20),
                            ("verify_top", 1_000), ("verify_requests", MAX_TOKENS),
                            ("verify_requests_max", MAX_TOKENS),
+                           ("disaggregated_max_instances", 4096),
                            ("rounds", 100)):
             _in_range(self, "search", name, 1, high)
+        flags = list(self.disaggregated)
+        _check(False in flags and len(set(flags)) == len(flags), "search.disaggregated",
+               flags, "allowed: [false] or [false, true] (the aggregated search runs "
+               "and is the baseline)")
         _check(self.concurrency_max >= self.concurrency_min, "search.concurrency_max",
                self.concurrency_max, f"must be >= concurrency_min "
                f"({self.concurrency_min})")

@@ -377,7 +377,8 @@ class SweepAccessor:
           at a ``spec_tokens`` k > 0, the engine's n-gram speculation flags
           (TensorRT-LLM's, in ``notes``); at ``prefix_caching`` 1, vLLM's
           ``--enable-prefix-caching`` (SGLang's and TensorRT-LLM's caches are
-          on by default: ``notes``).
+          on by default: ``notes``); at ``disaggregated`` 1, the instance
+          counts of both pools and the KV-transfer setting in ``notes``.
         """
         engines.engine(engine)  # an unknown name fails before any reading
         ds = self._ds
@@ -423,7 +424,15 @@ class SweepAccessor:
             weight_dtype=weights, kv_dtype=kv, spec_tokens=spec,
             prefix_caching=cache)
         replicas = value("replicas")
+        notes = engines.notes(engine, weights, spec, cache)
+        if value("disaggregated"):
+            notes.append(
+                f"disaggregated: {int(value('prefill_instances'))} prefill and "
+                f"{int(value('decode_instances'))} decode instances with these "
+                "flags, plus the engine's KV-transfer settings (vLLM: "
+                "--kv-transfer-config with kv_role kv_producer on prefill, "
+                "kv_consumer on decode; sweep-optimize prints both pools')")
         return ServingFlags(engine, flags, engines.command_line(flags),
                             None if replicas is None else int(replicas),
-                            tuple(engines.notes(engine, weights, spec, cache)))
+                            tuple(notes))
 

@@ -171,6 +171,11 @@ SENSITIVITY_OF = {"cost_per_mtok_out_usd": "cost", "ttft_p99_s": "ttft_p99",
 """The figures with elasticities, and their short names in the variables'."""
 
 
+DISAGGREGATION_OPTION = "disaggregation"
+"""The ``option`` of the disaggregated deployment's own variables: a cube
+holds them when ``grid.disaggregated`` lists true."""
+
+
 def sensitivity(param: str, of: str = "cost_per_mtok_out_usd") -> str:
     """The cube variable holding the elasticity of the figure ``of`` to
     ``param``."""
@@ -211,6 +216,16 @@ AXES: tuple[Axis, ...] = (
          affects=("prefix_hit_fraction", "prefill_tokens_per_s",
                   "cost_per_mtok_in_usd", "long_prefill_s", "long_prefill_steps",
                   "long_prefill_worst_itl_s")),
+    # disaggregated prefill/decode (sweep.model.point.disaggregated_figures):
+    # 0 one aggregated engine, 1 prefill_instances prefill-only and
+    # decode_instances decode-only instances, each of tensor_parallel GPUs
+    Axis("disaggregated", "1", "disaggregated prefill/decode (0 aggregated, 1 "
+         "separate prefill and decode instances)", CONFIG, INTEGER,
+         parts=(ROOFLINE,), header="disagg.", low=0, high=1),
+    Axis("prefill_instances", "replica", "prefill instances (disaggregated)", CONFIG,
+         INTEGER, parts=(ROOFLINE,), header="P inst.", low=1, high=4096),
+    Axis("decode_instances", "replica", "decode instances (disaggregated)", CONFIG,
+         INTEGER, parts=(ROOFLINE,), header="D inst.", low=1, high=4096),
     Axis("arrival_rate_per_s", "request / s", "arrival rate", SCENARIO, REAL,
          parts=(P99,), header="req/s", low=1e-9, high=1e12, optional=True),
 )
@@ -245,6 +260,20 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv_fits", "1", "KV cache fits in memory", dtype="bool"),
     Metric("max_concurrency_fit", "sequence", "largest concurrency that fits",
            column=Column("max conc.", "{:,.0f}", section=COST)),
+    # with grid.disaggregated listing true (sweep.model.point)
+    Metric("gpus", "GPU", "GPUs of one deployment (tensor_parallel, or "
+           "tensor_parallel x (prefill + decode instances) disaggregated)",
+           option=DISAGGREGATION_OPTION),
+    Metric("kv_transfer_s", "s", "KV transfer of the mean prompt from a prefill "
+           "to a decode instance (0 aggregated)", option=DISAGGREGATION_OPTION),
+    Metric("zero_load_ttft_s", "s", "TTFT of the mean prompt alone: its chunked "
+           "prefill at the token budget, plus the KV transfer disaggregated",
+           option=DISAGGREGATION_OPTION),
+    Metric("prefill_pool_req_per_s", "request / s", "requests per second the "
+           "prefill instances sustain (NaN aggregated)",
+           option=DISAGGREGATION_OPTION),
+    Metric("decode_pool_req_per_s", "request / s", "requests per second the "
+           "decode instances sustain (NaN aggregated)", option=DISAGGREGATION_OPTION),
     *(Metric(sensitivity(p), "1", f"elasticity of cost per 1M output tokens to "
              f"{what} (d ln cost / d ln {p})", option=SENSITIVITY_OPTION)
       for p, what in SENSITIVITY),
@@ -317,6 +346,8 @@ OPTIMIZE_AXES: tuple[Axis, ...] = (
          parts=(OPTIMIZE,)),
     Axis("verification", "", "simulation, in order", "", INTEGER,
          parts=(OPTIMIZE,)),
+    Axis("disaggregated_verification", "", "simulation of a disaggregated "
+         "deployment, in order", "", INTEGER, parts=(OPTIMIZE,)),
 )
 """The dims of ``sweep-optimize``'s dataset."""
 

@@ -41,7 +41,7 @@ from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import batching, precision
 from sweep.model.cost import static_slot_utilization
 from sweep.model.params import WorkloadParams, stack
-from sweep.model.point import grid_point, grid_point_with_sensitivity
+from sweep.model.point import point_function
 from sweep.model.roofline import weight_bytes
 
 
@@ -216,7 +216,7 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     util = _static_utilization(tables, axes["concurrency"])
     shape = tuple(len(coords[d]) for d in roofline_dims)
     parts = [Part(contract.ROOFLINE,
-                  grid_point_with_sensitivity if app.grid.sensitivity else grid_point,
+                  point_function(app.grid.optional_variables),
                   {d: inputs[d] for d in roofline_dims},
                   blocking(shape, app.grid.chunk_points),
                   lookups={"static_utilization": (util, ("workload", "concurrency"))},

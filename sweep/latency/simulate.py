@@ -1058,7 +1058,7 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
 def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Requests,
                       batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
                       overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
-                      prefix_hit_fraction=0.0, *, max_slots: int,
+                      prefix_hit_fraction=0.0, cached_tokens=None, *, max_slots: int,
                       max_iterations: int | None = None,
                       turns_per_check: int = 64) -> SimOutcome:
     """Simulates one configuration and keeps per-request results.
@@ -1093,6 +1093,11 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         whole 16-token blocks (``roofline.cached_prefix_tokens``) are held
         in KV and read, not computed; the prompt's chunks start after them.
         A preempted request finds them again when readmitted. 0: off.
+      cached_tokens: optional ``(R,)``: each prompt's tokens already in KV at
+        admission, in place of the hit fraction's (at most the prompt less
+        one: the last prompt token is computed and emits the first token);
+        a disaggregated decode instance receives ``P - 1`` of them
+        (``sweep.latency.disaggregated``).
       max_slots: static size of the slot arrays: the largest concurrency of a
         grid is always exact. A smaller size is faster under light load; if
         the slots ever fill up below the configuration's concurrency, status
@@ -1138,8 +1143,10 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         output_tokens=output[order].astype(jnp.int32),
         num_served=served.sum(dtype=jnp.int32),
         spec_tokens=spec_k.astype(jnp.int32), spec_gain=gain.astype(dt),
-        hit=roofline.cached_prefix_tokens(
-            prompt, jnp.asarray(prefix_hit_fraction, dt))[order].astype(jnp.int32),
+        hit=(roofline.cached_prefix_tokens(prompt, jnp.asarray(prefix_hit_fraction, dt))
+             if cached_tokens is None else
+             jnp.clip(jnp.round(jnp.asarray(cached_tokens, dt)), 0.0, prompt - 1.0)
+             )[order].astype(jnp.int32),
     )
     init = _initial(num_req, max_slots, dt)
 
@@ -1157,6 +1164,16 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         iterations=s.iterations, status=status, served=served,
         rejected=offered & ~fits, output_tokens=output, gaps=deliveries - 1.0,
     )
+
+
+def itl_add_points(itl_hist, lo_s, hi_s, x, weight):
+    """An assembled ITL histogram (``SimOutcome.itl_hist``) with samples
+    ``x`` of mass ``weight`` added (both shape ``(R,)``; weight 0: none), and
+    the smallest and largest gap with them: ``(itl_hist, lo_s, hi_s)``."""
+    some = weight > 0
+    return (itl_hist.at[_bin(x)].add(weight.astype(itl_hist.dtype)),
+            jnp.minimum(lo_s, jnp.where(some, x, jnp.inf).min()),
+            jnp.maximum(hi_s, jnp.where(some, x, -jnp.inf).max()))
 
 
 def itl_percentiles(itl_hist, num_gaps, q, lo_s=-jnp.inf, hi_s=jnp.inf):

@@ -43,6 +43,8 @@ class HardwareParams(NamedTuple):
     # dense tensor-core rates of the quantised dtypes (sweep.model.precision); 0: none
     fp8_flops_per_s: jax.Array = 0.0
     fp4_flops_per_s: jax.Array = 0.0
+    # one GPU's link to another instance (disaggregated prefill/decode's KV transfer)
+    kv_link_bytes_per_s: jax.Array = 5.0e10
 
 
 class ModelParams(NamedTuple):
@@ -104,3 +106,8 @@ class GridPoint(NamedTuple):
     spec_acceptance: jax.Array = 0.0
     # automatic prefix caching: 1 on (the workload's hit fraction), 0 off
     prefix_caching: jax.Array = 0.0
+    # disaggregated prefill/decode: 1 on (p prefill-only and d decode-only
+    # instances of the point's TP), 0 one aggregated engine
+    disaggregated: jax.Array = 0.0
+    prefill_instances: jax.Array = 1.0
+    decode_instances: jax.Array = 1.0

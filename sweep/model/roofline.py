@@ -39,6 +39,14 @@ cached prefix: the cached tokens' KV is read and attended to, their linear
 and attention FLOPs are not spent again (``prefill_step_s``,
 ``chunked_prefill``). Exactly the uncached prefill at ``c = 0``.
 
+Disaggregated prefill/decode (DistServe, Zhong et al. 2024, arXiv:2401.09670;
+Splitwise, Patel et al. 2024, arXiv:2311.18677; vLLM's disaggregated
+prefilling): a prompt's KV, ``P x kv_bytes_per_token``, goes from the prefill
+to the decode instance once its prefill ends; each of the ``tp`` GPUs sends
+its shard (``1 / tp`` of the KV heads) over its own link, so the transfer
+takes ``P kv_bytes_per_token / (tp kv_link_bytes_per_s)``
+(``kv_transfer_s``), not overlapped with the prefill.
+
 A run of steps whose KV read and attention keys grow linearly with the step
 (a long prompt's chunks; the simulator's runs between scheduling events) has
 its memory and compute times on two lines (``step_lines``); the larger of
@@ -396,6 +404,13 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     partial = jnp.where(rest > 0, partial, 0.0)
     steps = full + jnp.where(rest > 0, 1.0, 0.0)
     return full_sum + partial, steps, jnp.maximum(last_full, partial)
+
+
+def kv_transfer_s(hw: HardwareParams, model: ModelParams, tp, prompt_tokens):
+    """Time to send a prompt's KV from a prefill to a decode instance: ``P
+    kv_bytes_per_token / (tp kv_link_bytes_per_s)`` (each GPU of the TP group
+    sends its shard over its own link)."""
+    return prompt_tokens * kv_bytes_per_token(model) / (tp * hw.kv_link_bytes_per_s)
 
 
 def kv_capacity_tokens(hw, model, tp):

@@ -541,6 +541,49 @@ def prefix_caching(ds: xr.Dataset, hardware: str, model: str,
     return fig
 
 
+DISAGG_DIMS = ("disaggregated", "prefill_instances", "decode_instances")
+
+
+def disaggregation(ds: xr.Dataset, hardware: str, model: str) -> Figure:
+    """Cost and zero-load TTFT against the P:D ratio of the disaggregated
+    points (each labelled ``p:d``), for one hardware x model at the
+    tensor-parallel size of its cheapest point, each at its cheapest other
+    settings; dashed: the aggregated engine's."""
+    fixed, _ = scenario(fix_tp(ds).sel(hardware=hardware, model=model))
+    over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in DISAGG_DIMS]
+    v = fixed.sweep.cheapest(over, COST) if over else fixed
+    v = v[[COST, "zero_load_ttft_s"]].compute()
+    dis = v.sel(disaggregated=1)
+    agg = v.sel(disaggregated=0).isel(prefill_instances=0, decode_instances=0)
+    fig, axes = _panels(2, 2, 4.6, 3.4,
+                        f"Disaggregated prefill/decode: {hardware} x {model}",
+                        "dots: p prefill + d decode instances (labelled p:d) at the "
+                        "rate the smaller pool sustains; dashed: one aggregated "
+                        "engine; " + _notes(ds))
+    for ax, (var, scale, name) in zip(axes, (
+            (COST, 1.0, f"USD per 1M output tokens ({ds[COST].attrs['units']})"),
+            ("zero_load_ttft_s", 1e3, "TTFT at zero load (ms): prefill + KV "
+             "transfer"))):
+        for p in dis["prefill_instances"].values:
+            for d in dis["decode_instances"].values:
+                y = float(dis[var].sel(prefill_instances=p, decode_instances=d))
+                if np.isfinite(y):
+                    ax.plot(p / d, y * scale, "o", ms=4, color="C0")
+                    ax.annotate(f"{int(p)}:{int(d)}", (p / d, y * scale), fontsize=7,
+                                xytext=(3, 3), textcoords="offset points")
+        level = float(agg[var])
+        if np.isfinite(level):
+            ax.axhline(level * scale, color="0.2", ls="--", lw=1)
+        ax.set_xscale("log")
+        ratios = [p / d for p in dis["prefill_instances"].values
+                  for d in dis["decode_instances"].values]
+        _plain_log_ticks(ax.xaxis, min(ratios), max(ratios))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_xlabel("P:D ratio (prefill / decode instances)")
+        ax.set_ylabel(name)
+    return fig
+
+
 def _notes(ds: xr.Dataset) -> str:
     return "; ".join(scenario(ds)[1])
 
@@ -755,6 +798,16 @@ CHARTS = (
           "compute but not their KV reads, so TTFT and the input cost fall "
           "almost in proportion while the decode cost stays.",
           varies=("prefix_caching",)),
+    Chart("disaggregation.png", "Disaggregated prefill/decode",
+          (COST, "zero_load_ttft_s"), ("hardware", "model", *DISAGG_DIMS),
+          lambda ds, h, m, lim: disaggregation(ds, h, m),
+          "Cost and zero-load TTFT against the ratio of prefill to decode "
+          "instances: too few decode instances leave prefill capacity idle, too "
+          "few prefill ones decode capacity; the KV transfer adds to every "
+          "TTFT. The roofline's aggregated engine prefills for free, so the "
+          "dashed cost is a floor the simulator-verified comparison "
+          "(sweep-optimize search.disaggregated=[false,true]) corrects.",
+          varies=("disaggregated",)),
     Chart("prefill_interference.png", "Chunked-prefill interference",
           ("long_prefill_s", "long_prefill_worst_itl_s", "step_s", COST),
           ("hardware", "model", "concurrency", "token_budget"),

@@ -1,0 +1,157 @@
+"""Disaggregated prefill/decode, simulated: two pools of the step simulator.
+
+DistServe (Zhong et al. 2024, arXiv:2401.09670), Splitwise (Patel et al.
+2024, arXiv:2311.18677) and vLLM's disaggregated prefilling run a request's
+prefill on one instance and its decode on another, the prompt's KV sent
+between them. Here, with ``sweep.latency.simulate``'s scheduler for every
+instance (``tests/reference_scheduler.py``'s
+``simulate_disaggregated_reference`` is the step-by-step reference):
+
+* the prefill pool: ``p`` instances, the stream round-robin over them in
+  arrival order, each simulating its requests with one output token: its
+  queue and chunked prefill (prefill-only steps at the token budget) give
+  the end of each prefill;
+* the KV transfer: ``P kv_bytes_per_token / (tp kv_link_bytes_per_s)``
+  (``roofline.kv_transfer_s``) after the prefill; the first token reaches
+  the user then, so TTFT = prefill pool TTFT + transfer;
+* the decode pool: ``d`` instances, the requests round-robin over them in
+  the order they arrive there (arrival + TTFT), each with its whole prompt
+  in KV but the last token (``simulate_requests``' ``cached_tokens``: the
+  instance computes that token, as vLLM's KV consumer does, a step that
+  costs a decode) and ``output - 1`` tokens to make; its first token is the
+  request's second, so the instance's wait for a slot is the request's
+  first inter-token gap (added to the ITL histogram as a point).
+
+Percentiles are over every request. A request of one output token never
+reaches the decode pool. A preempted decode-pool request finds its
+received KV again (as prefix caching's blocks), which is kinder than a real
+KV consumer, which recomputes it; a request whose prompt does not fit a
+decode instance's KV is admitted alone and flagged, as in one engine.
+Prefill and decode instances share the point's tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sweep.latency.arrivals import Requests
+from sweep.latency.simulate import (
+    SimOutcome,
+    SimResult,
+    itl_add_points,
+    pool,
+    simulate_requests,
+    summarize,
+)
+from sweep.latency.workload import context_limit
+from sweep.model import roofline
+from sweep.model.batching import CONTINUOUS
+from sweep.model.params import REJECT, TRUNCATE
+
+
+def _round_robin(times, members, instances, max_instances: int):
+    """``(max_instances, R)`` bool: request ``i`` is instance ``r``'s, the
+    ``members`` taken in the order of ``times`` and dealt round-robin over
+    the first ``instances``."""
+    order = jnp.argsort(jnp.where(members, times, jnp.inf), stable=True)
+    rank = jnp.argsort(order).astype(jnp.int32)
+    r = jnp.arange(max_instances, dtype=jnp.int32)[:, None]
+    return members[None, :] & (rank[None, :] % instances == r) & (r < instances)
+
+
+def _pick(rows, x):
+    """Each request's value from the one row (instance) that served it."""
+    return jnp.where(rows, x, jnp.zeros((), x.dtype)).sum(0, dtype=x.dtype)
+
+
+def simulate_disaggregated_requests(
+        hw, model, tp, concurrency, token_budget, requests: Requests,
+        prefill_instances, decode_instances, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
+        overlong=REJECT, spec_tokens=0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
+        *, max_prefill_instances: int, max_decode_instances: int, max_slots: int,
+        max_iterations: int | None = None, turns_per_check: int = 64) -> SimOutcome:
+    """One disaggregated deployment over a stream, per request (module docstring).
+
+    Args:
+      hw, model, tp, concurrency, token_budget, requests, ttft_slo_s,
+        itl_slo_s, overlong, spec_tokens, spec_acceptance,
+        prefix_hit_fraction: as ``simulate_requests`` (continuous batching in
+        both pools; ``max_num_seqs`` and ``max_num_batched_tokens`` the same
+        on both; prefix caching on the prefill pool, speculation on the
+        decode pool). ``hw.kv_link_bytes_per_s`` is the transfer link.
+      prefill_instances, decode_instances: ``p`` and ``d`` (traced; clipped to
+        ``[1, max_*_instances]``).
+      max_prefill_instances, max_decode_instances: static sizes of the pools'
+        ``vmap`` (instances beyond ``p`` and ``d`` serve nothing).
+      max_slots, max_iterations, turns_per_check: each instance's, as
+        ``simulate_requests``'.
+    """
+    dt = jnp.asarray(requests.arrival_s).dtype
+    arrival = jnp.asarray(requests.arrival_s, dt)
+    prompt, output, fits = context_limit(
+        jnp.maximum(jnp.round(requests.prompt_tokens), 1).astype(dt),
+        jnp.maximum(jnp.round(requests.output_tokens), 1).astype(dt),
+        jnp.asarray(model.max_context_tokens, dt),
+        jnp.asarray(overlong) == TRUNCATE, xp=jnp)
+    p = jnp.clip(jnp.floor(jnp.asarray(prefill_instances, dt)), 1,
+                 max_prefill_instances).astype(jnp.int32)
+    d = jnp.clip(jnp.floor(jnp.asarray(decode_instances, dt)), 1,
+                 max_decode_instances).astype(jnp.int32)
+    kw = dict(max_slots=max_slots, max_iterations=max_iterations,
+              turns_per_check=turns_per_check)
+    tp = jnp.asarray(tp, dt)
+    inf = jnp.asarray(jnp.inf, dt)
+
+    pre_rows = _round_robin(arrival, fits, p, max_prefill_instances)
+    prefill_stream = Requests(arrival, prompt, jnp.ones_like(output))
+    pre = jax.vmap(lambda mine: simulate_requests(
+        hw, model, tp, concurrency, token_budget, prefill_stream, CONTINUOUS, inf,
+        inf, REJECT, mine, 0, 0.0, prefix_hit_fraction, **kw))(pre_rows)
+    ttft = _pick(pre_rows, pre.ttft_s) + roofline.kv_transfer_s(hw, model, tp, prompt)
+
+    to_decode = fits & (output > 1)
+    handed = arrival + ttft
+    dec_rows = _round_robin(handed, to_decode, d, max_decode_instances)
+    decode_stream = Requests(jnp.where(to_decode, handed, 0.0), prompt,
+                             jnp.maximum(output - 1.0, 1.0))
+    # the decode instance's "TTFT" is the request's first inter-token gap:
+    # held to the ITL SLO
+    dec = jax.vmap(lambda mine: simulate_requests(
+        hw, model, tp, concurrency, token_budget, decode_stream, CONTINUOUS,
+        itl_slo_s, itl_slo_s, REJECT, mine, spec_tokens, spec_acceptance, 0.0,
+        prompt - 1.0, **kw))(dec_rows)
+    first_gap = _pick(dec_rows, dec.ttft_s)
+    e2e = ttft + jnp.where(to_decode, _pick(dec_rows, dec.e2e_s), 0.0)
+    good = fits & (ttft <= ttft_slo_s) & (~to_decode | _pick(dec_rows, dec.good))
+
+    pre_all = pool(pre, jnp.arange(max_prefill_instances, dtype=jnp.int32) < p)
+    dec_all = pool(dec, jnp.arange(max_decode_instances, dtype=jnp.int32) < d)
+    hist, lo, hi = itl_add_points(dec_all.itl_hist, dec_all.itl_min_s,
+                                  dec_all.itl_max_s, first_gap,
+                                  jnp.where(to_decode, 1.0, 0.0))
+    nan = jnp.asarray(jnp.nan, dt)
+    return SimOutcome(
+        ttft_s=jnp.where(fits, ttft, nan), e2e_s=jnp.where(fits, e2e, nan),
+        good=good, itl_hist=hist, itl_min_s=lo, itl_max_s=hi,
+        duration_s=jnp.maximum(pre_all.duration_s, dec_all.duration_s),
+        preemptions=pre_all.preemptions + dec_all.preemptions,
+        steps=pre_all.steps + dec_all.steps,
+        iterations=jnp.maximum(pre_all.iterations, dec_all.iterations),
+        status=pre_all.status | dec_all.status,
+        served=fits, rejected=~fits, output_tokens=output,
+        gaps=jnp.where(to_decode, _pick(dec_rows, dec.gaps) + 1.0, 0.0),
+    )
+
+
+def simulate_disaggregated(hw, model, tp, concurrency, token_budget,
+                           requests: Requests, prefill_instances, decode_instances,
+                           ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, overlong=REJECT,
+                           spec_tokens=0, spec_acceptance=0.0,
+                           prefix_hit_fraction=0.0, **static) -> SimResult:
+    """``summarize`` of ``simulate_disaggregated_requests`` (same arguments;
+    the keyword-only ones static)."""
+    return summarize(simulate_disaggregated_requests(
+        hw, model, tp, concurrency, token_budget, requests, prefill_instances,
+        decode_instances, ttft_slo_s, itl_slo_s, overlong, spec_tokens,
+        spec_acceptance, prefix_hit_fraction, **static))

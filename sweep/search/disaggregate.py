@@ -1,0 +1,368 @@
+"""``sweep-optimize``'s disaggregated deployments: enumerated, then simulated.
+
+With ``search.disaggregated=[false,true]`` the optimizer also prices
+deployments of ``p`` prefill and ``d`` decode instances (DistServe,
+Splitwise, vLLM's disaggregated prefilling) against the aggregated answer
+of ``sweep.search.optimize.run``. The analytic surrogate models one
+aggregated engine, so these candidates get their figures from the roofline
+and the simulator instead:
+
+1. **Enumeration** (roofline, per candidate hardware x model x TP): for each
+   ``max_num_seqs`` N and ``max_num_batched_tokens`` B of the search's
+   powers of two, one decode instance serves ``N gain / step(N) / (E[out] -
+   1)`` requests a second (the decode-only step at the mean context, ``E[out]
+   - 1`` tokens after the prefill's first) and one prefill instance ``1 /
+   prefill(E[prompt], B)`` (prefill-only chunks at the budget). A setting
+   whose decode step exceeds the ITL SLO, or whose zero-load TTFT (prefill +
+   KV transfer) exceeds the TTFT SLO, is dropped. The fewest instances that
+   keep each pool below ``UTILIZATION_MAX`` of its capacity, ``p0`` and
+   ``d0``, and the two next counts of each give nine P:D ratios; per
+   candidate x ratio the setting with the most headroom is kept.
+2. **Verification**: in order of cost (GPUs of both pools; ties: headroom),
+   ``verify_top`` deployments at a time run through the simulator
+   (``sweep.latency.disaggregated``) on the aggregated verification's
+   stream (common random numbers): ``verify_requests`` per instance of the
+   batch's largest deployment, rounded up to a power of two, at most
+   ``verify_requests_max``. The first batch with a deployment whose p99s
+   meet the SLO gives the answer, its cheapest such; at most
+   ``search.rounds`` batches.
+
+The answer is compared with the aggregated one by USD per 1M output tokens
+at the workload's rate (both pools' GPUs for the disaggregated one).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import xarray as xr
+
+from sweep.config.convert import hardware_params, model_params
+from sweep.cube import engines
+from sweep.latency.arrivals import Requests
+from sweep.latency.disaggregated import simulate_disaggregated
+from sweep.model import roofline
+from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
+from sweep.model.params import OVERLONG, stack
+
+UTILIZATION_MAX = 0.95
+"""The highest share of a pool's roofline capacity a deployment may load."""
+EXTRA_INSTANCES = 3
+"""Instance counts per pool tried from the fewest up (p0, p0 + 1, p0 + 2)."""
+
+KV_CONNECTOR = "NixlConnector"
+"""The connector in the flags printed (vLLM's ``KVTransferConfig.kv_connector``)."""
+
+
+@dataclass
+class Deployment:
+    """One disaggregated deployment of one candidate (hardware x model x TP)."""
+
+    candidate: int
+    prefill_instances: int
+    decode_instances: int
+    concurrency: int  # max_num_seqs of every instance
+    token_budget: int  # max_num_batched_tokens of every instance
+    prefill_utilization: float  # offered / roofline capacity of the pool
+    decode_utilization: float
+    zero_load_ttft_s: float  # roofline: prefill of the mean prompt + transfer
+    itl_s: float  # roofline: the decode-only step at N
+    cost_per_mtok_out_usd: float
+    cost_per_month_usd: float
+    simulated: dict[str, float] | None = None
+
+    @property
+    def ratio(self) -> str:
+        """``"P:D"``."""
+        return f"{self.prefill_instances}:{self.decode_instances}"
+
+    @property
+    def instances(self) -> int:
+        return self.prefill_instances + self.decode_instances
+
+
+@dataclass
+class Result:
+    """What ``run`` found: the cheapest verified deployment (None: none met
+    the SLO), every simulated one in order, and the counts."""
+
+    chosen: Deployment | None
+    simulated: list[Deployment]
+    enumerated: int
+    simulate_s: float
+    log: list[str] = field(default_factory=list)
+
+
+def _powers_of_two(lo: int, hi: int) -> np.ndarray:
+    out = [1 << i for i in range(31) if lo <= (1 << i) <= hi]
+    return np.array(out or [lo], float)
+
+
+def enumerate_deployments(job) -> list[Deployment]:
+    """Step 1 of the module docstring, cheapest first (``job``: an
+    ``OptimizeJob``)."""
+    app, s = job.app, job.app.search
+    tables = job.tables
+    prompt, out_mean = tables.mean_prompt_tokens, tables.mean_output_tokens
+    after_first = max(out_mean - 1.0, 1e-9)
+    n_grid = _powers_of_two(s.concurrency_min, s.concurrency_max)
+    b_grid = _powers_of_two(s.token_budget_min, s.token_budget_max)
+    N, B = (x.ravel() for x in np.meshgrid(n_grid, b_grid, indexing="ij"))
+    hit = app.workload.prefix_hit_fraction
+    best: dict[tuple[int, int, int], Deployment] = {}
+    for ci, cand in enumerate(job.candidates):
+        rate = app.workload.arrival_rate_per_s * (1.0 - job.served[cand.model.name][1])
+        hw = hardware_params(cand.hardware, s.gpu_memory_utilization)
+        model = model_params(cand.model)
+        tp, k = float(cand.tp), float(cand.spec_tokens)
+        step = np.asarray(roofline.verify_step_s(hw, model, tp, N,
+                                                 prompt + out_mean / 2, k), float)
+        gain = float(roofline.tokens_per_step(k, s.spec_acceptance))
+        decode_rps = N * gain / step / after_first
+        prefill = np.asarray(roofline.chunked_prefill(
+            hw, model, tp, 0.0, 0.0, prompt, B, 0.0,
+            roofline.cached_prefix_tokens(prompt, hit))[0], float)
+        ttft0 = prefill + float(roofline.kv_transfer_s(hw, model, tp, prompt))
+        fits = np.asarray(roofline.kv_fits(hw, model, tp, N, prompt + out_mean + k))
+        ok = (fits & (step <= app.slo.itl_p99_s) & (ttft0 <= app.slo.ttft_p99_s)
+              & (B >= N * (k + 1.0)))
+        usd = cand.hardware.usd_per_gpu_hour
+        for i in np.flatnonzero(ok):
+            p0 = max(math.ceil(rate * prefill[i] / UTILIZATION_MAX), 1)
+            d0 = max(math.ceil(rate / (decode_rps[i] * UTILIZATION_MAX)), 1)
+            for p in range(p0, p0 + EXTRA_INSTANCES):
+                for d in range(d0, d0 + EXTRA_INSTANCES):
+                    if max(p, d) > s.disaggregated_max_instances:
+                        continue
+                    gpus = cand.tp * (p + d)
+                    dep = Deployment(
+                        ci, p, d, int(N[i]), int(B[i]), rate * prefill[i] / p,
+                        rate / (decode_rps[i] * d), float(ttft0[i]), float(step[i]),
+                        float(cost_per_mtok_usd(usd, gpus, rate * out_mean)),
+                        usd * gpus * HOURS_PER_MONTH)
+                    key = (ci, p, d)
+                    if key not in best or _headroom(dep) > _headroom(best[key]):
+                        best[key] = dep
+    return sorted(best.values(), key=lambda x: (x.cost_per_mtok_out_usd, -_headroom(x)))
+
+
+def _headroom(d: Deployment) -> float:
+    return -max(d.prefill_utilization, d.decode_utilization)
+
+
+@functools.partial(jax.jit, static_argnames=("max_prefill", "max_decode", "max_slots"))
+def _simulate(hw, model, tp, concurrency, token_budget, p, d, spec_tokens,
+              spec_acceptance, requests, ttft_slo_s, itl_slo_s, overlong,
+              prefix_hit_fraction, *, max_prefill: int, max_decode: int,
+              max_slots: int):
+    """Every deployment (leading axis) over one stream."""
+    def one(hw, model, tp, c, b, p, d, k):
+        return simulate_disaggregated(
+            hw, model, tp, c, b, requests, p, d, ttft_slo_s, itl_slo_s, overlong, k,
+            spec_acceptance, prefix_hit_fraction, max_prefill_instances=max_prefill,
+            max_decode_instances=max_decode, max_slots=max_slots)
+
+    return jax.vmap(one)(hw, model, tp, concurrency, token_budget, p, d, spec_tokens)
+
+
+def _bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (fewer compiled shapes)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def simulate_deployments(job, deps: list[Deployment], stream: Requests,
+                         width: int) -> list[dict[str, float]]:
+    """Each deployment over the first ``verify_requests x (p + d)`` requests
+    of ``stream`` rounded up to a power of two (at most
+    ``verify_requests_max``; one length per call, that of the largest), as
+    ``SimResult`` fields with ``requests`` added."""
+    app, s = job.app, job.app.search
+    # a power of two: few compiled shapes across batches and runs
+    n = min(_bucket(s.verify_requests * max(d.instances for d in deps)),
+            s.verify_requests_max, len(stream.arrival_s))
+    rows = deps + [deps[0]] * (width - len(deps))
+    cands = [job.candidates[d.candidate] for d in rows]
+    f32 = jnp.float32
+    util = s.gpu_memory_utilization
+    max_conc = max(d.concurrency for d in deps)
+    out = _simulate(
+        stack([hardware_params(c.hardware, util) for c in cands]),
+        stack([model_params(c.model) for c in cands]),
+        jnp.asarray([c.tp for c in cands], f32),
+        jnp.asarray([d.concurrency for d in rows], f32),
+        jnp.asarray([d.token_budget for d in rows], f32),
+        jnp.asarray([d.prefill_instances for d in rows], f32),
+        jnp.asarray([d.decode_instances for d in rows], f32),
+        jnp.asarray([c.spec_tokens for c in cands], f32),
+        jnp.asarray(s.spec_acceptance, f32),
+        jax.tree.map(lambda x: jnp.asarray(x[:n]), stream),
+        jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
+        jnp.int32(OVERLONG.index(app.workload.overlong.value)),
+        jnp.asarray(app.workload.prefix_hit_fraction, f32),
+        max_prefill=_bucket(max(d.prefill_instances for d in deps)),
+        max_decode=_bucket(max(d.decode_instances for d in deps)),
+        max_slots=max(64, _bucket(max_conc)))
+    out = jax.tree.map(np.asarray, out._asdict())
+    return [{**{k: float(v[i]) for k, v in out.items()}, "requests": n}
+            for i in range(len(deps))]
+
+
+def run(job, log=print) -> Result:
+    """Enumerate, then verify in order of cost (module docstring), on the
+    aggregated verification's stream (``optimize.verification_stream`` with
+    the key ``optimize.run`` simulates with).
+
+    Args:
+      job: the ``OptimizeJob``.
+    """
+    from sweep.search.optimize import met, verification_stream
+
+    s = job.app.search
+    stream = verification_stream(job, jax.random.split(jax.random.key(job.app.seed))[1])
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        log(line)
+
+    deps = enumerate_deployments(job)
+    say(f"disaggregated: {len(deps)} deployments enumerated from the roofline "
+        f"(P:D ratios of {len(job.candidates)} candidates)")
+    tried: list[Deployment] = []
+    chosen, simulate_s = None, 0.0
+    for batch in range(s.rounds):
+        todo = deps[batch * s.verify_top:(batch + 1) * s.verify_top]
+        if not todo:
+            break
+        t0 = time.perf_counter()
+        sims = simulate_deployments(job, todo, stream, s.verify_top)
+        simulate_s += time.perf_counter() - t0
+        for dep, sim in zip(todo, sims):
+            dep.simulated = sim
+            tried.append(dep)
+            ok = met(job, sim)
+            say(f"  simulated {describe(job, dep)}: p99 TTFT "
+                f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s over "
+                f"{sim['requests']:,} requests -> {'confirmed' if ok else 'missed'}")
+        confirmed = [x for x in todo if met(job, x.simulated)]
+        if confirmed:
+            chosen = min(confirmed, key=lambda x: x.cost_per_mtok_out_usd)
+            break
+    return Result(chosen, tried, len(deps), simulate_s, lines)
+
+
+def describe(job, d: Deployment) -> str:
+    cand = job.candidates[d.candidate]
+    return (f"{cand.label}, P:D {d.ratio} ({d.prefill_instances} prefill + "
+            f"{d.decode_instances} decode instances), max_num_seqs {d.concurrency}, "
+            f"max_num_batched_tokens {d.token_budget}")
+
+
+def kv_transfer_config(role: str) -> str:
+    """vLLM's ``--kv-transfer-config`` for a pool (``kv_producer`` or
+    ``kv_consumer``): our reading of vLLM's ``KVTransferConfig`` (``kv_role``
+    one of ``kv_producer``, ``kv_consumer``, ``kv_both``)."""
+    config = f'{{"kv_connector":"{KV_CONNECTOR}","kv_role":"{role}"}}'
+    return f"--kv-transfer-config '{config}'"
+
+
+def pool_flags(job, d: Deployment) -> dict[str, str]:
+    """vLLM's arguments for each pool: ``{"prefill": ..., "decode": ...}``."""
+    cand = job.candidates[d.candidate]
+    out = {}
+    for pool, role, count in (("prefill", "kv_producer", d.prefill_instances),
+                              ("decode", "kv_consumer", d.decode_instances)):
+        values = engines.flags(
+            "vllm", tensor_parallel=cand.tp, concurrency=d.concurrency,
+            token_budget=d.token_budget,
+            gpu_memory_utilization=job.app.search.gpu_memory_utilization,
+            weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
+            spec_tokens=cand.spec_tokens if pool == "decode" else 0,
+            prefix_caching=(pool == "prefill"
+                            and job.app.workload.prefix_hit_fraction > 0))
+        n = f"{count} instance{'' if count == 1 else 's'}"
+        out[pool] = (f"{engines.command_line(values)} {kv_transfer_config(role)}  "
+                     f"(x {n})")
+    return out
+
+
+def verdict(job, aggregated, result: Result) -> str:
+    """Which deployment wins, in one line."""
+    agg = aggregated.cost_per_mtok_out_usd
+    d = result.chosen
+    tail = (f"({result.enumerated} enumerated, {len(result.simulated)} simulated in "
+            f"{result.simulate_s:.1f} s)")
+    if d is None:
+        return (f"aggregated wins: no disaggregated deployment met the SLO in the "
+                f"simulator {tail}; aggregated USD {agg:.4g} / 1M output tokens")
+    dis = d.cost_per_mtok_out_usd
+    who = "disaggregated" if dis < agg else "aggregated"
+    return (f"{who} wins: disaggregated {describe(job, d)}: USD {dis:.4g} / 1M "
+            f"output tokens vs aggregated USD {agg:.4g} ({dis / agg:.2f}x) {tail}")
+
+
+def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
+    """The optimizer's dataset with the disaggregated search: every simulated
+    deployment over ``disaggregated_verification``, and the choice in the
+    attributes (``deployment``: which wins; ``disaggregated_*``: the
+    cheapest verified disaggregated deployment and each pool's vLLM flags)."""
+    from sweep.cube import contract
+
+    dim = ("disaggregated_verification",)
+    tried = result.simulated
+
+    def var(name, values, prefix=""):
+        attrs = contract.attrs(name)
+        attrs["long_name"] = prefix + attrs["long_name"]
+        return (dim, np.asarray(values), attrs)
+
+    from sweep.search.optimize import met
+
+    data = {
+        "disaggregated_candidate": var("candidate", [d.candidate for d in tried]),
+        **{f"disaggregated_{n}": var(n, [getattr(d, n) for d in tried])
+           for n in ("prefill_instances", "decode_instances", "concurrency",
+                     "token_budget", "cost_per_mtok_out_usd", "cost_per_month_usd")},
+        **{f"disaggregated_simulated_{m}": var(
+            m, [d.simulated[m] for d in tried], "simulated ") for m in contract.SLO},
+        "disaggregated_slo_met": var("slo_met_simulated",
+                                     [met(job, d.simulated) for d in tried]),
+    }
+    d = result.chosen
+    wins = d is not None and d.cost_per_mtok_out_usd < aggregated.cost_per_mtok_out_usd
+    attrs = {"deployment": "disaggregated" if wins else "aggregated",
+             "deployment_verdict": verdict(job, aggregated, result),
+             "disaggregated_enumerated": result.enumerated,
+             "disaggregated_simulate_wall_s": round(result.simulate_s, 3),
+             "disaggregated_log": "\n".join(result.log)}
+    if d is not None:
+        cand = job.candidates[d.candidate]
+        attrs.update({
+            "disaggregated_hardware": cand.hardware.name,
+            "disaggregated_model": cand.model.name,
+            "disaggregated_tensor_parallel": cand.tp,
+            "disaggregated_prefill_instances": d.prefill_instances,
+            "disaggregated_decode_instances": d.decode_instances,
+            "disaggregated_concurrency": d.concurrency,
+            "disaggregated_token_budget": d.token_budget,
+            "disaggregated_cost_per_mtok_out_usd": d.cost_per_mtok_out_usd,
+            "disaggregated_cost_per_month_usd": d.cost_per_month_usd,
+            **{f"disaggregated_{pool}_vllm_flags": flags
+               for pool, flags in pool_flags(job, d).items()},
+        })
+    return ds.assign(data).assign_attrs(attrs)
+
+
+FLAGS_NOTE = (
+    "--kv-transfer-config is our reading of vLLM's KVTransferConfig (kv_connector; "
+    "kv_role kv_producer on prefill, kv_consumer on decode, kv_both also allowed; "
+    "vLLM's NixlConnector guide starts both pools with kv_both); a proxy (vLLM's "
+    "disaggregated-serving examples) sends each request to a prefill instance with "
+    "max_tokens 1, then to a decode instance")
+"""What the pools' flags leave out."""

@@ -1,0 +1,341 @@
+"""Disaggregated prefill/decode, against float64 hand calculations: the seed
+scenario (H100 SXM, Qwen3-8B bf16, 1,500-token prompts, outputs of mean 360)
+built by ``sweep-grid`` with ``grid.disaggregated=[false,true]`` and 1-2
+prefill x 1-3 decode instances."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xarray as xr
+from helpers import KVB, chunked, compose_app, cost_per_mtok, decode, run_script, step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sweep
+from sweep.config.schema import ConfigError
+
+PROMPT, OUT_MEAN, LONG, BUDGET, N = 1500, 360, 8192, 2048, 64
+LINK = 5e10  # conf/hardware/h100_sxm.yaml: InfiniBand NDR 400 Gb/s per GPU
+
+
+@pytest.fixture(scope="module")
+def cube(tmp_path_factory) -> xr.Dataset:
+    out = tmp_path_factory.mktemp("disagg") / "disagg.zarr"
+    proc = run_script("sweep-grid", [
+        "experiment=seed", "grid.disaggregated=[false,true]",
+        "grid.prefill_instances=[1,2]", "grid.decode_instances=[1,3]",
+        f"grid.concurrency=[{N}]", f"grid.token_budget=[{BUDGET}]",
+        "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e8]",
+        f"out={out}"], cwd=out.parent)
+    assert proc.returncode == 0, proc.stderr
+    return sweep.open_cube(out).load().squeeze()
+
+
+@pytest.mark.slow
+def test_disaggregated_point_by_hand(cube):
+    itl = decode(N, 1500)  # the decode-only step at the concurrency
+    prefill = step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2)  # one 1,500-token chunk
+    transfer = PROMPT * KVB / LINK
+    assert transfer == pytest.approx(4.42368e-3, rel=1e-12)
+    for p in (1, 2):
+        for d in (1, 3):
+            pt = cube.sel(disaggregated=1, prefill_instances=p, decode_instances=d)
+            prefill_req_s = p / prefill
+            # the decode pool makes each request's tokens after the first
+            decode_req_s = d * N / itl / (OUT_MEAN - 1)
+            out_tok_s = min(prefill_req_s, decode_req_s) * OUT_MEAN
+            for name, want in (
+                ("step_s", itl), ("kv_transfer_s", transfer),
+                ("zero_load_ttft_s", prefill + transfer),
+                ("prefill_pool_req_per_s", prefill_req_s),
+                ("decode_pool_req_per_s", decode_req_s),
+                ("output_tokens_per_s", out_tok_s),
+                ("cost_per_mtok_out_usd", cost_per_mtok(out_tok_s, gpus=p + d)),
+                ("gpus", p + d),
+                # the long prompt runs alone on a prefill instance: the
+                # decoding users see decode-only steps
+                ("long_prefill_s", chunked(0, 1500, LONG, BUDGET)[0]),
+                ("long_prefill_worst_itl_s", itl),
+            ):
+                assert float(pt[name]) == pytest.approx(want, rel=2e-5), (p, d, name)
+    # 1 prefill instance (39 req/s) outpaces 1 decode instance (19.5 req/s)
+    assert float(cube.sel(disaggregated=1, prefill_instances=1,
+                          decode_instances=1).prefill_pool_req_per_s) > 20.0
+
+
+@pytest.mark.slow
+def test_aggregated_points_are_unchanged(cube):
+    itl = decode(N, 1500)
+    for p in (1, 2):
+        for d in (1, 3):
+            pt = cube.sel(disaggregated=0, prefill_instances=p, decode_instances=d)
+            assert float(pt.output_tokens_per_s) == pytest.approx(N / itl, rel=2e-5)
+            assert float(pt.cost_per_mtok_out_usd) == pytest.approx(
+                cost_per_mtok(N / itl), rel=2e-5)
+            assert float(pt.gpus) == 1.0
+            assert float(pt.kv_transfer_s) == 0.0
+            assert np.isnan(float(pt.prefill_pool_req_per_s))
+            assert float(pt.zero_load_ttft_s) == pytest.approx(
+                step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2), rel=2e-5)
+            assert float(pt.long_prefill_worst_itl_s) == pytest.approx(
+                chunked(N, 1500, LONG, BUDGET)[2], rel=2e-5)
+
+
+@pytest.mark.slow
+def test_serving_flags_name_both_pools(cube):
+    at = dict(prefill_instances=2, decode_instances=3)
+    dis = cube.sweep.to_serving_flags(disaggregated=1, **at)
+    agg = cube.sweep.to_serving_flags(disaggregated=0, **at)
+    assert dis.cli == agg.cli == ("--tensor-parallel-size 1 --max-num-seqs 64 "
+                                  "--max-num-batched-tokens 2048 "
+                                  "--gpu-memory-utilization 1")
+    assert any("2 prefill and 3 decode instances" in n and "kv_producer" in n
+               for n in dis.notes)
+    assert not any("disaggregated" in n for n in agg.notes)
+
+
+def test_cube_without_disaggregation_has_no_extra_variables():
+    from sweep.cube import contract
+
+    app = compose_app("grid", ["experiment=seed"])
+    assert contract.DISAGGREGATION_OPTION not in app.grid.optional_variables
+    app = compose_app("grid", ["experiment=seed", "grid.disaggregated=[true]"])
+    assert contract.DISAGGREGATION_OPTION in app.grid.optional_variables
+
+
+@pytest.fixture(scope="module")
+def ttft_of_link():
+    """The zero-load TTFT of a disaggregated seed point as a function of the
+    link bandwidth and the prompt (one compiled program)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sweep.config.convert import hardware_params, model_params
+    from sweep.model.params import GridPoint, WorkloadParams
+    from sweep.model.point import evaluate_point
+
+    app = compose_app("grid", ["experiment=seed"])
+    hw, model = hardware_params(app.hardware, 1.0), model_params(app.model)
+    f32 = jnp.float32
+    pt = GridPoint(*(f32(x) for x in (1, N, BUDGET, 1500, 2, LONG, 1e8)),
+                   disaggregated=f32(1), prefill_instances=f32(1),
+                   decode_instances=f32(2))
+
+    @jax.jit
+    def ttft(link, prompt):
+        wl = WorkloadParams(prompt, f32(OUT_MEAN), jnp.array([OUT_MEAN], f32),
+                            jnp.array([1.0], f32))
+        h = jax.tree.map(lambda x: jnp.asarray(x, f32), hw)._replace(
+            kv_link_bytes_per_s=link)
+        return evaluate_point(h, model, wl, pt, f32(1.0),
+                              disaggregation=True)["zero_load_ttft_s"]
+
+    return ttft
+
+
+@settings(max_examples=40, deadline=None)
+@given(link=st.floats(1e9, 1e12), more=st.floats(1.0, 100.0),
+       prompt=st.integers(1, 100_000))
+def test_more_link_bandwidth_never_raises_ttft(ttft_of_link, link, more, prompt):
+    slow = float(ttft_of_link(np.float32(link), np.float32(prompt)))
+    fast = float(ttft_of_link(np.float32(link * more), np.float32(prompt)))
+    assert fast <= slow
+    # the link only changes the transfer: the gain is at most the slow one's
+    assert slow - fast <= prompt * KVB / link * (1 + 1e-5)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("hardware.kv_link_bytes_per_s=-1",
+     r"hardware\[h100_sxm\]\.kv_link_bytes_per_s = -1\.0: must be a finite number "
+     r"in \[1000, 1e\+15\]"),
+    ("grid.prefill_instances=[0]",
+     r"grid\.prefill_instances = 0\.0: every value must be in \[1, 4096\]"),
+    ("grid.decode_instances=[0,2]",
+     r"grid\.decode_instances = 0\.0: every value must be in \[1, 4096\]"),
+])
+def test_bad_input_is_one_line(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_app("grid", ["experiment=seed", "grid.disaggregated=[true]", override])
+
+
+# --- the simulator (sweep.latency.disaggregated) against the reference -------
+
+MAX_P, MAX_D = 2, 3
+
+
+@pytest.fixture(scope="module")
+def dis64():
+    """The float64 disaggregated simulation's per-request outcome (one
+    compilation: R requests, at most 2 prefill and 3 decode instances)."""
+    import jax
+    from test_simulate import SLOTS, h100, qwen3_8b
+
+    from sweep.latency.arrivals import Requests
+    from sweep.latency.disaggregated import simulate_disaggregated_requests
+
+    @jax.jit
+    def run(hw, model, conc, budget, arrival, prompt, output, p, d, ttft_slo, itl_slo):
+        return simulate_disaggregated_requests(
+            hw, model, 1.0, conc, budget, Requests(arrival, prompt, output), p, d,
+            ttft_slo, itl_slo, max_prefill_instances=MAX_P,
+            max_decode_instances=MAX_D, max_slots=SLOTS)
+
+    def call(arrival, prompt, output, p, d, conc=8, budget=512, memory_bytes=80e9,
+             link=LINK, ttft_slo=np.inf, itl_slo=np.inf):
+        hw = h100(np.float64, memory_bytes)._replace(kv_link_bytes_per_s=link)
+        with jax.enable_x64(True):
+            out = run(hw, qwen3_8b(np.float64), np.float64(conc), np.float64(budget),
+                      arrival, prompt, output, np.float64(p), np.float64(d),
+                      np.float64(ttft_slo), np.float64(itl_slo))
+            return jax.tree.map(np.asarray, out), hw
+
+    return call
+
+
+def heavy_tail_requests(seed, n=40):
+    """Pareto outputs (shape 1.2) and lognormal prompts, Poisson at 30/s."""
+    rng = np.random.default_rng(seed)
+    return (np.cumsum(rng.exponential(1 / 30.0, n)),
+            np.round(np.minimum(rng.lognormal(6.5, 1.2, n), 60_000)),
+            np.round(np.minimum(rng.pareto(1.2, n) * 40 + 1, 3000)))
+
+
+DIS_CASES = [
+    # (stream, seed, p, d, concurrency, budget, memory, link)
+    ("random", 30, 1, 1, 8, 512, 80e9, LINK),
+    ("hard", 31, 2, 3, 8, 2048, 80e9, LINK),  # bursts of 8, 100k-token prompts
+    ("hard", 32, 1, 2, 4, 512, 80e9, 1.25e10),  # 100 GbE
+    # a decode instance with room for 101k KV tokens: preemptions there
+    ("hard", 44, 2, 1, 8, 2048, 16.38e9 + 147_456 * 101_000, LINK),
+    ("heavy", 34, 2, 1, 8, 1024, 80e9, 4.5e11),  # NVLink
+]
+
+
+@pytest.mark.parametrize("stream,seed,p,d,conc,budget,memory,link", DIS_CASES)
+def test_simulator_matches_reference(dis64, stream, seed, p, d, conc, budget, memory,
+                                     link):
+    from reference_scheduler import simulate_disaggregated_reference
+    from test_simulate import assert_itl_percentiles, hard_requests, qwen3_8b
+    from test_simulate import random_requests as plain_requests
+
+    make = {"random": plain_requests, "hard": hard_requests,
+            "heavy": heavy_tail_requests}[stream]
+    arrival, prompt, output = make(seed)
+    ttft_slo, itl_slo = 2.0, 0.05
+    got, hw = dis64(arrival, prompt, output, p, d, conc, budget, memory, link,
+                    ttft_slo, itl_slo)
+    ref = simulate_disaggregated_reference(hw, qwen3_8b(np.float64), 1.0, conc, budget,
+                                           arrival, prompt, output, p, d)
+    assert got.status == 0
+    assert (got.steps, got.preemptions) == (ref.steps, ref.preemptions)
+    if seed == 44:
+        assert ref.preemptions > 0
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    good = (ref.ttft_s <= ttft_slo) & (ref.max_gap_s <= itl_slo)
+    np.testing.assert_array_equal(got.good, good)
+    # every gap once, the decode pool's wait included
+    assert len(ref.itl_s) == (output - 1).sum()
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
+    assert_itl_percentiles(got, ref.itl_s, budget)
+
+
+def test_simulated_request_by_hand(dis64):
+    """One request alone (prompt 1,000, output 3; budget 512): two chunks of
+    512 and 488 on the prefill instance, the KV sent over 50 GB/s, then on
+    the decode instance one step computing the last prompt token over the
+    999 received (the second token) and a decode at context 1,001 (the
+    third)."""
+    from helpers import step as hand_step
+
+    arrival = np.concatenate([[0.0], 1e6 + np.arange(39)])  # the rest much later
+    got, _ = dis64(arrival, np.full(40, 1000.0), np.full(40, 3.0), 1, 1)
+    prefill = (hand_step(512, 0, 512 * 513 / 2)
+               + hand_step(488, 512, 488 * 512 + 488 * 489 / 2))
+    transfer = 1000 * 147_456 / 5e10
+    ttft = prefill + transfer
+    assert got.ttft_s[0] == pytest.approx(ttft, rel=1e-12)
+    assert got.e2e_s[0] == pytest.approx(
+        ttft + hand_step(1, 999, 1000) + hand_step(1, 1001, 1001), rel=1e-12)
+    assert got.gaps[0] == 2.0
+
+
+# --- sweep-optimize (sweep.search.disaggregate) ---------------------------------
+
+RATE = 20.0  # req/s of the seed workload: several instances per pool
+
+
+def test_enumerated_deployments_by_hand():
+    """The roofline's P:D enumeration on the seed (H100, Qwen3-8B, TP 1, the
+    bound): each deployment's pools within 95 % of their capacity, by hand in
+    float64, the cheapest first."""
+    from helpers import optimize_inputs
+
+    from sweep.search import disaggregate, optimize
+
+    job = optimize.prepare(*optimize_inputs([
+        "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
+        "calibration=roofline", "search=quick", "search.tensor_parallel=[1]",
+        "search.gpu_memory_utilization=1.0", "search.disaggregated=[false,true]",
+        f"workload.arrival_rate_per_s={RATE}"]))
+    deps = disaggregate.enumerate_deployments(job)
+    assert deps
+    costs = [d.cost_per_mtok_out_usd for d in deps]
+    assert costs == sorted(costs)
+    ratios = set()
+    for d in deps:
+        n, b = d.concurrency, d.token_budget
+        itl = decode(n, PROMPT + OUT_MEAN / 2)
+        prefill = chunked(0, 0, PROMPT, b)[0]
+        p0 = max(int(np.ceil(RATE * prefill / 0.95)), 1)
+        d0 = max(int(np.ceil(RATE * (OUT_MEAN - 1) * itl / (n * 0.95))), 1)
+        assert p0 <= d.prefill_instances <= p0 + 2, d
+        assert d0 <= d.decode_instances <= d0 + 2, d
+        assert d.itl_s == pytest.approx(itl, rel=2e-5)
+        assert d.zero_load_ttft_s == pytest.approx(
+            prefill + PROMPT * KVB / LINK, rel=2e-5)
+        assert d.prefill_utilization == pytest.approx(
+            RATE * prefill / d.prefill_instances, rel=2e-5)
+        assert d.cost_per_mtok_out_usd == pytest.approx(
+            cost_per_mtok(RATE * OUT_MEAN, gpus=d.instances), rel=1e-9)
+        assert b >= n and itl <= job.app.slo.itl_p99_s
+        ratios.add(d.ratio)
+    assert len(ratios) >= 4  # several P:D ratios are priced
+
+
+def test_search_disaggregated_must_keep_the_aggregated_baseline():
+    with pytest.raises(ConfigError, match=r"search\.disaggregated = \[True\]: "
+                                          r"allowed: \[false\] or \[false, true\]"):
+        compose_app("optimize", ["hardware=h100_sxm", "model=qwen3_8b",
+                                 "search.disaggregated=[true]"])
+
+
+@pytest.mark.slow
+def test_optimizer_compares_aggregated_and_disaggregated(tmp_path):
+    """``sweep-optimize search.disaggregated=[false,true]`` in float32 as
+    users run it: the verdict names the winner and its P:D ratio, the flags
+    of both pools, and the dataset stores every disaggregated simulation and
+    the choice, verified within the SLO by the simulator."""
+    out = tmp_path / "opt.zarr"
+    proc = run_script("sweep-optimize", [
+        "hardware=h100_sxm", "model=qwen3_8b", "search=quick", "search.steps=30",
+        "search.restarts=1", "search.tensor_parallel=[1]", "search.verify_requests=30",
+        "search.verify_top=2", "search.rounds=2",
+        "search.disaggregated=[false,true]", "search.disaggregated_max_instances=4",
+        f"workload.arrival_rate_per_s={RATE}", f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert " wins: disaggregated " in proc.stdout
+    assert "kv_role\":\"kv_producer" in proc.stdout
+    assert "kv_role\":\"kv_consumer" in proc.stdout
+    ds = xr.open_zarr(out)
+    assert ds.attrs["deployment"] in ("aggregated", "disaggregated")
+    met = ds.disaggregated_slo_met.values
+    assert met.any()
+    chosen = ds.attrs["disaggregated_cost_per_mtok_out_usd"]
+    assert chosen == min(ds.disaggregated_cost_per_mtok_out_usd.values[met])
+    assert (ds.disaggregated_simulated_ttft_p99_s.values[met]
+            <= ds.attrs["slo_ttft_p99_s"]).all()
+    agg = ds.attrs["chosen_cost_per_mtok_out_usd"]
+    assert (ds.attrs["deployment"] == "disaggregated") == (chosen < agg)
