@@ -58,7 +58,8 @@ def test_seed_table_through_cli_and_cube(seed_run):
                 tensor_parallel=1, context_tokens=1500, batching="continuous",
                 weight_dtype="bf16", kv_dtype="bf16").isel(
         token_budget=0, long_prompt_tokens=0, traffic_tokens_per_day=0,
-        spec_tokens=0, spec_acceptance=0, prefix_caching=0)
+        spec_tokens=0, spec_acceptance=0, prefix_caching=0, disaggregated=0,
+        prefill_instances=0, decode_instances=0)
     for n, itl_ms, user, gpu, usd in SEED_TABLE:
         p = pt.sel(concurrency=n)
         assert round(float(p.step_s) * 1e3, 2) == itl_ms
@@ -239,8 +240,10 @@ def test_a_failed_block_write_is_one_line_and_a_rerun_resumes(tmp_path):
             f"grid.concurrency=[{','.join(str(n) for n in range(1, 257, 4))}]",
             f"grid.token_budget=[{','.join(str(256 * i) for i in range(1, 33))}]",
             "grid.context_tokens=[1000,2000,4000,8000]", "out=c.zarr"]
+    # the compilation cache off: its entries would hit the limit first
     proc = subprocess.run([script("sweep-grid"), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=900,
+                          env={**os.environ, commands.CACHE_ENV: "off"},
                           preexec_fn=_file_size_limit(96 * 1024),
                           restore_signals=False)
     assert proc.returncode == 2, proc.stderr
