@@ -98,7 +98,7 @@ def _deployment(hw, model, wl, pt: GridPoint, static_utilization):
     hit = jnp.where(pt.prefix_caching > 0, wl.prefix_hit_fraction, 0.0)
     cached = roofline.cached_prefix_tokens(wl.mean_prompt_tokens, hit)
     dis = disaggregated_figures(hw, model, wl, pt, decode[-1], cached)
-    split = pt.disaggregated > 0
+    split = jnp.asarray(pt.disaggregated) > 0
     return (decode, dis, jnp.where(split, dis.output_tokens_per_s, decode[-1]),
             jnp.where(split, dis.gpus, pt.tensor_parallel))
 
@@ -134,7 +134,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     tp = pt.tensor_parallel
     decode, dis, output_rate, gpus = _deployment(hw, model, wl, pt, static_utilization)
     running, step, gained, utilization, _ = decode
-    split = pt.disaggregated > 0
+    split = jnp.asarray(pt.disaggregated) > 0
     # with prefix caching each prompt's first h P tokens (whole blocks) are
     # read from the cache, not computed; input tokens count the cached ones
     hit = jnp.where(pt.prefix_caching > 0, wl.prefix_hit_fraction, 0.0)
