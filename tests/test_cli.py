@@ -54,7 +54,8 @@ def test_seed_table_through_cli_and_cube(seed_run):
                 tensor_parallel=1, context_tokens=1500, batching="continuous",
                 weight_dtype="bf16", kv_dtype="bf16").isel(
         token_budget=0, long_prompt_tokens=0, traffic_tokens_per_day=0,
-        spec_tokens=0, spec_acceptance=0, prefix_caching=0)
+        spec_tokens=0, spec_acceptance=0, prefix_caching=0, disaggregated=0,
+        prefill_instances=0, decode_instances=0)
     for n, itl_ms, user, gpu, usd in SEED_TABLE:
         p = pt.sel(concurrency=n)
         assert round(float(p.step_s) * 1e3, 2) == itl_ms
