@@ -143,7 +143,7 @@ def main() -> None:
             r = one(overrides)
         agg = (f"{r['agg_conf']} | {r['agg_gpus']} | {r['agg_usd']:.3f} | "
                f"{r['agg_ttft']:.3f} | {r['agg_itl'] * 1e3:.1f}" if "agg_usd" in r
-               else "infeasible (surrogate) | - | - | - | -")
+               else "infeasible | - | - | - | -")
         dis = (f"{r['dis_conf']} | {r['dis_gpus']} | {r['dis_usd']:.3f} | "
                f"{r['dis_ttft']:.3f} | {r['dis_itl'] * 1e3:.1f}" if "dis_usd" in r
                else "none met the SLO | - | - | - | -")
