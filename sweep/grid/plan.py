@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sweep import shapes
 from sweep.config.schema import LatencyMethod
 from sweep.cube import contract
 from sweep.errors import ConfigError
@@ -276,12 +277,12 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
     s = app.search
     padded = candidates + (-candidates % PAD)
     evaluations = padded * s.restarts * (s.steps + settings.integer_steps)
-    slots = max(64, 1 << (s.concurrency_max - 1).bit_length())
+    slots = shapes.slots(s.concurrency_max)
     # a verified configuration of R replicas simulates R rows of at most
     # verify_requests requests each, min(verify_requests x R,
     # verify_requests_max) in all, from one stream of verify_requests_max
     replicas = min(s.replicas_max, -(-s.verify_requests_max // s.verify_requests))
-    rows = 1 << (s.verify_top * replicas - 1).bit_length()
+    rows = shapes.power_of_two(s.verify_top * replicas)
     sim_s, sim_bytes = simulation(rows, s.verify_requests, slots, 0)
     sim_bytes += s.verify_requests_max * STREAM_BYTES_PER_REQUEST
     round_s = evaluations / SEARCH_EVALUATIONS_PER_S + sim_s

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sweep import shapes
 from sweep.latency.surrogate import LatencyWorkload, surrogate
 from sweep.model import roofline
 from sweep.model.params import HardwareParams, ModelParams
@@ -75,11 +76,6 @@ class Runs(NamedTuple):
     rate_per_s: jax.Array  # shape=(R,), request arrival rate
     measured: jax.Array  # shape=(R, 4), BENCH_METRICS
     weight: jax.Array  # shape=(R,)
-
-
-def padded_length(n: int, minimum: int = 8) -> int:
-    """The next power of two (at least ``minimum``): few compiled shapes."""
-    return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
 def step_seconds(hw: HardwareParams, model: ModelParams, batch_size, context_tokens,
@@ -254,12 +250,12 @@ def _scalars(tree):
 
 
 def steps_input(tables) -> Steps:
-    """Measured step tables, concatenated and padded (``padded_length``)."""
+    """Measured step tables, concatenated and padded to a power of two (at least 8)."""
     cols = {k: np.concatenate([getattr(t, k) for t in tables]) for k in (
         "batch_size", "context_tokens", "prefill_tokens", "tensor_parallel",
         "seconds")}
     n = len(cols["seconds"])
-    pad = padded_length(n) - n
+    pad = shapes.power_of_two(n, 8) - n
     # padding repeats the first row, weight 0 (a valid step: finite gradients)
     arrays = {k: np.concatenate([v, np.full(pad, v[0])]) for k, v in cols.items()}
     weight = np.concatenate([np.ones(n), np.zeros(pad)])
@@ -272,7 +268,7 @@ def runs_input(runs, max_num_seqs: int, token_budget: int, tp: int) -> Runs:
     from sweep.latency.surrogate import latency_workload
 
     n = len(runs)
-    rows = list(runs) + [runs[0]] * (padded_length(n, 1) - n)
+    rows = list(runs) + [runs[0]] * (shapes.power_of_two(n) - n)
     wls = [latency_workload(None, pairs=r.pairs) for r in rows]
     f32 = partial(jnp.asarray, dtype=jnp.float32)
     return Runs(

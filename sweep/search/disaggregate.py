@@ -43,13 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
+from sweep import shapes
 from sweep.config.convert import hardware_params, model_params
 from sweep.cube import engines
 from sweep.latency.arrivals import Requests
 from sweep.latency.disaggregated import simulate_disaggregated
 from sweep.model import roofline
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
-from sweep.model.params import OVERLONG, stack
+from sweep.search.optimize import met, simulation_inputs, verification_stream
 
 UTILIZATION_MAX = 0.95
 """The highest share of a pool's roofline capacity a deployment may load."""
@@ -157,23 +158,18 @@ def _headroom(d: Deployment) -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("max_prefill", "max_decode", "max_slots"))
-def _simulate(hw, model, tp, concurrency, token_budget, p, d, spec_tokens,
-              spec_acceptance, requests, ttft_slo_s, itl_slo_s, overlong,
-              prefix_hit_fraction, *, max_prefill: int, max_decode: int,
+def _simulate(rows, shared, p, d, requests, *, max_prefill: int, max_decode: int,
               max_slots: int):
-    """Every deployment (leading axis) over one stream."""
-    def one(hw, model, tp, c, b, p, d, k):
+    """Every deployment (``rows``, ``p``, ``d``: leading axis) over one stream."""
+    def one(e, p, d):
         return simulate_disaggregated(
-            hw, model, tp, c, b, requests, p, d, ttft_slo_s, itl_slo_s, overlong, k,
-            spec_acceptance, prefix_hit_fraction, max_prefill_instances=max_prefill,
-            max_decode_instances=max_decode, max_slots=max_slots)
+            e.hw, e.model, e.tp, e.concurrency, e.token_budget, requests, p, d,
+            shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, e.spec_tokens,
+            shared.spec_acceptance, shared.prefix_hit_fraction,
+            max_prefill_instances=max_prefill, max_decode_instances=max_decode,
+            max_slots=max_slots)
 
-    return jax.vmap(one)(hw, model, tp, concurrency, token_budget, p, d, spec_tokens)
-
-
-def _bucket(n: int) -> int:
-    """``n`` rounded up to a power of two (fewer compiled shapes)."""
-    return 1 << max(n - 1, 0).bit_length()
+    return jax.vmap(one)(rows, p, d)
 
 
 def simulate_deployments(job, deps: list[Deployment], stream: Requests,
@@ -182,32 +178,21 @@ def simulate_deployments(job, deps: list[Deployment], stream: Requests,
     of ``stream`` rounded up to a power of two (at most
     ``verify_requests_max``; one length per call, that of the largest), as
     ``SimResult`` fields with ``requests`` added."""
-    app, s = job.app, job.app.search
-    # a power of two: few compiled shapes across batches and runs
-    n = min(_bucket(s.verify_requests * max(d.instances for d in deps)),
+    s = job.app.search
+    n = min(shapes.power_of_two(s.verify_requests * max(d.instances for d in deps)),
             s.verify_requests_max, len(stream.arrival_s))
     rows = deps + [deps[0]] * (width - len(deps))
-    cands = [job.candidates[d.candidate] for d in rows]
+    engines, shared = simulation_inputs(
+        job, [job.candidates[d.candidate] for d in rows],
+        [d.concurrency for d in rows], [d.token_budget for d in rows])
     f32 = jnp.float32
-    util = s.gpu_memory_utilization
-    max_conc = max(d.concurrency for d in deps)
     out = _simulate(
-        stack([hardware_params(c.hardware, util) for c in cands]),
-        stack([model_params(c.model) for c in cands]),
-        jnp.asarray([c.tp for c in cands], f32),
-        jnp.asarray([d.concurrency for d in rows], f32),
-        jnp.asarray([d.token_budget for d in rows], f32),
-        jnp.asarray([d.prefill_instances for d in rows], f32),
+        engines, shared, jnp.asarray([d.prefill_instances for d in rows], f32),
         jnp.asarray([d.decode_instances for d in rows], f32),
-        jnp.asarray([c.spec_tokens for c in cands], f32),
-        jnp.asarray(s.spec_acceptance, f32),
         jax.tree.map(lambda x: jnp.asarray(x[:n]), stream),
-        jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
-        jnp.int32(OVERLONG.index(app.workload.overlong.value)),
-        jnp.asarray(app.workload.prefix_hit_fraction, f32),
-        max_prefill=_bucket(max(d.prefill_instances for d in deps)),
-        max_decode=_bucket(max(d.decode_instances for d in deps)),
-        max_slots=max(64, _bucket(max_conc)))
+        max_prefill=shapes.power_of_two(max(d.prefill_instances for d in deps)),
+        max_decode=shapes.power_of_two(max(d.decode_instances for d in deps)),
+        max_slots=shapes.slots(max(d.concurrency for d in deps)))
     out = jax.tree.map(np.asarray, out._asdict())
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": n}
             for i in range(len(deps))]
@@ -221,8 +206,6 @@ def run(job, log=print) -> Result:
     Args:
       job: the ``OptimizeJob``.
     """
-    from sweep.search.optimize import met, verification_stream
-
     s = job.app.search
     stream = verification_stream(job, jax.random.split(jax.random.key(job.app.seed))[1])
     lines: list[str] = []
@@ -321,8 +304,6 @@ def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
         attrs = contract.attrs(name)
         attrs["long_name"] = prefix + attrs["long_name"]
         return (dim, np.asarray(values), attrs)
-
-    from sweep.search.optimize import met
 
     data = {
         "disaggregated_candidate": var("candidate", [d.candidate for d in tried]),

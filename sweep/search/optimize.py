@@ -42,12 +42,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
+from sweep import shapes
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import (
     ConfigError,
@@ -360,28 +362,65 @@ def _surrogate_infeasible(job: OptimizeJob, res: descent.SearchResult) -> str:
             "allowed: relax either limit")
 
 
+class Engines(NamedTuple):
+    """Per simulated row (leading axis): one engine and its settings."""
+
+    hw: object  # HardwareParams
+    model: object  # ModelParams
+    tp: jax.Array
+    concurrency: jax.Array
+    token_budget: jax.Array
+    spec_tokens: jax.Array
+
+
+class Shared(NamedTuple):
+    """Scalars every row of one job's simulation shares."""
+
+    spec_acceptance: jax.Array
+    ttft_slo_s: jax.Array
+    itl_slo_s: jax.Array
+    overlong: jax.Array
+    prefix_hit_fraction: jax.Array
+
+
+def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: list[int],
+                      token_budget: list[int]) -> tuple[Engines, Shared]:
+    """The simulator's inputs for rows of (candidate, max_num_seqs,
+    max_num_batched_tokens), and the job's shared scalars."""
+    app, f32 = job.app, jnp.float32
+    util = app.search.gpu_memory_utilization
+    rows = Engines(
+        stack([hardware_params(c.hardware, util) for c in cands]),
+        stack([model_params(c.model) for c in cands]),
+        jnp.asarray([c.tp for c in cands], f32), jnp.asarray(concurrency, f32),
+        jnp.asarray(token_budget, f32),
+        jnp.asarray([c.spec_tokens for c in cands], f32))
+    shared = Shared(
+        jnp.asarray(app.search.spec_acceptance, f32),
+        jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
+        jnp.int32(OVERLONG.index(app.workload.overlong.value)),
+        jnp.asarray(app.workload.prefix_hit_fraction, f32))
+    return rows, shared
+
+
 @functools.partial(jax.jit, static_argnames=("max_slots",))
-def _simulate_replicas(hw, model, tp, concurrency, token_budget, spec_tokens,
-                       spec_acceptance, requests, mine, owner, configs, ttft_slo_s,
-                       itl_slo_s, overlong, prefix_hit_fraction, *, max_slots: int):
+def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, owner, configs,
+                       *, max_slots: int):
     """Every row (one replica's share of a stream), pooled per configuration.
 
     Args:
-      hw, model, tp, concurrency, token_budget, spec_tokens, requests, mine:
-        per row (leading axis K).
-      spec_acceptance: the search's acceptance rate (scalar).
-      prefix_hit_fraction: the workload's (scalar; prefix caching, 0: off).
+      rows, requests, mine: per row (leading axis K).
       owner: int ``(K,)``, each row's configuration (-1: padding).
       configs: int ``(W,)``, ``arange(W)``.
     """
-    def one(hw, model, tp, c, b, k, req, mine):
-        return simulate_requests(hw, model, tp, c, b, req, CONTINUOUS, ttft_slo_s,
-                                 itl_slo_s, overlong, mine, k, spec_acceptance,
-                                 prefix_hit_fraction, max_slots=max_slots)
+    def one(e: Engines, req, mine):
+        return simulate_requests(
+            e.hw, e.model, e.tp, e.concurrency, e.token_budget, req, CONTINUOUS,
+            shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, mine, e.spec_tokens,
+            shared.spec_acceptance, shared.prefix_hit_fraction, max_slots=max_slots)
 
-    rows = jax.vmap(one)(hw, model, tp, concurrency, token_budget, spec_tokens,
-                         requests, mine)
-    return jax.vmap(lambda c: summarize(pool(rows, owner == c)))(configs)
+    pooled = jax.vmap(one)(rows, requests, mine)
+    return jax.vmap(lambda c: summarize(pool(pooled, owner == c)))(configs)
 
 
 def verification_requests(job: OptimizeJob, replicas: int) -> int:
@@ -418,7 +457,7 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
       Per configuration, its ``SimResult`` fields over all of its requests,
       with ``requests`` (simulated) added.
     """
-    app, s = job.app, job.app.search
+    s = job.app.search
     stream = verification_stream(job, key)
     routes = [route(verification_requests(job, c.replicas), c.replicas, s.routing,
                     jax.random.fold_in(key, 1)) for c in configs]
@@ -432,31 +471,20 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
         mines.append(mine)
         owner += [i] * c.replicas
         row_config += [c] * c.replicas
-    rows = max(width, 1 << (len(owner) - 1).bit_length())
+    rows = shapes.power_of_two(len(owner), width)
     pad = rows - len(owner)
     requests = jax.tree.map(
         lambda *x: np.concatenate([*x, np.repeat(x[0][:1], pad, 0)]), *subs)
     mine = np.concatenate([*mines, np.zeros((pad, length), bool)])
     owner += [-1] * pad
     row_config += [configs[0]] * pad
-    cands = [job.candidates[c.candidate] for c in row_config]
-    util = s.gpu_memory_utilization
-    max_conc = max(c.concurrency for c in configs)
-    max_slots = max(64, 1 << (max_conc - 1).bit_length())
-    f32 = jnp.float32
+    rows, shared = simulation_inputs(
+        job, [job.candidates[c.candidate] for c in row_config],
+        [c.concurrency for c in row_config], [c.token_budget for c in row_config])
     out = _simulate_replicas(
-        stack([hardware_params(c.hardware, util) for c in cands]),
-        stack([model_params(c.model) for c in cands]),
-        jnp.asarray([c.tp for c in cands], f32),
-        jnp.asarray([c.concurrency for c in row_config], f32),
-        jnp.asarray([c.token_budget for c in row_config], f32),
-        jnp.asarray([c.spec_tokens for c in cands], f32),
-        jnp.asarray(s.spec_acceptance, f32),
-        jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
+        rows, shared, jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
         jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32),
-        jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
-        jnp.int32(OVERLONG.index(app.workload.overlong.value)),
-        jnp.asarray(app.workload.prefix_hit_fraction, f32), max_slots=max_slots)
+        max_slots=shapes.slots(max(c.concurrency for c in configs)))
     out = jax.tree.map(np.asarray, out._asdict())
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
             for i, r in enumerate(routes)]
