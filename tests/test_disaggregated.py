@@ -339,3 +339,65 @@ def test_optimizer_compares_aggregated_and_disaggregated(tmp_path):
             <= ds.attrs["slo_ttft_p99_s"]).all()
     agg = ds.attrs["chosen_cost_per_mtok_out_usd"]
     assert (ds.attrs["deployment"] == "disaggregated") == (chosen < agg)
+
+
+# the settings of test_optimizer_compares_aggregated_and_disaggregated
+# (shared compiled shapes); search.replicas_max=1: one aggregated engine, which
+# cannot carry RATE, so only disaggregated pools can meet the SLO
+ONE_ENGINE = ["hardware=h100_sxm", "model=qwen3_8b", "search=quick", "search.steps=30",
+              "search.restarts=1", "search.tensor_parallel=[1]",
+              "search.verify_requests=30", "search.verify_top=2", "search.rounds=2",
+              "search.disaggregated=[false,true]",
+              "search.disaggregated_max_instances=4", "search.replicas_max=1",
+              f"workload.arrival_rate_per_s={RATE}"]
+
+
+@pytest.mark.slow
+def test_disaggregated_deployment_when_no_aggregated_one_meets_the_slo(tmp_path):
+    """No aggregated deployment meets the SLO, a disaggregated one does: the
+    search goes on to the pools, exits 0 with the disaggregated verdict and
+    both pools' flags, writes a dataset that marks no aggregated candidate
+    chosen, and ``sweep-report`` reports the disaggregated deployment."""
+    from helpers import report
+
+    out = tmp_path / "opt.zarr"
+    proc = run_script("sweep-optimize", [*ONE_ENGINE, f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "aggregated: infeasible at search.replicas_max = 1" in proc.stderr
+    assert "disaggregated wins: " in proc.stdout
+    assert "no aggregated deployment met the SLO" in proc.stdout
+    assert "kv_role\":\"kv_producer" in proc.stdout
+    assert "vLLM flags:" not in proc.stdout  # no aggregated engine to configure
+    ds = xr.open_zarr(out)
+    assert ds.attrs["deployment"] == "disaggregated"
+    assert not ds.chosen.values.any() and "chosen_hardware" not in ds.attrs
+    met = ds.disaggregated_slo_met.values
+    chosen = ds.attrs["disaggregated_cost_per_mtok_out_usd"]
+    assert chosen == min(ds.disaggregated_cost_per_mtok_out_usd.values[met])
+    i = list(ds.disaggregated_cost_per_mtok_out_usd.values).index(chosen)
+    assert ds.disaggregated_simulated_itl_p99_s.values[i] <= ds.attrs["slo_itl_p99_s"]
+    assert ds.disaggregated_simulated_ttft_p99_s.values[i] <= ds.attrs["slo_ttft_p99_s"]
+    report([out, "--out", tmp_path / "report"])
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "No aggregated deployment met the SLO" in md
+    assert "## Disaggregated prefill/decode" in md
+    assert ds.attrs["deployment_verdict"] in md
+    assert f"| {ds.attrs['disaggregated_prefill_instances']} |" in md
+    assert "vLLM prefill pool flags" in md and "vLLM decode pool flags" in md
+
+
+@pytest.mark.slow
+def test_neither_deployment_meets_the_slo_is_one_line_and_exit_3(tmp_path):
+    """An ITL limit below any decode step: the aggregated search finds it
+    infeasible, the disaggregated enumeration keeps no deployment, and the
+    run exits 3 with one line naming both, writing nothing."""
+    out = tmp_path / "opt.zarr"
+    proc = run_script("sweep-optimize", [*ONE_ENGINE, "slo.itl_p99_s=0.001",
+                                         f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("sweep-optimize: infeasible at search.replicas_max = 1")
+    assert last.endswith("neither wins: no aggregated and no disaggregated deployment "
+                         "met the SLO in the simulator (0 enumerated, 0 simulated in "
+                         "0.0 s)")
+    assert not out.exists()

@@ -124,11 +124,22 @@ def _optimize_app(cfg: DictConfig) -> None:
                       markup=False, highlight=False, soft_wrap=True)
             err.print(calibration.line(job.app.calibration, choices), markup=False,
                       highlight=False, soft_wrap=True)
-            outcome = optimize.run(job, log=lambda line: err.print(line, markup=False))
-            split = None
+            split, infeasible = None, None
+            try:
+                outcome = optimize.run(job, log=lambda line: err.print(
+                    line, markup=False))
+            except optimize.Infeasible as e:
+                if True not in job.app.search.disaggregated:
+                    raise
+                # disaggregation may meet an SLO no aggregated engine meets
+                outcome, infeasible = e.outcome, e
+                err.print(f"aggregated: {e}", markup=False, soft_wrap=True)
             if True in job.app.search.disaggregated:
                 split = disaggregate.run(job, log=lambda line: err.print(
                     line, markup=False))
+                if infeasible is not None and split.chosen is None:
+                    raise optimize.Infeasible(
+                        f"{infeasible}; {disaggregate.verdict(job, None, split)}")
             attrs = results.provenance(config_yaml(cfg), job.app.seed,
                                        restore(overrides()), job.specs)
             attrs.update(calibration.attrs(job.app.calibration, choices))
@@ -143,19 +154,21 @@ def _optimize_app(cfg: DictConfig) -> None:
         COMMAND.fail(e)
     # a table is unreadable squeezed to 80 columns when stdout is a pipe
     console = Console(width=max(Console().width, 200))
-    console.print(result_table(job, outcome))
+    chosen = outcome.chosen
+    if chosen is not None:
+        console.print(result_table(job, outcome))
     if warning := calibration.mixed(job.app.calibration, choices):
         err.print(warning, markup=False, highlight=False, soft_wrap=True)
-    chosen = outcome.chosen
     if line := optimize.speculation_line(job, outcome):
         console.print(line, markup=False, soft_wrap=True)
-    for name, engine in engines.ENGINES.items():
-        console.print(f"{engine.label} flags: "
-                      f"{optimize.serving_flags(job, chosen, name)}", markup=False)
-        for note in optimize.serving_notes(job, chosen, name):
-            console.print(f"  note: {note}", markup=False, soft_wrap=True)
-    console.print(f"check on one replica: {optimize.bench_command(job, chosen)}",
-                  markup=False, soft_wrap=True)
+    if chosen is not None:
+        for name, engine in engines.ENGINES.items():
+            console.print(f"{engine.label} flags: "
+                          f"{optimize.serving_flags(job, chosen, name)}", markup=False)
+            for note in optimize.serving_notes(job, chosen, name):
+                console.print(f"  note: {note}", markup=False, soft_wrap=True)
+        console.print(f"check on one replica: {optimize.bench_command(job, chosen)}",
+                      markup=False, soft_wrap=True)
     if split is not None:
         console.print(disaggregate.verdict(job, chosen, split), markup=False,
                       soft_wrap=True)

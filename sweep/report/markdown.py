@@ -78,8 +78,20 @@ OPTIMIZE_VARIABLES = ("hardware", "model", "tensor_parallel", "chosen", "verifie
                       "verification_slo_met",
                       *(c[0] for c in CANDIDATE_COLUMNS + VERIFICATION_COLUMNS))
 OPTIMIZE_DIMS = ("candidate", "config", "verification")
-OPTIMIZE_ATTRS = (*(c[0] for c in CHOSEN_COLUMNS), "vllm_flags", "slo_ttft_p99_s",
-                  "slo_itl_p99_s")
+OPTIMIZE_ATTRS = ("slo_ttft_p99_s", "slo_itl_p99_s")
+# an aggregated choice's (absent when only a disaggregated deployment met the SLO)
+CHOSEN_ATTRS = (*(c[0] for c in CHOSEN_COLUMNS), "vllm_flags")
+# the disaggregated search's choice (``sweep.search.disaggregate.annotate``)
+DISAGGREGATED_COLUMNS = (
+    ("disaggregated_hardware", "hardware", "{}"),
+    ("disaggregated_model", "model", "{}"),
+    ("disaggregated_tensor_parallel", "TP", "{:g}"),
+    ("disaggregated_prefill_instances", "prefill instances", "{:g}"),
+    ("disaggregated_decode_instances", "decode instances", "{:g}"),
+    ("disaggregated_concurrency", "max_num_seqs", "{:g}"),
+    ("disaggregated_token_budget", "max_num_batched_tokens", "{:g}"),
+    ("disaggregated_cost_per_mtok_out_usd", "USD / 1M out", "{:.3f}"),
+    ("disaggregated_cost_per_month_usd", "USD / month", "{:,.0f}"))
 GRID_OPTIONS = ("slo", "ttft_p99_s", "itl_p99_s", "hardware", "model")
 
 
@@ -104,9 +116,12 @@ def load(path: Path) -> xr.Dataset:
     if is_optimize(ds):
         with decoding(path):
             ds = ds.load()
+        # only a disaggregated deployment met the SLO: no aggregated choice
+        alone = ("chosen" in ds and not ds["chosen"].values.any()
+                 and ds.attrs.get("deployment") == "disaggregated")
         require(path, ds, "optimize dataset", OPTIMIZE_VARIABLES, OPTIMIZE_DIMS,
-                OPTIMIZE_ATTRS)
-        if not ds["chosen"].values.any():
+                OPTIMIZE_ATTRS + (() if alone else CHOSEN_ATTRS))
+        if not alone and not ds["chosen"].values.any():
             raise ReportError(f"{path}: no candidate of the optimize dataset is "
                               "marked chosen")
         return ds
@@ -417,7 +432,8 @@ def write_optimize_report(ds: xr.Dataset, path: Path, out: Path,
           f"search meeting their targets, {ds.sizes['verification']} simulated; "
           f"{plots.slo_note(ds)}.", "",
           "## Chosen deployment", "", *chosen_table(ds), "",
-          *engine_lines(a), "",
+          *((*engine_lines(a), "") if "vllm_flags" in a else ()),
+          *disaggregated_section(a),
           "## Candidates", "",
           "Each candidate's cheapest configuration meeting its surrogate targets "
           "in the last search (the chosen candidate's: the chosen deployment); "
@@ -448,10 +464,28 @@ def engine_lines(a: dict) -> list[str]:
 
 
 def chosen_table(ds: xr.Dataset) -> list[str]:
-    """The chosen deployment (the dataset's ``chosen_*`` attributes)."""
+    """The chosen aggregated deployment (the dataset's ``chosen_*`` attributes)."""
+    if not ds["chosen"].values.any():
+        return ["No aggregated deployment met the SLO in the simulator; a "
+                "disaggregated one did (below)."]
     # a dataset written before the precision attributes existed shows dashes
     return md_table([c[1] for c in CHOSEN_COLUMNS],
                     [[cell(ds.attrs.get(k, ""), fmt) for k, _, fmt in CHOSEN_COLUMNS]])
+
+
+def disaggregated_section(a: dict) -> list[str]:
+    """The disaggregated search's verdict, its deployment and both pools'
+    flags (empty when the run did not search disaggregated deployments)."""
+    if "deployment_verdict" not in a:
+        return []
+    lines = ["## Disaggregated prefill/decode", "", a["deployment_verdict"] + ".", ""]
+    if "disaggregated_hardware" in a:
+        lines += [*md_table([c[1] for c in DISAGGREGATED_COLUMNS],
+                            [[cell(a[k], fmt) for k, _, fmt in DISAGGREGATED_COLUMNS]]),
+                  "", *(f"* vLLM {pool} pool flags: `{a[key]}`"
+                        for pool in ("prefill", "decode")
+                        if (key := f"disaggregated_{pool}_vllm_flags") in a), ""]
+    return lines
 
 
 def _cells(ds: xr.Dataset, cols, i: int) -> list[str]:

@@ -621,8 +621,11 @@ def candidate_status(ds: xr.Dataset) -> list[str]:
     return out
 
 
-def chosen_index(ds: xr.Dataset) -> int:
-    return int(np.flatnonzero(ds["chosen"].values)[0])
+def chosen_index(ds: xr.Dataset) -> int | None:
+    """The chosen candidate; None when no aggregated deployment met the SLO
+    (a disaggregated one did: ``deployment`` attribute)."""
+    hit = np.flatnonzero(ds["chosen"].values)
+    return int(hit[0]) if hit.size else None
 
 
 def candidate_order(ds: xr.Dataset) -> np.ndarray:
@@ -648,22 +651,25 @@ def optimize_pareto(ds: xr.Dataset) -> Figure:
                         "surrogate targets; " + slo_note(ds))
     i = chosen_index(ds)
     for ax, name, scale in zip(axes, ("itl", "ttft"), (1e3, 1.0)):
-        _front_panel(ax, ds, ds.isel(candidate=i), name, scale)
-    who = candidate_labels(ds)[i]
+        _front_panel(ax, ds, None if i is None else ds.isel(candidate=i), name, scale)
     handles = [Line2D([], [], color="tab:blue", marker="o", ls="", alpha=0.35,
                       label="evaluated configuration"),
                Line2D([], [], color="tab:blue", marker="o", ms=4,
                       label="Pareto front"),
-               Line2D([], [], color="red", ls="--", label="SLO limit"),
-               Line2D([], [], color="gold", marker="*", ms=13, ls="",
-                      markeredgecolor="black", label=f"chosen: {who}")]
-    fig.legend(handles=handles, loc="outside lower center", ncols=4, frameon=False)
+               Line2D([], [], color="red", ls="--", label="SLO limit")]
+    if i is not None:
+        handles.append(Line2D([], [], color="gold", marker="*", ms=13, ls="",
+                              markeredgecolor="black",
+                              label=f"chosen: {candidate_labels(ds)[i]}"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles),
+               frameon=False)
     return fig
 
 
-def _front_panel(ax, ds: xr.Dataset, chosen: xr.Dataset, name: str,
+def _front_panel(ax, ds: xr.Dataset, chosen: xr.Dataset | None, name: str,
                  scale: float) -> None:
-    """One panel of ``optimize_pareto``: ``name`` is ``itl`` or ``ttft``."""
+    """One panel of ``optimize_pareto``: ``name`` is ``itl`` or ``ttft``;
+    ``chosen`` (None: no aggregated choice) is starred."""
     x = ds[f"config_{name}_p99_s"].values.astype(float) * scale
     y = ds[f"config_{COST}"].values.astype(float)
     front = ds[f"pareto_{name}"].values.astype(bool)
@@ -680,10 +686,12 @@ def _front_panel(ax, ds: xr.Dataset, chosen: xr.Dataset, name: str,
     ax.step(np.r_[fx, max(slo, fx[-1])], np.r_[fy, fy[-1]], where="post",
             color="tab:blue", lw=1.5)
     ax.plot(fx, fy, "o", ms=4, color="tab:blue")
-    at = float(chosen[f"surrogate_{name}_p99_s"]) * scale, float(chosen[COST])
-    ax.scatter(*at, marker="*", s=220, color="gold", edgecolors="black", zorder=5)
-    ax.annotate(f"{at[1]:.3f}", at, xytext=(7, 7), textcoords="offset points",
-                fontsize=8)
+    if chosen is not None:
+        at = float(chosen[f"surrogate_{name}_p99_s"]) * scale, float(chosen[COST])
+        ax.scatter(*at, marker="*", s=220, color="gold", edgecolors="black",
+                   zorder=5)
+        ax.annotate(f"{at[1]:.3f}", at, xytext=(7, 7), textcoords="offset points",
+                    fontsize=8)
     _log(ax, "x")
     _log(ax)
     ax.grid(True, which="both", alpha=0.3)

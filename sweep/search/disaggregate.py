@@ -28,7 +28,9 @@ and the simulator instead:
    ``search.rounds`` batches.
 
 The answer is compared with the aggregated one by USD per 1M output tokens
-at the workload's rate (both pools' GPUs for the disaggregated one).
+at the workload's rate (both pools' GPUs for the disaggregated one). When no
+aggregated deployment meets the SLO (``optimize.Infeasible``), the
+disaggregated answer stands alone (``winner``).
 """
 
 from __future__ import annotations
@@ -275,19 +277,38 @@ def pool_flags(job, d: Deployment) -> dict[str, str]:
     return out
 
 
+def winner(aggregated, result: Result) -> str | None:
+    """``"aggregated"``, ``"disaggregated"`` (the cheaper confirmed one; a tie
+    stays aggregated) or None when neither met the SLO."""
+    d = result.chosen
+    if d is None:
+        return None if aggregated is None else "aggregated"
+    if aggregated is None or d.cost_per_mtok_out_usd < aggregated.cost_per_mtok_out_usd:
+        return "disaggregated"
+    return "aggregated"
+
+
 def verdict(job, aggregated, result: Result) -> str:
-    """Which deployment wins, in one line."""
-    agg = aggregated.cost_per_mtok_out_usd
+    """Which deployment wins, in one line (``aggregated``: the aggregated
+    search's choice, None when no aggregated deployment met the SLO)."""
     d = result.chosen
     tail = (f"({result.enumerated} enumerated, {len(result.simulated)} simulated in "
             f"{result.simulate_s:.1f} s)")
     if d is None:
+        if aggregated is None:
+            return (f"neither wins: no aggregated and no disaggregated deployment met "
+                    f"the SLO in the simulator {tail}")
         return (f"aggregated wins: no disaggregated deployment met the SLO in the "
-                f"simulator {tail}; aggregated USD {agg:.4g} / 1M output tokens")
+                f"simulator {tail}; aggregated USD "
+                f"{aggregated.cost_per_mtok_out_usd:.4g} / 1M output tokens")
     dis = d.cost_per_mtok_out_usd
-    who = "disaggregated" if dis < agg else "aggregated"
-    return (f"{who} wins: disaggregated {describe(job, d)}: USD {dis:.4g} / 1M "
-            f"output tokens vs aggregated USD {agg:.4g} ({dis / agg:.2f}x) {tail}")
+    if aggregated is None:
+        return (f"disaggregated wins: {describe(job, d)}: USD {dis:.4g} / 1M output "
+                f"tokens; no aggregated deployment met the SLO {tail}")
+    agg = aggregated.cost_per_mtok_out_usd
+    return (f"{winner(aggregated, result)} wins: disaggregated {describe(job, d)}: "
+            f"USD {dis:.4g} / 1M output tokens vs aggregated USD {agg:.4g} "
+            f"({dis / agg:.2f}x) {tail}")
 
 
 def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
@@ -316,8 +337,7 @@ def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
                                      [met(job, d.simulated) for d in tried]),
     }
     d = result.chosen
-    wins = d is not None and d.cost_per_mtok_out_usd < aggregated.cost_per_mtok_out_usd
-    attrs = {"deployment": "disaggregated" if wins else "aggregated",
+    attrs = {"deployment": winner(aggregated, result) or "none",
              "deployment_verdict": verdict(job, aggregated, result),
              "disaggregated_enumerated": result.enumerated,
              "disaggregated_simulate_wall_s": round(result.simulate_s, 3),

@@ -12,8 +12,9 @@
    x restart and returns, per lattice neighbour of each answer, the fewest
    replicas meeting the targets under the surrogate. A candidate's answer is
    its cheapest such configuration (ties: the most slack). If none meets the
-   SLO anywhere, the SLO is infeasible (``Infeasible``, exit code 3): the
-   message names the binding constraint and the best p99 reached.
+   SLO anywhere, the SLO is infeasible (``Infeasible``, exit code 3 unless
+   a disaggregated deployment meets it): the message names the binding
+   constraint and the best p99 reached.
 3. **Verification.** The ``verify_top`` cheapest answers not simulated yet
    run through the simulator (``sweep.latency.simulate``). Their replicas are fed as
    a load balancer feeds them: one stream at the workload's full rate (one
@@ -74,7 +75,15 @@ from sweep.search import descent, pareto
 
 
 class Infeasible(Exception):
-    """No configuration meets the SLO; the message names the binding constraint."""
+    """No configuration meets the SLO; the message names the binding constraint.
+
+    ``outcome``: what the search found all the same (``chosen`` None), for a
+    caller that goes on (the disaggregated search) and writes it.
+    """
+
+    def __init__(self, message: str, outcome: Outcome | None = None):
+        super().__init__(message)
+        self.outcome = outcome
 
 
 def model_label(m: Model) -> str:
@@ -536,7 +545,9 @@ def run(job: OptimizeJob, log=print) -> Outcome:
             f"{len(order)} meet the surrogate targets")
         if not order:
             if rnd == 1:
-                raise Infeasible(_surrogate_infeasible(job, res))
+                raise Infeasible(_surrogate_infeasible(job, res), Outcome(
+                    None, answers, verifications, res, ttft_t, itl_t, rnd,
+                    evaluations, 0, search_s, simulate_s, lines))
             break
         todo = [a for a in order[:s.verify_top] if a.key not in cache]
         if todo:
@@ -563,12 +574,13 @@ def run(job: OptimizeJob, log=print) -> Outcome:
             break
     confirmed = [c for c in cache.values() if met(job, c.simulated)]
     chosen = min(confirmed, key=lambda c: c.cost_per_mtok_out_usd, default=None)
+    out = Outcome(chosen, answers, verifications, res, ttft_t, itl_t, rnd,
+                  evaluations, len(cache), search_s, simulate_s, lines)
     if chosen is None:
-        raise Infeasible(_simulated_infeasible(job, list(cache.values()), rnd))
+        raise Infeasible(_simulated_infeasible(job, list(cache.values()), rnd), out)
     # a candidate's row shows the chosen configuration, even from an earlier round
     answers[chosen.candidate] = chosen
-    return Outcome(chosen, answers, verifications, res, ttft_t, itl_t, rnd,
-                   evaluations, len(cache), search_s, simulate_s, lines)
+    return out
 
 
 def _tighten(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
@@ -621,9 +633,10 @@ def speculation_line(job: OptimizeJob, out: Outcome) -> str:
     per_k = ", ".join(f"k={int(k)}: " + (f"{best[int(k)]:.4g}" if int(k) in best
                                           else "none meets the SLO")
                       for k in s.spec_values)
-    winner = job.candidates[out.chosen.candidate].spec_tokens
+    winner = (f"k={job.candidates[out.chosen.candidate].spec_tokens} wins"
+              if out.chosen is not None else "no aggregated deployment is confirmed")
     return (f"speculative decoding (n-gram, acceptance {s.spec_acceptance:g}): "
-            f"k={winner} wins; cheapest USD / 1M output tokens per k (surrogate): "
+            f"{winner}; cheapest USD / 1M output tokens per k (surrogate): "
             f"{per_k}")
 
 
@@ -725,8 +738,8 @@ def _candidate_vars(job: OptimizeJob, out: Outcome) -> dict:
         p99 = np.where(data["verified"][1], data[f"simulated_{name}_p99_s"][1],
                        data[f"surrogate_{name}_p99_s"][1])
         data[f"{name}_slack_s"] = _var(cd, limit - p99, f"{name}_slack_s")
-    data["chosen"] = _var(cd, np.arange(len(job.candidates)) == out.chosen.candidate,
-                          "chosen")
+    chosen = out.chosen.candidate if out.chosen is not None else -1
+    data["chosen"] = _var(cd, np.arange(len(job.candidates)) == chosen, "chosen")
     return data
 
 
@@ -798,33 +811,17 @@ def _candidate_coords(job: OptimizeJob) -> dict:
 
 
 def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
-    """The run's attributes: the SLO, the chosen configuration, the search's
-    counts and log."""
+    """The run's attributes: the SLO, the chosen configuration (none when no
+    aggregated deployment met the SLO), the search's counts and log."""
     slo, s = job.app.slo, job.app.search
-    c = out.chosen
-    cand = job.candidates[c.candidate]
     return {
         **attrs,
         "workload": job.app.workload.name,
         "arrival_rate_per_s": job.app.workload.arrival_rate_per_s,
         "slo_ttft_p99_s": slo.ttft_p99_s,
         "slo_itl_p99_s": slo.itl_p99_s,
-        "chosen_hardware": cand.hardware.name,
-        "chosen_model": cand.model.name,
-        "chosen_weight_dtype": cand.model.weight_dtype,
-        "chosen_kv_dtype": cand.model.kv_dtype,
-        "chosen_tensor_parallel": cand.tp,
-        "chosen_spec_tokens": cand.spec_tokens,
         "spec_acceptance": s.spec_acceptance,
-        "chosen_replicas": c.replicas,
-        "chosen_concurrency": c.concurrency,
-        "chosen_token_budget": c.token_budget,
-        "chosen_cost_per_mtok_out_usd": c.cost_per_mtok_out_usd,
-        "chosen_cost_per_month_usd": c.cost_per_month_usd,
-        **{f"{e}_flags": serving_flags(job, c, e) for e in engines.ENGINES},
-        **{f"{e}_notes": "\n".join(serving_notes(job, c, e))
-           for e in engines.ENGINES if serving_notes(job, c, e)},
-        "vllm_bench_command": bench_command(job, c),
+        **(_chosen_attrs(job, out.chosen) if out.chosen is not None else {}),
         "rounds": out.rounds,
         "surrogate_evaluations": out.evaluations,
         "simulations": out.simulations,
@@ -835,6 +832,28 @@ def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
         "simulate_wall_s": round(out.simulate_s, 3),
         "excluded_candidates": "; ".join(job.excluded),
         "log": "\n".join(out.log),
+    }
+
+
+def _chosen_attrs(job: OptimizeJob, c: Config) -> dict:
+    """The chosen configuration, its flags per engine and its benchmark."""
+    cand = job.candidates[c.candidate]
+    return {
+        "chosen_hardware": cand.hardware.name,
+        "chosen_model": cand.model.name,
+        "chosen_weight_dtype": cand.model.weight_dtype,
+        "chosen_kv_dtype": cand.model.kv_dtype,
+        "chosen_tensor_parallel": cand.tp,
+        "chosen_spec_tokens": cand.spec_tokens,
+        "chosen_replicas": c.replicas,
+        "chosen_concurrency": c.concurrency,
+        "chosen_token_budget": c.token_budget,
+        "chosen_cost_per_mtok_out_usd": c.cost_per_mtok_out_usd,
+        "chosen_cost_per_month_usd": c.cost_per_month_usd,
+        **{f"{e}_flags": serving_flags(job, c, e) for e in engines.ENGINES},
+        **{f"{e}_notes": "\n".join(serving_notes(job, c, e))
+           for e in engines.ENGINES if serving_notes(job, c, e)},
+        "vllm_bench_command": bench_command(job, c),
     }
 
 
