@@ -46,7 +46,8 @@ SPEC_VARIABLES = (
 # p99 latency depends on neither the context, the long prompt nor the traffic
 P99_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
             "token_budget", "batching", "weight_dtype", "kv_dtype", "spec_tokens",
-            "spec_acceptance", "prefix_caching", "arrival_rate_per_s")
+            "spec_acceptance", "prefix_caching", "disaggregated", "prefill_instances",
+            "decode_instances", "arrival_rate_per_s")
 
 # unit words a reader's pint knows without ``UNIT_DEFINITIONS``
 SI_WORDS = {"s", "hour", "day", "byte"}

@@ -5,6 +5,7 @@ prefill x 1-3 decode instances."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import xarray as xr
@@ -401,3 +402,66 @@ def test_neither_deployment_meets_the_slo_is_one_line_and_exit_3(tmp_path):
                          "met the SLO in the simulator (0 enumerated, 0 simulated in "
                          "0.0 s)")
     assert not out.exists()
+
+
+# --- sweep-grid's p99 part (sweep.latency.p99) ---------------------------------
+
+P99_RATE, P99_REQUESTS = 8.0, 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["simulate", "surrogate"])
+def test_grid_p99_of_disaggregated_points(tmp_path, method):
+    """``sweep-grid latency=…`` over ``grid.disaggregated=[false,true]`` in
+    float32 as users run it. The simulator: each point's p99s are its own
+    deployment's, against the Python reference (float64) on the same stream
+    (the aggregated engine's, and 1 prefill + 2 decode instances'). The
+    surrogate models one aggregated engine: a disaggregated point is NaN
+    with status ``unmodelled`` and never meets the SLO."""
+    from reference_scheduler import simulate_disaggregated_reference, simulate_reference
+    from test_simulate import h100, itl_bound_s, qwen3_8b
+
+    from sweep.cube import status
+    from sweep.latency.arrivals import workload_requests
+    from sweep.latency.workload import workload_tables
+
+    overrides = ["experiment=seed", "grid.disaggregated=[false,true]",
+                 "grid.prefill_instances=[1]", "grid.decode_instances=[2]",
+                 f"grid.concurrency=[{N}]", f"grid.token_budget=[{BUDGET}]",
+                 "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e8]",
+                 f"latency.num_requests={P99_REQUESTS}",
+                 f"grid.arrival_rate_per_s=[{P99_RATE:g}]"]
+    out = tmp_path / "p99.zarr"
+    proc = run_script("sweep-grid", [*overrides, f"latency={method}", f"out={out}"],
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(out).load().squeeze()
+    assert ds.ttft_p99_s.dims == ("disaggregated",)
+    agg, dis = ds.sel(disaggregated=0), ds.sel(disaggregated=1)
+    if method == "surrogate":
+        assert int(agg.latency_status) == 0 and bool(agg.slo_met)
+        assert int(dis.latency_status) == status.UNMODELLED and not bool(dis.slo_met)
+        assert np.isnan(float(dis.ttft_p99_s)) and np.isnan(float(dis.itl_p99_s))
+        return
+    app = compose_app("grid", overrides)
+    key = jax.random.split(jax.random.key(app.seed), 1)[0]
+    stream = workload_requests(key, app.workload, workload_tables(app.workload),
+                               P99_REQUESTS, P99_RATE)
+    arrival, prompt, output = (np.asarray(x, np.float64) for x in stream)
+    hw = h100(np.float64)._replace(kv_link_bytes_per_s=LINK)
+    model = qwen3_8b(np.float64)
+    for point, ref in (
+            (agg, simulate_reference(hw, model, 1.0, N, BUDGET, arrival, prompt,
+                                     output)),
+            (dis, simulate_disaggregated_reference(hw, model, 1.0, N, BUDGET, arrival,
+                                                   prompt, output, 1, 2))):
+        assert int(point.latency_status) == 0
+        np.testing.assert_allclose(float(point.ttft_p99_s),
+                                   np.percentile(ref.ttft_s, 99), rtol=5e-3)
+        gaps = np.asarray(ref.itl_s)
+        srt, pos = np.sort(gaps), 0.99 * (len(gaps) - 1)
+        lo, hi = srt[int(np.floor(pos))], srt[int(np.ceil(pos))]
+        bound = itl_bound_s(hw, model, 1.0, BUDGET, hi) + 5e-3 * hi
+        assert lo - bound <= float(point.itl_p99_s) <= hi + bound
+    # the pools' decode steps see no prefill chunk: a lower p99 ITL
+    assert float(dis.itl_p99_s) < float(agg.itl_p99_s)

@@ -29,16 +29,18 @@ def test_simulated_cube_has_p99_on_latency_axes(simulated):
                                  "concurrency", "token_budget", "batching",
                                  "weight_dtype", "kv_dtype", "spec_tokens",
                                  "spec_acceptance", "prefix_caching",
-                                 "arrival_rate_per_s")
+                                 "disaggregated", "prefill_instances",
+                                 "decode_instances", "arrival_rate_per_s")
     assert list(ds.arrival_rate_per_s.values) == [1.0, 4.0]
     assert (ds.ttft_p99_s >= ds.ttft_p50_s).all()
     assert (ds.itl_p99_s >= ds.itl_p50_s).all()
     assert (ds.latency_status == 0).all()
     # one status enumeration for both backends, as CF flag attributes
     attrs = ds.latency_status.attrs
-    assert list(attrs["flag_masks"]) == [1, 2, 4, 8, 16]
+    assert list(attrs["flag_masks"]) == [1, 2, 4, 8, 16, 32]
     assert attrs["flag_meanings"].split() == ["ran_out", "oversize", "slots_short",
-                                              "saturated", "kv_infeasible"]
+                                              "saturated", "kv_infeasible",
+                                              "unmodelled"]
     assert "cheapest point meeting the p99 SLO" in proc.stdout
 
 

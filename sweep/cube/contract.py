@@ -221,11 +221,11 @@ AXES: tuple[Axis, ...] = (
     # decode_instances decode-only instances, each of tensor_parallel GPUs
     Axis("disaggregated", "1", "disaggregated prefill/decode (0 aggregated, 1 "
          "separate prefill and decode instances)", CONFIG, INTEGER,
-         parts=(ROOFLINE,), header="disagg.", low=0, high=1),
+         header="disagg.", low=0, high=1),
     Axis("prefill_instances", "replica", "prefill instances (disaggregated)", CONFIG,
-         INTEGER, parts=(ROOFLINE,), header="P inst.", low=1, high=4096),
+         INTEGER, header="P inst.", low=1, high=4096),
     Axis("decode_instances", "replica", "decode instances (disaggregated)", CONFIG,
-         INTEGER, parts=(ROOFLINE,), header="D inst.", low=1, high=4096),
+         INTEGER, header="D inst.", low=1, high=4096),
     Axis("arrival_rate_per_s", "request / s", "arrival rate", SCENARIO, REAL,
          parts=(P99,), header="req/s", low=1e-9, high=1e12, optional=True),
 )

@@ -4,7 +4,8 @@ A status is an int32 bit mask: 0 is ok, and each set bit says one thing
 about how the figures were obtained (the CF convention for independent flags,
 ``flag_masks`` with ``flag_meanings``, CF Conventions 1.11, sec. 3.5). The
 simulator sets ``RAN_OUT``, ``OVERSIZE`` and ``SLOTS_SHORT``; the surrogate
-sets ``SATURATED`` and ``KV_INFEASIBLE``. The cube's ``latency_status``
+sets ``SATURATED`` and ``KV_INFEASIBLE``; either sets ``UNMODELLED`` on a point
+it does not model. The cube's ``latency_status``
 variable carries ``cf_attrs()``.
 """
 
@@ -16,6 +17,7 @@ OVERSIZE = 2
 SLOTS_SHORT = 4
 SATURATED = 8
 KV_INFEASIBLE = 16
+UNMODELLED = 32
 
 FLAGS: dict[int, tuple[str, str]] = {
     RAN_OUT: ("ran_out", "the simulation ran out of loop iterations before every "
@@ -29,10 +31,14 @@ FLAGS: dict[int, tuple[str, str]] = {
                 "surrogate's utilisation >= 1): waits grow without bound"),
     KV_INFEASIBLE: ("kv_infeasible", "not one average request's KV fits beside the "
                     "weights"),
+    UNMODELLED: ("unmodelled", "this latency model does not cover the point (the "
+                 "surrogate: disaggregated prefill/decode; the simulator: "
+                 "disaggregated pools without continuous batching); metrics are "
+                 "NaN"),
 }
 """bit -> (name, message)."""
 
-INVALID = RAN_OUT | SLOTS_SHORT
+INVALID = RAN_OUT | SLOTS_SHORT | UNMODELLED
 """Flags under which the figures are NaN."""
 
 

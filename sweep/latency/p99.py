@@ -2,7 +2,8 @@
 
 p99 latency depends on the hardware, model, workload, tensor parallelism,
 concurrency, token budget, batching mode, precision, speculative decoding,
-prefix caching and arrival rate, not on the
+prefix caching, disaggregation (with its instance counts) and arrival rate,
+not on the
 roofline-only axes (context, long prompt, traffic): its variables live on
 ``DIMS`` only, and xarray broadcasts them against the rest of the cube.
 
@@ -12,9 +13,14 @@ roofline-only axes (context, long prompt, traffic): its variables live on
   requests (common random numbers), the same arrivals compressed for a higher
   rate, so configurations and rates are compared on equal terms.
   With ``workload.replay=exact`` the stream is the trace's rows in recorded
-  order (``sweep.latency.arrivals.replay_requests``).
+  order (``sweep.latency.arrivals.replay_requests``). A disaggregated point
+  (``grid.disaggregated``) runs its prefill and decode pools
+  (``sweep.latency.disaggregated``) over the same stream; continuous batching
+  only (other batching modes are ``UNMODELLED`` there).
 * ``latency=surrogate``: ``sweep.latency.surrogate.surrogate``, closed forms for
-  continuous batching; static and request-at-a-time points are NaN there.
+  continuous batching; static and request-at-a-time points are NaN there, and
+  so are disaggregated points (``latency_status`` ``UNMODELLED``: the
+  surrogate models one aggregated engine).
   With ``grid.sensitivity=true`` each point also carries the elasticities of
   its p99 TTFT and ITL to the hardware and calibration constants.
 
@@ -39,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep import shapes
 from sweep.config.schema import (
     GridApp,
     LatencyMethod,
@@ -51,6 +58,7 @@ from sweep.cube import contract
 from sweep.cube import status as flags
 from sweep.grid.evaluate import Part, blocking, write_blocking
 from sweep.latency.arrivals import workload_requests
+from sweep.latency.disaggregated import simulate_disaggregated
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables, served_tables
@@ -79,23 +87,45 @@ class SimulatePoint:
     """One configuration through the simulator (hashable: a static jit argument).
 
     Its ``workload`` input is the workload's ``overlong`` rule (an index into
-    ``OVERLONG``); its requests come from the ``requests`` table.
+    ``OVERLONG``); its requests come from the ``requests`` table. Which
+    simulators are compiled is static: ``aggregated`` when the grid lists
+    aggregated points, ``max_prefill_instances`` > 0 (and the pools' sizes)
+    when it lists disaggregated ones; with both, each point takes its own.
     """
 
     max_slots: int
+    aggregated: bool = True
+    max_prefill_instances: int = 0
+    max_decode_instances: int = 0
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, prefix_caching, arrival_rate_per_s, requests,
-                 prefix_hit, slo):
+                 spec_acceptance, prefix_caching, disaggregated, prefill_instances,
+                 decode_instances, arrival_rate_per_s, requests, prefix_hit, slo):
         del arrival_rate_per_s  # the requests arrive at it already
         model = precision.apply(model, weight_dtype, kv_dtype)
-        r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
-                     requests, batching, slo[0], slo[1], workload, None, spec_tokens,
-                     spec_acceptance, jnp.where(prefix_caching > 0, prefix_hit, 0.0),
-                     max_slots=self.max_slots)._asdict()
-        kv_ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
-        return _summary(r, slo, kv_ok, r["status"])
+        hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
+        engine = (hardware, model, tensor_parallel, concurrency, token_budget, requests)
+        ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
+        if self.aggregated:
+            r = simulate(*engine, batching, slo[0], slo[1], workload, None,
+                         spec_tokens, spec_acceptance, hit,
+                         max_slots=self.max_slots)._asdict()
+        if self.max_prefill_instances:
+            d = simulate_disaggregated(
+                *engine, prefill_instances, decode_instances, slo[0], slo[1], workload,
+                spec_tokens, spec_acceptance, hit,
+                max_prefill_instances=self.max_prefill_instances,
+                max_decode_instances=self.max_decode_instances,
+                max_slots=self.max_slots)._asdict()
+            # both pools batch continuously (sweep.latency.disaggregated)
+            d["status"] = jnp.where(is_continuous(batching), d["status"],
+                                    flags.UNMODELLED)
+            split = disaggregated > 0
+            r = (jax.tree.map(lambda a, b: jnp.where(split, b, a), r, d)
+                 if self.aggregated else d)
+            ok = ok & ((r["status"] & flags.UNMODELLED) == 0)
+        return _summary(r, slo, ok, r["status"])
 
 
 _P99S = ("ttft_p99_s", "itl_p99_s")
@@ -118,9 +148,10 @@ class SurrogatePoint:
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, prefix_caching, arrival_rate_per_s, served,
-                 rejected, prefix_hit, slo):
-        del workload
+                 spec_acceptance, prefix_caching, disaggregated, prefill_instances,
+                 decode_instances, arrival_rate_per_s, served, rejected, prefix_hit,
+                 slo):
+        del workload, prefill_instances, decode_instances
         model = precision.apply(model, weight_dtype, kv_dtype)
         hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
 
@@ -135,8 +166,11 @@ class SurrogatePoint:
         else:
             r, elasticity = figures(hardware)[1], {}
         r["rejected_fraction"] = rejected
+        # one aggregated engine: a disaggregated point is not modelled
+        split = disaggregated > 0
+        r["status"] = jnp.where(split, flags.UNMODELLED, r["status"])
         ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
-              & is_continuous(batching) & (rejected < 1.0))
+              & is_continuous(batching) & (rejected < 1.0) & ~split)
         # a saturated point's p99 grows without bound: no elasticity
         steady = ok & (r["status"] == flags.OK)
         return (_summary(r, slo, ok, r["status"])
@@ -191,7 +225,14 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
         requests = jax.tree.map(lambda *x: jnp.stack(x),
                                 *[jax.tree.map(lambda *x: jnp.stack(x), *s)
                                   for s in streams])
-        fn = SimulatePoint(int(max(app.grid.axes["concurrency"])))
+        axes = app.grid.axes
+        split = max(axes["disaggregated"]) > 0
+        fn = SimulatePoint(
+            int(max(axes["concurrency"])), aggregated=min(axes["disaggregated"]) == 0,
+            max_prefill_instances=(shapes.power_of_two(int(max(
+                axes["prefill_instances"]))) if split else 0),
+            max_decode_instances=(shapes.power_of_two(int(max(
+                axes["decode_instances"]))) if split else 0))
         overlong = np.array([OVERLONG.index(w.overlong.value) for w in workloads],
                             np.int32)
         lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
