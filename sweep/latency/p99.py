@@ -86,10 +86,11 @@ class SimulatePoint:
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, prefix_caching, arrival_rate_per_s, requests,
-                 prefix_hit, slo):
+                 spec_acceptance, spec_proposer, prefix_caching, arrival_rate_per_s,
+                 requests, prefix_hit, slo):
         del arrival_rate_per_s  # the requests arrive at it already
-        model = precision.apply(model, weight_dtype, kv_dtype)
+        model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
+                                       spec_proposer, spec_tokens)
         r = simulate(hardware, model, tensor_parallel, concurrency, token_budget,
                      requests, batching, slo[0], slo[1], workload, None, spec_tokens,
                      spec_acceptance, jnp.where(prefix_caching > 0, prefix_hit, 0.0),
@@ -118,10 +119,11 @@ class SurrogatePoint:
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, prefix_caching, arrival_rate_per_s, served,
-                 rejected, prefix_hit, slo):
+                 spec_acceptance, spec_proposer, prefix_caching, arrival_rate_per_s,
+                 served, rejected, prefix_hit, slo):
         del workload
-        model = precision.apply(model, weight_dtype, kv_dtype)
+        model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
+                                       spec_proposer, spec_tokens)
         hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
 
         def figures(hw):
