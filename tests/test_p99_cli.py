@@ -28,7 +28,8 @@ def test_simulated_cube_has_p99_on_latency_axes(simulated):
         assert ds[name].dims == ("hardware", "model", "workload", "tensor_parallel",
                                  "concurrency", "token_budget", "batching",
                                  "weight_dtype", "kv_dtype", "spec_tokens",
-                                 "spec_acceptance", "prefix_caching",
+                                 "spec_acceptance", "spec_proposer",
+                                 "prefix_caching",
                                  "arrival_rate_per_s")
     assert list(ds.arrival_rate_per_s.values) == [1.0, 4.0]
     assert (ds.ttft_p99_s >= ds.ttft_p50_s).all()
