@@ -301,3 +301,41 @@ def test_grid_compares_proposers_in_float32(tmp_path):
         concurrency=1, spec_tokens=0, spec_proposer=0)
     assert tpot.sel(concurrency=256, spec_tokens=4, spec_proposer=1) > tpot.sel(
         concurrency=256, spec_tokens=0, spec_proposer=0)
+
+
+def test_optimize_candidates_per_proposer():
+    """``search.spec_proposer=[ngram,draft]``: k = 0 once, each k > 0 with
+    each proposer; the draft candidate carries Llama-3.2-1B (less KV room)
+    and its flags name it; a draft proposer with every k = 0 is refused."""
+    from helpers import optimize_inputs
+
+    from sweep.search import optimize
+
+    args = ["hardware=h100_sxm", "model=llama3_1_8b", "workload=seed_chat",
+            "calibration=roofline", "search=quick", "search.tensor_parallel=[1]",
+            "search.spec_tokens=[0,4]", "search.spec_proposer=[ngram,draft]"]
+    job = optimize.prepare(*optimize_inputs(args))
+    got = [(c.spec_tokens, c.spec_proposer) for c in job.candidates]
+    assert got == [(0, "ngram"), (4, "ngram"), (4, "draft")]
+    drafts = [c.model.draft for c in job.candidates]
+    assert drafts[:2] == [None, None] and drafts[2].name == "llama3_2_1b"
+    assert job.candidates[2].label.endswith("x spec k=4 (draft llama3_2_1b)")
+    hw = hardware_params(job.candidates[0].hardware, 0.9)
+    caps = [_f(roofline.kv_capacity_tokens(hw, model_params(c.model), 1.0))
+            for c in job.candidates]
+    assert caps[2] < caps[1] == caps[0]
+    config = optimize.Config(candidate=2, concurrency=64, token_budget=2048,
+                             replicas=1, surrogate={}, cost_per_mtok_out_usd=0.1,
+                             cost_per_month_usd=1.0)
+    assert ('--speculative-config \'{"method": "draft_model", "model": '
+            '"meta-llama/Llama-3.2-1B-Instruct", "num_speculative_tokens": 4}\''
+            in optimize.serving_flags(job, config, "vllm"))
+    assert ("--speculative-algorithm STANDALONE --speculative-draft-model-path "
+            "meta-llama/Llama-3.2-1B-Instruct --speculative-num-steps 4"
+            in optimize.serving_flags(job, config, "sglang"))
+    assert "decoding_type: DraftTarget" in optimize.serving_notes(
+        job, config, "trtllm")[0]
+    with pytest.raises(ConfigError, match=r"^search\.spec_tokens = \[0\]: "
+                       r"search\.spec_proposer lists draft: needs some k > 0"):
+        optimize_inputs([*args[:-2], "search.spec_tokens=[0]",
+                         "search.spec_proposer=[draft]"])

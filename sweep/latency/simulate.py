@@ -1103,7 +1103,8 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         load balancer's share, ``sweep.latency.arrivals.split``); the others are not
         served and not counted, as rejected ones are not served.
       spec_tokens, spec_acceptance: speculative decoding (n-gram proposals,
-        no GPU time of their own): every decode step verifies ``k`` proposals
+        no GPU time of their own, or a draft model's when ``model`` carries
+        one, ``roofline.with_proposer``): every decode step verifies ``k`` proposals
         per request (k + 1 tokens of compute and of token budget, ``k`` KV
         slots) and gains the expected accepted tokens
         ``roofline.tokens_per_step(k, acceptance)``, a deterministic

@@ -881,10 +881,11 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       arrival_rate_per_s: Poisson arrival rate offered, requests per second.
       ttft_slo_s, itl_slo_s: the SLOs a good request meets (goodput only;
         default: none).
-      spec_tokens, spec_acceptance: speculative decoding with n-gram
-        proposals (``speculative_workload``; every decode step verifies
-        ``k`` proposals, ``roofline.verify_step_s``); ITL is the gap between
-        deliveries, as in the simulator. 0: off.
+      spec_tokens, spec_acceptance: speculative decoding
+        (``speculative_workload``; every decode step verifies ``k``
+        proposals, ``roofline.verify_step_s``, after the draft model's ``k``
+        steps when ``model`` carries one: ``roofline.with_proposer``); ITL is
+        the gap between deliveries, as in the simulator. 0: off.
       prefix_hit_fraction: prefix caching (``cached_workload``): each
         prompt's prefill computes only what follows its cached prefix, as
         chunks that read the prefix. 0: off.
