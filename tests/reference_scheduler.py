@@ -33,7 +33,10 @@ of steps, no histograms), plus the simulator's documented choices:
   context after d deliveries is ``prompt + 1 + gain (d - 1)`` tokens, each
   decoding request holds k more KV slots (the running total rounded up to
   whole tokens), and a preempted one recomputes ``round(1 + gain (d - 1))``
-  generated tokens. ITL samples are the gaps between deliveries.
+  generated tokens. ITL samples are the gaps between deliveries. With a
+  draft model (the model's ``draft_*`` sizes non-zero) each step with
+  decodes also takes the draft's k decode steps over them
+  (``draft_time_s``), and the KV capacity counts both models.
 * prefix caching (``prefix_hit_fraction`` h): a request's first
   ``floor(h P / 16) * 16`` prompt tokens (whole 16-token blocks) are in the
   cache whenever it is admitted (readmissions too): they are held in KV and
@@ -93,12 +96,39 @@ def step_time_s(hw, model, tp, new_tokens, kv_read_tokens, attention_keys,
             + _f(hw.sequence_overhead_s) * sequences)
 
 
+def draft_time_s(hw, model, tp, decodes, context_tokens, k) -> float:
+    """The draft model's k decode steps before a step with ``decodes`` decodes
+    of summed context ``context_tokens`` (0 without a draft model or decodes):
+    each reads the draft's weights and its KV of the context and computes one
+    token per decode, with its own all-reduces and no step overheads."""
+    if decodes == 0 or k == 0 or _f(model.draft_params) == 0.0:
+        return 0.0
+    tp = _f(tp)
+    layers, heads = _f(model.draft_layers), _f(model.draft_q_heads)
+    head_dim = _f(model.draft_head_dim)
+    kvb = 2.0 * layers * _f(model.draft_kv_heads) * head_dim * _f(model.kv_dtype_bytes)
+    weights = _f(model.draft_params) * _f(model.draft_weight_dtype_bytes)
+    memory_s = (weights / _f(hw.mbu) + context_tokens * kvb / _f(hw.kv_mbu)) / tp / (
+        _f(hw.memory_bandwidth_bytes_per_s))
+    flops = (2.0 * _f(model.draft_params) * decodes
+             + 4.0 * layers * heads * head_dim * context_tokens)
+    compute_s = flops / tp / (_f(hw.peak_flops_per_s) * _f(hw.mfu))
+    allreduce_s = (2.0 * layers * 2.0 * (tp - 1.0) / tp * decodes
+                   * _f(model.draft_hidden_size) * 2.0
+                   / _f(hw.interconnect_bytes_per_s))
+    return k * (max(memory_s, compute_s) + allreduce_s)
+
+
 def kv_capacity_tokens(hw, model, tp) -> int:
-    """Whole KV tokens that fit beside the weights on the TP group."""
+    """Whole KV tokens that fit beside the weights on the TP group (beside a
+    draft model's too, each token holding its KV as well)."""
     kvb = (2.0 * _f(model.layers) * _f(model.kv_heads) * _f(model.head_dim)
            * _f(model.kv_dtype_bytes))
     weights = (_f(model.shared_params) + _f(model.expert_params)) * _f(
         model.weight_dtype_bytes)
+    kvb += (2.0 * _f(model.draft_layers) * _f(model.draft_kv_heads)
+            * _f(model.draft_head_dim) * _f(model.kv_dtype_bytes))
+    weights += _f(model.draft_params) * _f(model.draft_weight_dtype_bytes)
     usable = _f(hw.memory_bytes) * _f(hw.gpu_memory_utilization) * _f(tp)
     return math.floor((usable - weights) / kvb)
 
@@ -240,6 +270,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                 + sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks))
         t += step_time_s(hw, model, tp, new, kv_read, keys,
                          len(decodes) + len(chunks))
+        t += draft_time_s(hw, model, tp, len(decodes), sum(contexts), k)
         steps += 1
 
         def emit(r):

@@ -56,8 +56,8 @@ def test_seed_table_through_cli_and_cube(seed_run):
                 tensor_parallel=1, context_tokens=1500, batching="continuous",
                 weight_dtype="bf16", kv_dtype="bf16").isel(
         token_budget=0, long_prompt_tokens=0, traffic_tokens_per_day=0,
-        spec_tokens=0, spec_acceptance=0, prefix_caching=0, disaggregated=0,
-        prefill_instances=0, decode_instances=0)
+        spec_tokens=0, spec_acceptance=0, spec_proposer=0, prefix_caching=0,
+        disaggregated=0, prefill_instances=0, decode_instances=0)
     for n, itl_ms, user, gpu, usd in SEED_TABLE:
         p = pt.sel(concurrency=n)
         assert round(float(p.step_s) * 1e3, 2) == itl_ms
@@ -75,7 +75,8 @@ def test_cube_contract(seed_run):
         "hardware", "model", "workload", "tensor_parallel", "concurrency",
         "token_budget", "context_tokens", "batching", "long_prompt_tokens",
         "traffic_tokens_per_day", "weight_dtype", "kv_dtype", "spec_tokens",
-        "spec_acceptance", "prefix_caching", "disaggregated", "prefill_instances",
+        "spec_acceptance", "spec_proposer", "prefix_caching", "disaggregated",
+        "prefill_instances",
         "decode_instances"]
     for name in ("step_s", "user_tokens_per_s", "output_tokens_per_s",
                  "slot_utilization", "cost_per_mtok_out_usd", "prefill_tokens_per_s",
@@ -98,7 +99,7 @@ def test_default_run_writes_under_outputs(tmp_path):
     assert len(cubes) == 1
     ds = sweep.open_cube(cubes[0])
     # every shipped hardware x model when the command line names neither
-    assert ds.sizes["hardware"] == 6 and ds.sizes["model"] == 7
+    assert ds.sizes["hardware"] == 6 and ds.sizes["model"] == 9
     assert "cheapest point that fits" in proc.stdout
 
 

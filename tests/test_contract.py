@@ -35,7 +35,8 @@ SPEC_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
 # the axes the project adds (precision; speculative decoding; prefix
 # caching; disaggregated prefill/decode), before the p99-only rate
 OWN_DIMS = ("weight_dtype", "kv_dtype", "spec_tokens", "spec_acceptance",
-            "prefix_caching", "disaggregated", "prefill_instances", "decode_instances")
+            "spec_proposer", "prefix_caching", "disaggregated", "prefill_instances",
+            "decode_instances")
 SPEC_VARIABLES = (
     "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
@@ -46,8 +47,8 @@ SPEC_VARIABLES = (
 # p99 latency depends on neither the context, the long prompt nor the traffic
 P99_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
             "token_budget", "batching", "weight_dtype", "kv_dtype", "spec_tokens",
-            "spec_acceptance", "prefix_caching", "disaggregated", "prefill_instances",
-            "decode_instances", "arrival_rate_per_s")
+            "spec_acceptance", "spec_proposer", "prefix_caching", "disaggregated",
+            "prefill_instances", "decode_instances", "arrival_rate_per_s")
 
 # unit words a reader's pint knows without ``UNIT_DEFINITIONS``
 SI_WORDS = {"s", "hour", "day", "byte"}

@@ -28,9 +28,10 @@ def test_simulated_cube_has_p99_on_latency_axes(simulated):
         assert ds[name].dims == ("hardware", "model", "workload", "tensor_parallel",
                                  "concurrency", "token_budget", "batching",
                                  "weight_dtype", "kv_dtype", "spec_tokens",
-                                 "spec_acceptance", "prefix_caching",
-                                 "disaggregated", "prefill_instances",
-                                 "decode_instances", "arrival_rate_per_s")
+                                 "spec_acceptance", "spec_proposer",
+                                 "prefix_caching", "disaggregated",
+                                 "prefill_instances", "decode_instances",
+                                 "arrival_rate_per_s")
     assert list(ds.arrival_rate_per_s.values) == [1.0, 4.0]
     assert (ds.ttft_p99_s >= ds.ttft_p50_s).all()
     assert (ds.itl_p99_s >= ds.itl_p50_s).all()

@@ -67,7 +67,8 @@ def test_precision_axes_in_sweep_grid_by_hand(tmp_path):
                         token_budget=2048, context_tokens=1500,
                         batching="continuous", long_prompt_tokens=8192,
                         traffic_tokens_per_day=1e9, spec_tokens=0,
-                        spec_acceptance=0.7, prefix_caching=0, disaggregated=0,
+                        spec_acceptance=0.7, spec_proposer=0, prefix_caching=0,
+                        disaggregated=0,
                         prefill_instances=1, decode_instances=1)
             for n in (1, 64):
                 want = b200_step(w, kv, n, n * 1500, n * 1500)
@@ -90,7 +91,8 @@ def test_precision_axes_in_sweep_grid_by_hand(tmp_path):
               tensor_parallel=1, concurrency=64, token_budget=2048,
               context_tokens=1500, batching="continuous", long_prompt_tokens=8192,
               traffic_tokens_per_day=1e9, spec_tokens=0, spec_acceptance=0.7,
-              prefix_caching=0, disaggregated=0, prefill_instances=1,
+              spec_proposer=0, prefix_caching=0, disaggregated=0,
+              prefill_instances=1,
               decode_instances=1)
     fp8 = ds.sweep.to_serving_flags(weight_dtype="fp8", kv_dtype="fp8", **at)
     assert fp8.cli == (

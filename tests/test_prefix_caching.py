@@ -55,7 +55,8 @@ def cube(cube_path) -> xr.Dataset:
     return sweep.open_cube(cube_path).load().squeeze(
         ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
          "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
-         "spec_tokens", "spec_acceptance", "token_budget", "disaggregated",
+         "spec_tokens", "spec_acceptance", "spec_proposer", "token_budget",
+         "disaggregated",
          "prefill_instances", "decode_instances"]).isel(
         traffic_tokens_per_day=0)
 

@@ -56,7 +56,7 @@ def cube(cube_path) -> xr.Dataset:
     return sweep.open_cube(cube_path).load().squeeze(
         ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
          "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
-         "prefix_caching", "disaggregated", "prefill_instances",
+         "spec_proposer", "prefix_caching", "disaggregated", "prefill_instances",
          "decode_instances"]).isel(
         traffic_tokens_per_day=0, token_budget=-1)
 

@@ -61,4 +61,17 @@ def model_params(m: Model) -> ModelParams:
         kv_dtype_bytes=float(m.kv_dtype_bytes),
         max_context_tokens=float(m.max_context_tokens or math.inf),
         weight_compute=float(precision.WEIGHT_COMPUTE[m.weight_dtype]),
+        **draft_fields(m.draft),
     )
+
+
+def draft_fields(d: Model | None) -> dict[str, float]:
+    """``ModelParams``'s ``draft_*`` leaves of a draft model's config (dense,
+    ``sweep.config.resolve``); zeros without one."""
+    if d is None:
+        return {}
+    return {"draft_params": d.params, "draft_layers": float(d.layers),
+            "draft_q_heads": float(d.q_heads), "draft_kv_heads": float(d.kv_heads),
+            "draft_head_dim": float(d.head_dim),
+            "draft_hidden_size": float(d.hidden_size),
+            "draft_weight_dtype_bytes": float(d.weight_dtype_bytes)}

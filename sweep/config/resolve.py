@@ -288,4 +288,38 @@ def grid_options(app: str, overrides: list[str], section: str = "grid",
     for g, v in names.items():
         if v is None:
             out[g] = [getattr(base, g)]
+    if "model" in out and "draft" in list(getattr(getattr(base, section),
+                                                  "spec_proposer", [])):
+        _attach_drafts(app, section, out["model"],
+                       [o for o in experiment + kept if _root(o) != "model"])
     return base, out
+
+
+def _attach_drafts(app: str, section: str, models: list, overrides: list[str]) -> None:
+    """Sets each model's ``draft`` to the config of its ``draft_model``.
+
+    Raises:
+      ConfigError: a model with no draft model, or one naming an unknown
+        option or a draft that is not a small dense model of its own.
+    """
+    drafts: dict[str, object] = {}
+    for m in models:
+        key = f"model[{m.name}].draft_model"
+        if not m.draft_model:
+            raise ConfigError(
+                f"{section}.spec_proposer lists draft: {key} is empty (no small "
+                f"model of its tokenizer is shipped); allowed for {m.name}: ngram")
+        if m.draft_model not in drafts:
+            try:
+                drafts[m.draft_model] = compose_object(
+                    app, overrides + [f"model={m.draft_model}"]).model
+            except ConfigError as e:
+                msg = str(e).removeprefix(f"model={m.draft_model}: ")
+                raise ConfigError(f"{key} = {m.draft_model!r}: {msg}") from None
+        d = drafts[m.draft_model]
+        if d.num_experts > 1 or d.active_params >= m.active_params:
+            raise ConfigError(
+                f"{key} = {m.draft_model!r}: must be a dense model smaller than "
+                f"{m.name} ({d.active_params:g} active parameters, {m.name} "
+                f"{m.active_params:g})")
+        m.draft = d

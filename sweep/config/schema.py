@@ -17,7 +17,7 @@ from omegaconf import MISSING
 
 from sweep.cube import contract, engines
 from sweep.errors import ConfigError
-from sweep.model import precision
+from sweep.model import precision, roofline
 
 
 def _check(ok: bool, key: str, value, allowed: str) -> None:
@@ -85,6 +85,23 @@ class Overlong(Enum):
 class Routing(Enum):
     round_robin = "round_robin"
     random = "random"
+
+
+def _proposer_indices(names, key: str) -> list[float]:
+    """A proposer list (``roofline.PROPOSERS`` names) as the cube's 0/1 values."""
+    names = [str(v) for v in names]
+    _check(len(names) > 0 and len(set(names)) == len(names)
+           and all(v in roofline.PROPOSERS for v in names), key, names,
+           f"allowed: distinct values of {', '.join(roofline.PROPOSERS)}")
+    return [float(roofline.PROPOSERS.index(v)) for v in names]
+
+
+def _check_draft_tokens(obj, section: str, spec_values) -> None:
+    """The draft proposer needs proposals to make: some ``k > 0``."""
+    _check("draft" not in list(obj.spec_proposer) or any(k > 0 for k in spec_values),
+           f"{section}.spec_tokens", [int(k) for k in spec_values],
+           f"{section}.spec_proposer lists draft: needs some k > 0 (k = 0 is "
+           "no speculation, with no draft model)")
 
 
 def _check_step_shape(obj, prefix: str) -> None:
@@ -183,6 +200,16 @@ class Model:
         metadata={"help": "longest prompt + output served (vLLM's max_model_len); "
                   "0 = no limit"},
     )
+    draft_model: str = field(
+        default="",
+        metadata={"help": "the model option (conf/model) of its draft model for "
+                  "speculative decoding with spec_proposer=draft: a small dense "
+                  "model of the same tokenizer; empty: none (the draft proposer "
+                  "is refused)"})
+    draft: Any = field(
+        default=None, compare=False,
+        metadata={"help": "not a config key: the draft_model's config, filled in "
+                  "when a sweep lists the draft proposer (sweep.config.resolve)"})
 
     def __post_init__(self) -> None:
         p = f"model[{self.name}]"
@@ -429,6 +456,12 @@ class Grid:
     spec_acceptance: Any = field(
         default_factory=lambda: [0.7],
         metadata={"help": "chance each proposed token is accepted (0-1)"})
+    spec_proposer: list[str] = field(
+        default_factory=lambda: ["ngram"],
+        metadata={"help": "who proposes the speculative tokens: ngram (a lookup "
+                  "in the sequence, no GPU time) and/or draft (each model's "
+                  "draft_model, whose decode steps and memory are counted); a "
+                  "0/1 cube axis"})
     prefix_caching: list[bool] = field(
         default_factory=lambda: [False],
         metadata={"help": "automatic prefix caching off (false) and/or on (true, at "
@@ -474,11 +507,14 @@ class Grid:
                 continue
             if a.name in ("prefix_caching", "disaggregated"):  # flags: 0/1
                 spec = [float(v) for v in spec]
+            if a.name == "spec_proposer":
+                spec = _proposer_indices(spec, "grid.spec_proposer")
             self.axes[a.name] = _numeric_axis(
                 spec, f"grid.{a.name}", integer=a.kind == contract.INTEGER,
                 low=a.low, high=MAX_TOKENS if a.high is None else a.high)
         _check(len(self.batching) > 0, "grid.batching", [],
                "must list at least one of request, static, continuous")
+        _check_draft_tokens(self, "grid", self.axes["spec_tokens"])
         _check_precision_axes(self, "grid")
         _in_range(self, "grid", "gpu_memory_utilization", 1e-3, 1)
         _in_range(self, "grid", "chunk_points", 1, 2**31 - 1)
@@ -681,8 +717,12 @@ class Search:
                   f"({', '.join(precision.KV_DTYPES)}); empty: the model's own"})
     spec_tokens: Any = field(
         default_factory=lambda: [0],
-        metadata={"help": "speculative decoding (n-gram proposals): tokens "
-                  "proposed per step (k) to compare; 0: off"})
+        metadata={"help": "speculative decoding: tokens proposed per step (k) to "
+                  "compare; 0: off"})
+    spec_proposer: list[str] = field(
+        default_factory=lambda: ["ngram"],
+        metadata={"help": "speculative proposers to compare at each k > 0: ngram "
+                  "and/or draft (the model's draft_model)"})
     spec_acceptance: float = field(
         default=0.7,
         metadata={"help": "chance each proposed token is accepted (0-1; measure it "
@@ -742,6 +782,9 @@ class Search:
         self.spec_values = _numeric_axis(self.spec_tokens, "search.spec_tokens",
                                          integer=True, low=0, high=64)
         _in_range(self, "search", "spec_acceptance", 0.0, 1.0)
+        self.proposer_values = _proposer_indices(self.spec_proposer,
+                                                 "search.spec_proposer")
+        _check_draft_tokens(self, "search", self.spec_values)
         for name, high in (("steps", 100_000), ("restarts", 10_000),
                            ("concurrency_min", MAX_TOKENS),
                            ("concurrency_max", MAX_TOKENS),

@@ -416,6 +416,10 @@ class SweepAccessor:
                                                               "kv_dtype"))
         spec = int(value("spec_tokens") or 0)
         cache = bool(value("prefix_caching") or 0)
+        # the cube does not record the draft model's Hugging Face id: its
+        # speculation is said in a note (sweep-optimize prints the flags)
+        drafted = spec > 0 and bool(value("spec_proposer") or 0)
+        spec = 0 if drafted else spec
         flags = engines.flags(
             engine, tensor_parallel=int(pt["tensor_parallel"]),
             concurrency=value("concurrency"), token_budget=value("token_budget"),
@@ -425,6 +429,12 @@ class SweepAccessor:
             prefix_caching=cache)
         replicas = value("replicas")
         notes = engines.notes(engine, weights, spec, cache)
+        if drafted:
+            notes.append(
+                f"draft-model speculation, {int(value('spec_tokens'))} tokens per "
+                "step: the flags need the draft model's Hugging Face id (the model "
+                "config's draft_model); sweep-optimize "
+                "'search.spec_proposer=[draft]' prints them")
         if value("disaggregated"):
             notes.append(
                 f"disaggregated: {int(value('prefill_instances'))} prefill and "

@@ -27,6 +27,21 @@ SGLang; TensorRT-LLM):
   has no command-line flag: ``speculative_config: {decoding_type: NGram,
   max_draft_len: k}`` in the ``--extra_llm_api_options`` YAML (its docs,
   "Speculative Decoding", ``NGramDecodingConfig``), said in ``notes``
+* spec_tokens ``k > 0`` with the draft proposer (the model's draft model,
+  Hugging Face id ``D``): ``--speculative-config '{"method": "draft_model",
+  "model": "D", "num_speculative_tokens": k}'`` (vLLM's ``SpeculativeConfig``;
+  its V1 draft-model proposer runs the draft at the target's tensor
+  parallelism, ``draft_tensor_parallel_size`` left at its default, as the
+  model counts it); ``--speculative-algorithm STANDALONE
+  --speculative-draft-model-path D --speculative-num-steps k
+  --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1`` (SGLang's
+  docs, "Standalone Speculative Decoding (Small Draft Model)": EAGLE needs a
+  trained head, a plain small model is STANDALONE; one chain of k draft
+  steps, as the model counts it); TensorRT-LLM again only in the YAML,
+  ``speculative_config: {decoding_type: DraftTarget, max_draft_len: k,
+  speculative_model_dir: D}`` (its "Speculative Decoding" docs' draft/target
+  decoding; the key names were read from the docs, not checked against a
+  running server), said in ``notes``
 
 * prefix caching on (a workload's ``prefix_hit_fraction`` > 0):
   ``--enable-prefix-caching`` (vLLM's "Engine Arguments"; 16-token blocks,
@@ -90,6 +105,9 @@ class Engine(NamedTuple):
     speculation: Callable[[int], dict[str, int | str]] | None = None
     # prefix caching on: its flags, or what ``notes`` says where none is needed
     prefix_caching: dict[str, str] | str = ""
+    # draft-model speculation with k proposals from the draft's Hugging Face
+    # id -> its flags (None: no flag; notes)
+    draft_speculation: Callable[[int, str], dict[str, int | str]] | None = None
 
 
 ENGINES = {
@@ -101,7 +119,10 @@ ENGINES = {
          "fp4": "an NVFP4 checkpoint (NVIDIA ModelOpt or llm-compressor)"},
         lambda k: {"--speculative-config":
                    f'\'{{"method": "ngram", "num_speculative_tokens": {k}}}\''},
-        {"--enable-prefix-caching": ""}),
+        {"--enable-prefix-caching": ""},
+        lambda k, d: {"--speculative-config":
+                      f'\'{{"method": "draft_model", "model": "{d}", '
+                      f'"num_speculative_tokens": {k}}}\''}),
     "sglang": Engine(
         "SGLang", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
         "--mem-fraction-static", False,
@@ -111,7 +132,11 @@ ENGINES = {
         lambda k: {"--speculative-algorithm": "NGRAM",
                    "--speculative-num-draft-tokens": k + 1},
         "prefix caching: SGLang's radix cache is on by default (no flag; "
-        "--disable-radix-cache turns it off)"),
+        "--disable-radix-cache turns it off)",
+        lambda k, d: {"--speculative-algorithm": "STANDALONE",
+                      "--speculative-draft-model-path": d,
+                      "--speculative-num-steps": k, "--speculative-eagle-topk": 1,
+                      "--speculative-num-draft-tokens": k + 1}),
     "trtllm": Engine(
         "TensorRT-LLM", "--tp_size", "--max_batch_size", "--max_num_tokens",
         "--kv_cache_free_gpu_memory_fraction", True,
@@ -149,15 +174,17 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
           token_budget: int | None, gpu_memory_utilization: float | None,
           memory_bytes: float | None = None, weight_bytes: float | None = None,
           weight_dtype: str = PLAIN, kv_dtype: str = PLAIN, spec_tokens: int = 0,
-          prefix_caching: bool = False) -> dict[str, int | float | str]:
+          prefix_caching: bool = False,
+          draft_model: str = "") -> dict[str, int | float | str]:
     """One deployment's arguments for engine ``name`` (``None``: not set).
 
     ``weight_bytes`` is the whole model's; TensorRT-LLM's memory fraction
     needs it and ``memory_bytes`` (one GPU's), and is left out without them.
     A ``weight_dtype`` or ``kv_dtype`` other than bf16 adds the engine's
     flag for it where it has one (``notes``: where it has none); so does
-    n-gram speculation with ``spec_tokens`` proposals per step, and prefix
-    caching (a flag with the value ``""`` stands alone).
+    speculation with ``spec_tokens`` proposals per step (n-gram, or from
+    the draft model of Hugging Face id ``draft_model`` where one is given),
+    and prefix caching (a flag with the value ``""`` stands alone).
     """
     e = engine(name)
     out: dict[str, int | float | str] = {e.tensor_parallel: int(tensor_parallel)}
@@ -169,7 +196,10 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
         if dtype in table:
             flag, value = table[dtype]
             out[flag] = value
-    if spec_tokens and e.speculation is not None:
+    if spec_tokens and draft_model:
+        if e.draft_speculation is not None:
+            out.update(e.draft_speculation(int(spec_tokens), draft_model))
+    elif spec_tokens and e.speculation is not None:
         out.update(e.speculation(int(spec_tokens)))
     if prefix_caching and isinstance(e.prefix_caching, dict):
         out.update(e.prefix_caching)
@@ -184,7 +214,7 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
 
 
 def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0,
-          prefix_caching: bool = False) -> list[str]:
+          prefix_caching: bool = False, draft_model: str = "") -> list[str]:
     """What the flags cannot say: the checkpoint quantised beforehand that a
     weight dtype needs in engine ``name`` (none for bf16, or where a flag
     quantises at load), and speculation where the engine has no flag."""
@@ -194,7 +224,13 @@ def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0,
         out.append(f"{weight_dtype} weights: {e.label} has no flag that quantises to "
                    f"{weight_dtype} as the model loads; serve "
                    f"{e.checkpoints[weight_dtype]}, whose config it reads")
-    if spec_tokens and e.speculation is None:
+    if spec_tokens and draft_model and e.draft_speculation is None:
+        out.append(f"draft-model speculation ({draft_model}), {int(spec_tokens)} "
+                   f"tokens per step: {e.label} takes it in the "
+                   f"--extra_llm_api_options YAML, as speculative_config: "
+                   f"{{decoding_type: DraftTarget, max_draft_len: "
+                   f"{int(spec_tokens)}, speculative_model_dir: {draft_model}}}")
+    elif spec_tokens and not draft_model and e.speculation is None:
         out.append(f"n-gram speculation, {int(spec_tokens)} tokens per step: "
                    f"{e.label} takes it in the --extra_llm_api_options YAML, as "
                    f"speculative_config: {{decoding_type: NGram, max_draft_len: "

@@ -100,10 +100,12 @@ class SimulatePoint:
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, prefix_caching, disaggregated, prefill_instances,
-                 decode_instances, arrival_rate_per_s, requests, prefix_hit, slo):
+                 spec_acceptance, spec_proposer, prefix_caching, disaggregated,
+                 prefill_instances, decode_instances, arrival_rate_per_s, requests,
+                 prefix_hit, slo):
         del arrival_rate_per_s  # the requests arrive at it already
-        model = precision.apply(model, weight_dtype, kv_dtype)
+        model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
+                                       spec_proposer, spec_tokens)
         hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
         engine = (hardware, model, tensor_parallel, concurrency, token_budget, requests)
         ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
@@ -148,11 +150,12 @@ class SurrogatePoint:
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
-                 spec_acceptance, prefix_caching, disaggregated, prefill_instances,
-                 decode_instances, arrival_rate_per_s, served, rejected, prefix_hit,
-                 slo):
+                 spec_acceptance, spec_proposer, prefix_caching, disaggregated,
+                 prefill_instances, decode_instances, arrival_rate_per_s, served,
+                 rejected, prefix_hit, slo):
         del workload, prefill_instances, decode_instances
-        model = precision.apply(model, weight_dtype, kv_dtype)
+        model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
+                                       spec_proposer, spec_tokens)
         hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
 
         def figures(hw):

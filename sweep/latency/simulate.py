@@ -35,7 +35,12 @@ step-by-step reference):
   grows by ``gain`` tokens a step, each decoding request holds k more KV
   slots, and the ITL samples are the gaps between deliveries. The run
   machinery counts deliveries; ``_token_context`` and ``_kv_at`` turn them
-  into tokens (exactly the integers of plain decoding at k = 0).
+  into tokens (exactly the integers of plain decoding at k = 0). With a
+  draft model (``roofline.with_proposer``) every step with decodes also
+  takes the draft's k decode steps over them (``roofline.draft_lines``),
+  and the KV capacity counts both models; a run also ends where the draft's
+  steps turn from memory- to compute-bound, so that they add one line to
+  the run's two.
 * prefix caching (``prefix_hit_fraction`` h): each prompt's first ``h P``
   tokens, in whole 16-token blocks (vLLM's block size;
   ``roofline.cached_prefix_tokens``), are in the prefix cache at admission:
@@ -894,7 +899,9 @@ def _event_step(cx: _Ctx, s: _State, prefilled, left, n_dec, ctx_f):
         jnp.zeros((), dt),
         n_dec + (taken > 0).sum(dtype=n_dec.dtype),
     )
-    return _step_time(lines, jnp.zeros((), jnp.int32)), chunks, finished
+    draft_s = roofline.draft_s(cx.hw, cx.model, cx.tp, n_dec.astype(dt), ctx_t,
+                               cx.spec_tokens.astype(dt))
+    return _step_time(lines, jnp.zeros((), jnp.int32)) + draft_s, chunks, finished
 
 
 def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
@@ -932,7 +939,6 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
                                  (cx.capacity - kv) // jnp.maximum(n_dec, 1) + 1),
                        _BIG)
     horizon = jnp.minimum(jnp.minimum(cap_chunk, cap_done), cap_kv)
-    horizon = jnp.where(go, horizon, 0)
     p0 = jnp.where(has_pref, prefilled - head_cum + s.slots.hit[h], 0).astype(dt)
     chunk_f = chunk.astype(dt)
     # speculation: contexts grow by ``spec_gain`` tokens per step, each
@@ -941,6 +947,18 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
     dec_new, dec_keys = _verified(cx, dt, n_dec, ctx_t)
     grow = n_dec.astype(dt) * cx.spec_gain.astype(dt)
     spec = _spec_on(cx)
+    # a draft model's steps (all 0 without one): the run ends where they
+    # change from memory- to compute-bound, so that within it they are one line
+    draft = roofline.draft_lines(cx.hw, cx.model, cx.tp, n_dec.astype(dt), ctx_t,
+                                 jnp.where(spec, grow, n_dec.astype(dt)),
+                                 cx.spec_tokens.astype(dt))
+    draft_j, draft_a, draft_b = roofline.split_at_crossing(draft, horizon)
+    cap_draft = jnp.where((draft_j > 0) & (draft_j < horizon.astype(dt)),
+                          draft_j.astype(jnp.int32), _BIG)
+    horizon = jnp.where(go, jnp.minimum(horizon, cap_draft), 0)
+    on_a = draft_j > 0
+    draft_s0 = jnp.where(on_a, draft_a[0], draft_b[0])
+    draft_slope = jnp.where(on_a, draft_a[1], draft_b[1])
     lines = _lines(
         cx, dt, dec_new + chunk, ctx_t + p0,
         jnp.where(spec, grow + chunk_f, (n_dec + chunk).astype(dt)),
@@ -949,6 +967,10 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
         + chunk_f * chunk_f,
         n_dec + has_pref.astype(n_dec.dtype),
     )
+    lines = roofline.StepLines(
+        lines.memory_s + draft_s0, lines.memory_slope_s + draft_slope,
+        lines.compute_s + draft_s0, lines.compute_slope_s + draft_slope,
+        lines.fixed_s + draft.fixed_s)
     split = roofline.split_at_crossing(lines, horizon)
     # the next new request, if it could join at a later step's start
     b_c = jnp.minimum(s.next_req, cx.arrival_s.shape[0] - 1)
@@ -960,8 +982,8 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
                      <= cx.capacity))
     j_arr = jnp.where(admissible, j_arr, _BIG)
     n_lin = jnp.minimum(horizon, j_arr)
-    event = go & has_pref & (cap_chunk < jnp.minimum(jnp.minimum(cap_done, cap_kv),
-                                                     j_arr))
+    event = go & has_pref & (cap_chunk < jnp.minimum(
+        jnp.minimum(jnp.minimum(cap_done, cap_kv), j_arr), cap_draft))
     run_s = _elapsed(lines, split, n_lin)
     slow_run = n_lin - _count_at_most(lines, n_lin, cx.itl_slo_s)
     n_lin, event, split, lines, run_s, slow_run = _materialize(
@@ -1081,7 +1103,8 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         load balancer's share, ``sweep.latency.arrivals.split``); the others are not
         served and not counted, as rejected ones are not served.
       spec_tokens, spec_acceptance: speculative decoding (n-gram proposals,
-        no GPU time of their own): every decode step verifies ``k`` proposals
+        no GPU time of their own, or a draft model's when ``model`` carries
+        one, ``roofline.with_proposer``): every decode step verifies ``k`` proposals
         per request (k + 1 tokens of compute and of token budget, ``k`` KV
         slots) and gains the expected accepted tokens
         ``roofline.tokens_per_step(k, acceptance)``, a deterministic

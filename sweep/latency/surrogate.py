@@ -318,7 +318,10 @@ def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens, spec_toke
     mem0 = (roofline.weight_bytes_read(model, new) + ctx * kvb) / bw
     comp0 = (roofline.linear_flops_per_token(hw, model) * new
              + fpk * (dec_keys + chunk_tokens * (chunk_tokens + 1.0) / 2.0)) / peak
-    fixed = roofline.fixed_s(hw, model, tp, new, decodes + 1.0)
+    # a draft model's steps over the decodes (0 without one) are the same in
+    # every chunk's step
+    fixed = roofline.fixed_s(hw, model, tp, new, decodes + 1.0) + roofline.draft_s(
+        hw, model, tp, decodes, ctx, spec_tokens)
     return roofline.StepLines(mem0, kvb / bw, comp0, fpk * chunk_tokens / peak, fixed)
 
 
@@ -878,10 +881,11 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       arrival_rate_per_s: Poisson arrival rate offered, requests per second.
       ttft_slo_s, itl_slo_s: the SLOs a good request meets (goodput only;
         default: none).
-      spec_tokens, spec_acceptance: speculative decoding with n-gram
-        proposals (``speculative_workload``; every decode step verifies
-        ``k`` proposals, ``roofline.verify_step_s``); ITL is the gap between
-        deliveries, as in the simulator. 0: off.
+      spec_tokens, spec_acceptance: speculative decoding
+        (``speculative_workload``; every decode step verifies ``k``
+        proposals, ``roofline.verify_step_s``, after the draft model's ``k``
+        steps when ``model`` carries one: ``roofline.with_proposer``); ITL is
+        the gap between deliveries, as in the simulator. 0: off.
       prefix_hit_fraction: prefix caching (``cached_workload``): each
         prompt's prefill computes only what follows its cached prefix, as
         chunks that read the prefix. 0: off.

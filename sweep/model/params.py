@@ -66,6 +66,16 @@ class ModelParams(NamedTuple):
     # the tensor-core rate the linear layers run at (sweep.model.precision: BF16 0,
     # FP8 1, FP4 2)
     weight_compute: jax.Array = 0.0
+    # the draft model of speculative decoding with the draft proposer, dense, at
+    # the target's tensor parallelism (sweep.model.roofline.draft_model); its KV
+    # is kept at the target's KV dtype. draft_params 0: no draft model loaded
+    draft_params: jax.Array = 0.0
+    draft_layers: jax.Array = 0.0
+    draft_q_heads: jax.Array = 0.0
+    draft_kv_heads: jax.Array = 0.0
+    draft_head_dim: jax.Array = 0.0
+    draft_hidden_size: jax.Array = 0.0
+    draft_weight_dtype_bytes: jax.Array = 0.0
 
 
 def stack(trees: list, dtype=jnp.float32):
@@ -104,6 +114,9 @@ class GridPoint(NamedTuple):
     # chance each proposed token is accepted
     spec_tokens: jax.Array = 0.0
     spec_acceptance: jax.Array = 0.0
+    # who proposes them (sweep.model.roofline.PROPOSERS): 0 an n-gram lookup,
+    # 1 the model's draft model
+    spec_proposer: jax.Array = 0.0
     # automatic prefix caching: 1 on (the workload's hit fraction), 0 off
     prefix_caching: jax.Array = 0.0
     # disaggregated prefill/decode: 1 on (p prefill-only and d decode-only

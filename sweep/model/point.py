@@ -130,7 +130,8 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
       disaggregation: also the disaggregated deployment's own figures
         (``contract.DISAGGREGATION_OPTION``).
     """
-    model = precision.apply(model, pt.weight_dtype, pt.kv_dtype)
+    model = roofline.with_proposer(precision.apply(model, pt.weight_dtype, pt.kv_dtype),
+                                   pt.spec_proposer, pt.spec_tokens)
     tp = pt.tensor_parallel
     decode, dis, output_rate, gpus = _deployment(hw, model, wl, pt, static_utilization)
     running, step, gained, utilization, _ = decode

@@ -28,9 +28,31 @@ Speculative decoding (``speculative_step_s``, ``verified_decodes``,
 ``tokens_per_step``): a decode that verifies ``k`` proposals computes
 ``k + 1`` tokens over its cached context (FLOPs grow, the weight and KV
 reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
-(Leviathan et al. 2023); the proposer is an n-gram lookup with no GPU time
-(vLLM's ``--speculative-config '{"method": "ngram", ...}'``). Every function
-is exactly the plain decode at ``k = 0``.
+(Leviathan et al. 2023). Every function is exactly the plain decode at
+``k = 0``. Two proposers (``PROPOSERS``):
+
+* ``ngram``: a lookup in the sequence's own tokens (vLLM's
+  ``--speculative-config '{"method": "ngram", ...}'``), no GPU time;
+* ``draft``: a small model of the same tokenizer (``draft_model``), loaded
+  beside the target at the target's tensor parallelism (vLLM's default and,
+  for its V1 draft-model proposer, the only choice). Before each verification
+  step it runs ``k`` sequential decode steps over the ``B`` decoding
+  sequences, each modelled at their current context ``C`` (summed over the
+  sequences; the ``j < k`` tokens a draft step adds are left out): with the
+  draft's weights ``W_d`` bytes, KV ``q_d`` bytes per token (the target's KV
+  dtype), ``2 N_d`` linear FLOPs per token and ``f_d = 4 L_d H_d d_d``
+  attention FLOPs per key,
+
+      draft_s = k [max((W_d + q_d C) / (tp bw mbu),
+                       (2 N_d B + f_d C) / (tp peak mfu)) + allreduce_d(B)]
+
+  (``draft_lines``; the KV term at ``kv_mbu`` as the target's). The engine's
+  step and per-sequence overheads are counted once per engine step, not per
+  draft step. The draft also prefills each prompt in the engine; that
+  compute (about ``N_d / N`` of the target's prefill) is not modelled. A
+  verification step with ``B`` decodes takes ``speculative_step_s + draft_s``
+  and the KV capacity shrinks to ``(M - W - W_d) / (q + q_d)`` tokens
+  (``kv_capacity_tokens``): both models keep KV for every context token.
 
 Prefix caching (vLLM's automatic prefix caching, SGLang's RadixAttention):
 a prompt whose first ``c`` tokens are cached (``cached_prefix_tokens``)
@@ -63,6 +85,10 @@ import jax.numpy as jnp
 
 from sweep.model.params import HardwareParams, ModelParams
 
+PROPOSERS = ("ngram", "draft")
+"""Speculative proposers (``GridPoint.spec_proposer`` indexes them)."""
+NGRAM, DRAFT = range(2)
+
 ACTIVATION_BYTES = 2.0
 """Bytes per activation element in all-reduces (bf16 activations)."""
 ALLREDUCES_PER_LAYER = 2.0
@@ -76,6 +102,30 @@ def weight_bytes(model: ModelParams):
 def kv_bytes_per_token(model: ModelParams):
     """K and V for every layer and KV head, bytes per cached token."""
     return 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_dtype_bytes
+
+
+def draft_model(model: ModelParams) -> ModelParams:
+    """The target's draft model (``ModelParams.draft_*``) as a dense model of
+    its own, its KV at the target's KV dtype; every size 0 when none is
+    loaded."""
+    zero = jnp.zeros_like(jnp.asarray(model.draft_params))
+    return ModelParams(
+        shared_params=model.draft_params, expert_params=zero,
+        active_params=model.draft_params, layers=model.draft_layers,
+        q_heads=model.draft_q_heads, kv_heads=model.draft_kv_heads,
+        head_dim=model.draft_head_dim, hidden_size=model.draft_hidden_size,
+        experts_per_token_fraction=zero + 1.0,
+        weight_dtype_bytes=model.draft_weight_dtype_bytes,
+        kv_dtype_bytes=model.kv_dtype_bytes, weight_compute=zero)
+
+
+def with_proposer(model: ModelParams, proposer, spec_tokens) -> ModelParams:
+    """``model`` as an engine serves it: its draft model loaded only under the
+    draft proposer with ``k > 0`` (otherwise every draft size is 0, and so is
+    every draft term below)."""
+    on = (jnp.asarray(proposer) == DRAFT) & (jnp.asarray(spec_tokens) > 0)
+    return model._replace(draft_params=jnp.where(on, model.draft_params, 0.0),
+                          draft_layers=jnp.where(on, model.draft_layers, 0.0))
 
 
 def kv_read_bytes_per_token(hw: HardwareParams, model: ModelParams):
@@ -174,19 +224,49 @@ def decode_step_s(hw, model, tp, sequences, context_tokens):
     return step_s(hw, model, tp, sequences, cached, cached, sequences)
 
 
+def draft_lines(hw: HardwareParams, model: ModelParams, tp, decodes, context_tokens,
+                context_slope, spec_tokens) -> StepLines:
+    """The ``k`` draft decode steps before a verification step of ``decodes``
+    decodes whose summed context is ``context_tokens + context_slope x`` at
+    ``x`` (a step of a run), as ``StepLines`` (module docstring: ``draft_s``).
+    Exactly 0 without a draft model, at ``k = 0`` or without decodes."""
+    d = draft_model(model)
+    k = jnp.where(decodes > 0, spec_tokens, 0.0)
+    kvb = kv_read_bytes_per_token(hw, d)
+    fpk = attention_flops_per_key(d)
+    bandwidth = tp * effective_bandwidth_bytes_per_s(hw)
+    flop_rate = tp * effective_flops_per_s(hw)
+    return StepLines(
+        k * (weight_bytes(d) + kvb * context_tokens) / bandwidth,
+        k * kvb * context_slope / bandwidth,
+        k * (linear_flops_per_token(hw, d) * decodes + fpk * context_tokens)
+        / flop_rate,
+        k * fpk * context_slope / flop_rate,
+        k * allreduce_s(hw, d, tp, decodes),
+    )
+
+
+def draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens):
+    """The draft model's ``k`` decode steps for ``decodes`` decodes of summed
+    context ``decode_context_tokens`` (``draft_lines`` at ``x = 0``), seconds."""
+    return draft_lines(hw, model, tp, decodes, decode_context_tokens, 0.0,
+                       spec_tokens).at(0.0)
+
+
 def speculative_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
     """A decode step that also verifies ``k`` proposed tokens per sequence.
 
     Each sequence computes ``k + 1`` tokens over its cached context, token
     ``j`` attending to ``context + j`` keys: the weights and the cached KV are
-    read once, the FLOPs grow ``k + 1`` times. The proposer is an n-gram
-    lookup (no model of its own, no GPU time). At ``k = 0`` this is
-    ``decode_step_s``.
+    read once, the FLOPs grow ``k + 1`` times. With the draft proposer the
+    draft's ``k`` decode steps come first (``draft_s``); an n-gram lookup
+    costs nothing. At ``k = 0`` this is ``decode_step_s``.
     """
     new = spec_tokens + 1.0
     keys = new * context_tokens + new * spec_tokens / 2.0
     return step_s(hw, model, tp, sequences * new, sequences * context_tokens,
-                  sequences * keys, sequences)
+                  sequences * keys, sequences) + draft_s(
+        hw, model, tp, sequences, sequences * context_tokens, spec_tokens)
 
 
 def verify_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
@@ -263,7 +343,7 @@ def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
         decode_context_tokens + chunk_cached_tokens,
         keys + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
         decodes + jnp.where(chunk_tokens > 0, 1.0, 0.0),
-    )
+    ) + draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens)
 
 
 def prefill_step_s(hw, model, tp, prompt_tokens, cached_tokens=0.0):
@@ -395,7 +475,9 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
         (linear_flops_per_token(hw, model) * new
          + fpk * (dec_keys + b * cached_tokens + b * (b + 1.0) / 2.0)) / flop_rate,
         fpk * b * b / flop_rate,
-        fixed_s(hw, model, tp, new, decodes + 1.0),
+        # the draft's steps over the decodes: the same in every chunk's step
+        fixed_s(hw, model, tp, new, decodes + 1.0)
+        + draft_s(hw, model, tp, decodes, ctx, spec_tokens),
     )
     full_sum = run_s(lines, split_at_crossing(lines, full), full)
     last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
@@ -414,9 +496,13 @@ def kv_transfer_s(hw: HardwareParams, model: ModelParams, tp, prompt_tokens):
 
 
 def kv_capacity_tokens(hw, model, tp):
-    """Tokens of KV cache that fit beside the weights on the TP group."""
+    """Tokens of KV cache that fit beside the weights on the TP group; with a
+    draft model, beside both models' weights, each token holding both
+    models' KV."""
     usable = hw.memory_bytes * hw.gpu_memory_utilization * tp
-    return (usable - weight_bytes(model)) / kv_bytes_per_token(model)
+    d = draft_model(model)
+    return ((usable - weight_bytes(model) - weight_bytes(d))
+            / (kv_bytes_per_token(model) + kv_bytes_per_token(d)))
 
 
 def kv_fits(hw, model, tp, sequences, context_tokens):

@@ -424,24 +424,33 @@ SPEC_PANELS = 4
 """Concurrencies the speculative-decoding chart shows, lowest to highest."""
 
 
+PROPOSER_STYLES = {0: ("-", "o", "n-gram"), 1: (":", "s", "draft model")}
+"""Line style, marker and name of each ``spec_proposer`` in the speculation chart."""
+
+
 def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     """Time per output token and cost against the proposal length k, a line
-    per acceptance rate, one column per concurrency (up to ``SPEC_PANELS``,
-    the lowest to the highest), for one hardware x model at the
-    tensor-parallel size of its cheapest point: where the dashed k = 0 level
-    is beaten, speculation pays."""
+    per acceptance rate (solid: n-gram proposals; dotted: the draft model's,
+    where the cube has them), one column per concurrency (up to
+    ``SPEC_PANELS``, the lowest to the highest), for one hardware x model at
+    the tensor-parallel size of its cheapest point: where the dashed k = 0
+    level is beaten, speculation pays."""
     fixed, _ = scenario(fix_tp(ds).sel(hardware=hardware, model=model))
-    keep = ("concurrency", "spec_tokens", "spec_acceptance")
+    keep = ("concurrency", "spec_tokens", "spec_acceptance", "spec_proposer")
     over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in keep]
     v = fixed.sweep.cheapest(over, COST) if over else fixed
     v = v[[COST, "tpot_s"]].compute()
+    if "spec_proposer" not in v.dims:
+        v = v.expand_dims(spec_proposer=[0])
     conc = v["concurrency"].values
     pick = sorted({int(round(i)) for i in np.linspace(0, len(conc) - 1,
                                                        min(SPEC_PANELS, len(conc)))})
     ks, accepts = v["spec_tokens"].values, v["spec_acceptance"].values
+    proposers = [int(p) for p in v["spec_proposer"].values]
     fig, axes = _panels(2 * len(pick), len(pick), 3.4, 3.0,
                         f"Speculative decoding: {hardware} x {model}",
-                        "n-gram proposals; dashed: k = 0 (plain decoding); a "
+                        " and ".join(PROPOSER_STYLES[p][2] for p in proposers)
+                        + " proposals; dashed: k = 0 (plain decoding); a "
                         "step's tokens arrive together, so the ITL between "
                         "deliveries is the whole step; " + _notes(ds))
     colors = [colormaps["viridis"](i / max(len(accepts) - 1, 1))
@@ -453,11 +462,15 @@ def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
                 (COST, 1.0, f"USD per 1M output tokens ({ds[COST].attrs['units']})"))):
             ax = axes[row * len(pick) + col]
             for a, color in zip(accepts, colors):
-                ax.plot(ks, pt[var].sel(spec_acceptance=a).values.ravel() * scale,
-                        marker="o", ms=3, color=color)
+                for p in proposers:
+                    ls, marker, _ = PROPOSER_STYLES[p]
+                    ax.plot(ks, pt[var].sel(spec_acceptance=a, spec_proposer=p)
+                            .values.ravel() * scale, marker=marker, ms=3, ls=ls,
+                            color=color)
             if 0 in ks:
                 ax.axhline(float(pt[var].sel(spec_tokens=0).isel(
-                    spec_acceptance=0)) * scale, color="0.2", ls="--", lw=1)
+                    spec_acceptance=0, spec_proposer=0)) * scale, color="0.2",
+                    ls="--", lw=1)
             if row == 1:
                 _log(ax)
             ax.grid(True, which="both", alpha=0.3)
@@ -469,6 +482,10 @@ def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
                 ax.set_title(f"concurrency {int(conc[i])}", fontsize=10)
     handles = [Line2D([], [], marker="o", ms=3, color=c, label=f"acceptance {a:g}")
                for a, c in zip(accepts, colors)]
+    if len(proposers) > 1:
+        handles += [Line2D([], [], marker=PROPOSER_STYLES[p][1], ms=3, ls=
+                           PROPOSER_STYLES[p][0], color="0.3",
+                           label=PROPOSER_STYLES[p][2]) for p in proposers]
     fig.legend(handles=handles, loc="outside lower center",
                ncols=min(len(handles), 4), fontsize=8, frameon=False)
     return fig
@@ -793,7 +810,11 @@ CHARTS = (
           "line per acceptance rate a, a column per concurrency. Verifying k "
           "proposals per sequence multiplies a step's FLOPs by k + 1 and its "
           "tokens by (1 - a^(k+1)) / (1 - a): it pays while the step is "
-          "memory-bound (low concurrency) and costs once it is compute-bound.",
+          "memory-bound (low concurrency) and costs once it is compute-bound. "
+          "With grid.spec_proposer=[ngram,draft] dotted lines add the draft "
+          "model's proposals: its k decode steps per verification step and its "
+          "weights and KV make it dearer than n-gram at every point, and it "
+          "stops paying at a lower concurrency.",
           varies=("spec_tokens",)),
     Chart("prefix_caching.png", "Prefix caching",
           ("prefix_hit_fraction", "cost_per_mtok_in_usd", "prefill_tokens_per_s",

@@ -96,12 +96,22 @@ class Candidate:
     hardware: Hardware
     model: Model  # at the candidate's weight and KV dtypes
     tp: int
-    spec_tokens: int = 0  # speculative proposals per step (n-gram); 0: off
+    spec_tokens: int = 0  # speculative proposals per step; 0: off
+    # who proposes them (sweep.model.roofline.PROPOSERS); under "draft" the
+    # model carries its draft model's config (Model.draft), else none
+    spec_proposer: str = "ngram"
 
     @property
     def label(self) -> str:
         spec = f" x spec k={self.spec_tokens}" if self.spec_tokens else ""
+        if self.spec_tokens and self.spec_proposer == "draft":
+            spec += f" (draft {self.model.draft.name})"
         return f"{self.hardware.name} x {model_label(self.model)} x TP {self.tp}{spec}"
+
+
+def _proposers(s, k: int) -> list[str]:
+    """The proposers searched at ``k`` proposals: none to choose at k = 0."""
+    return list(s.spec_proposer) if k > 0 else ["ngram"]
 
 
 @dataclass
@@ -169,7 +179,6 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
     for h, row in zip(hardware, chosen):
         hp = hardware_params(h, s.gpu_memory_utilization)
         for m, choice in zip(variants, row):
-            mp = model_params(m)
             if not precision.supported(h, m.weight_dtype):
                 excluded.append(
                     f"{h.name} x {model_label(m)}: no {m.weight_dtype} tensor cores "
@@ -181,12 +190,15 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                     f"requests (max_context_tokens {m.max_context_tokens:,}), more "
                     f"than slo.max_rejected_fraction = {limit:g}")
                 continue
-            for tp in s.tp_values:
-                cap = float(roofline.kv_capacity_tokens(hp, mp, float(tp)))
-                for k in s.spec_values:
+            for tp, k in ((tp, k) for tp in s.tp_values for k in s.spec_values):
+                for proposer in _proposers(s, int(k)):
+                    mk = dataclasses.replace(
+                        m, draft=m.draft if proposer == "draft" else None)
+                    cap = float(roofline.kv_capacity_tokens(hp, model_params(mk),
+                                                            float(tp)))
                     # each running request holds k more KV slots for its proposals
-                    c = Candidate(calibration.hardware_for(h, choice), m, int(tp),
-                                  int(k))
+                    c = Candidate(calibration.hardware_for(h, choice), mk, int(tp),
+                                  int(k), proposer)
                     if cap >= request_kv + k:
                         keep.append(c)
                     else:
@@ -620,24 +632,36 @@ def _simulated_infeasible(job: OptimizeJob, tried: list[Config], rounds: int) ->
 
 
 def speculation_line(job: OptimizeJob, out: Outcome) -> str:
-    """Which speculative proposal length wins: the cheapest answer at each k
-    of ``search.spec_tokens`` (empty when one k is searched)."""
+    """Which speculative proposal length (and proposer, where several are
+    searched) wins: the cheapest answer at each k of ``search.spec_tokens``
+    and proposer of ``search.spec_proposer`` (empty when one is searched)."""
     s = job.app.search
-    if len(s.spec_values) < 2:
+    several = len(s.spec_proposer) > 1
+    choices = [(int(k), p) for k in s.spec_values for p in _proposers(s, int(k))]
+    if len(choices) < 2:
         return ""
-    best: dict[int, float] = {}
+
+    def name(k: int, p: str) -> str:
+        return f"k={k}" + (f" {p}" if k and several else "")
+
+    best: dict[tuple[int, str], float] = {}
     for a in out.answers:
         if a is not None:
-            k = job.candidates[a.candidate].spec_tokens
-            best[k] = min(best.get(k, math.inf), a.cost_per_mtok_out_usd)
-    per_k = ", ".join(f"k={int(k)}: " + (f"{best[int(k)]:.4g}" if int(k) in best
-                                          else "none meets the SLO")
-                      for k in s.spec_values)
-    winner = (f"k={job.candidates[out.chosen.candidate].spec_tokens} wins"
-              if out.chosen is not None else "no aggregated deployment is confirmed")
-    return (f"speculative decoding (n-gram, acceptance {s.spec_acceptance:g}): "
-            f"{winner}; cheapest USD / 1M output tokens per k (surrogate): "
-            f"{per_k}")
+            c = job.candidates[a.candidate]
+            key = (c.spec_tokens, c.spec_proposer)
+            best[key] = min(best.get(key, math.inf), a.cost_per_mtok_out_usd)
+    per = ", ".join(f"{name(*c)}: " + (f"{best[c]:.4g}" if c in best
+                                       else "none meets the SLO") for c in choices)
+    words = {"ngram": "n-gram", "draft": "draft model"}
+    how = " and ".join(words[p] for p in s.spec_proposer)
+    if out.chosen is None:
+        win = "no aggregated deployment is confirmed"
+    else:
+        c = job.candidates[out.chosen.candidate]
+        win = f"{name(c.spec_tokens, c.spec_proposer)} wins"
+    return (f"speculative decoding ({how}, acceptance {s.spec_acceptance:g}): "
+            f"{win}; cheapest USD / 1M output tokens per k"
+            f"{' and proposer' if several else ''} (surrogate): {per}")
 
 
 def replicas_text(n: int) -> str:
@@ -654,10 +678,13 @@ def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
         token_budget=c.token_budget,
         gpu_memory_utilization=job.app.search.gpu_memory_utilization,
         memory_bytes=cand.hardware.memory_bytes,
-        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))),
+        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))
+                           + roofline.weight_bytes(roofline.draft_model(
+                               model_params(cand.model)))),
         weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
         spec_tokens=cand.spec_tokens,
-        prefix_caching=job.app.workload.prefix_hit_fraction > 0)
+        prefix_caching=job.app.workload.prefix_hit_fraction > 0,
+        draft_model=_draft_hf_id(cand))
     return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
 
 
@@ -665,7 +692,14 @@ def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str
     """What ``serving_flags`` cannot say (``sweep.cube.engines.notes``)."""
     cand = job.candidates[c.candidate]
     return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens,
-                         job.app.workload.prefix_hit_fraction > 0)
+                         job.app.workload.prefix_hit_fraction > 0, _draft_hf_id(cand))
+
+
+def _draft_hf_id(cand: Candidate) -> str:
+    """The Hugging Face id of the candidate's draft model ("" under n-gram)."""
+    if cand.spec_proposer != "draft" or cand.model.draft is None:
+        return ""
+    return cand.model.draft.hf_id or cand.model.draft.name
 
 
 def bench_command(job: OptimizeJob, c: Config) -> str:
@@ -807,6 +841,8 @@ def _candidate_coords(job: OptimizeJob) -> dict:
         **{d: _var(cd, np.array([getattr(c.model, d) for c in cands]), d)
            for d in ("weight_dtype", "kv_dtype")},
         "spec_tokens": _var(cd, [c.spec_tokens for c in cands], "spec_tokens"),
+        "spec_proposer": _var(cd, [roofline.PROPOSERS.index(c.spec_proposer)
+                                   for c in cands], "spec_proposer"),
     }
 
 
@@ -845,6 +881,7 @@ def _chosen_attrs(job: OptimizeJob, c: Config) -> dict:
         "chosen_kv_dtype": cand.model.kv_dtype,
         "chosen_tensor_parallel": cand.tp,
         "chosen_spec_tokens": cand.spec_tokens,
+        "chosen_spec_proposer": cand.spec_proposer,
         "chosen_replicas": c.replicas,
         "chosen_concurrency": c.concurrency,
         "chosen_token_budget": c.token_budget,

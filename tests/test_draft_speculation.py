@@ -1,0 +1,341 @@
+"""Speculative decoding with a draft model (``grid.spec_proposer=[draft]``).
+
+Hand calculations of the draft's steps and memory in float64, the exactness
+of the n-gram and no-speculation paths, the law that a draft model only adds
+cost, where it pays and where it hurts on the shipped H100 x Llama-3.1-8B,
+the simulator against the step-by-step reference on a hard stream, the
+surrogate at zero load, and the refusals of bad input.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import grid_inputs, run_script
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_scheduler import simulate_reference
+
+import sweep
+from sweep.config.convert import hardware_params, model_params
+from sweep.errors import ConfigError
+from sweep.latency.arrivals import Requests
+from sweep.latency.simulate import simulate_requests
+from sweep.latency.surrogate import latency_workload, surrogate
+from sweep.latency.workload import WorkloadTables
+from sweep.model import roofline
+from sweep.model.batching import CONTINUOUS
+from sweep.model.params import HardwareParams, ModelParams
+
+# an H100 at its peaks (no calibration): bandwidth, FLOP/s, memory,
+# interconnect, price, mbu, mfu, step overhead, memory utilisation
+BW, PEAK, NVLINK = 3.35e12, 9.89e14, 4.5e11
+# Llama-3.1-8B and its draft Llama-3.2-1B (conf/model), bf16
+W_T = 8.03e9 * 2  # target weight bytes
+Q_T = 2 * 32 * 8 * 128 * 2  # target KV bytes per token: 131,072
+W_D = 1.24e9 * 2  # draft weight bytes
+Q_D = 2 * 16 * 8 * 64 * 2  # draft KV bytes per token: 32,768
+F_T = 4 * 32 * 32 * 128  # target attention FLOPs per key
+F_D = 4 * 16 * 32 * 64  # draft attention FLOPs per key
+DRAFT = dict(draft_params=1.24e9, draft_layers=16.0, draft_q_heads=32.0,
+             draft_kv_heads=8.0, draft_head_dim=64.0, draft_hidden_size=2048.0,
+             draft_weight_dtype_bytes=2.0)
+
+
+def h100(dtype=np.float64, memory_bytes=80e9, mfu=1.0):
+    return HardwareParams(*(dtype(x) for x in (
+        BW, PEAK, memory_bytes, NVLINK, 4.29, 1.0, mfu, 0.0, 1.0)))
+
+
+def llama(dtype=np.float64, draft=True):
+    return ModelParams(*(dtype(x) for x in (
+        8.03e9, 0.0, 8.03e9, 32, 32, 8, 128, 4096, 1.0, 2, 2)),
+        **({k: dtype(v) for k, v in DRAFT.items()} if draft else {}))
+
+
+def _f(x) -> float:
+    return float(np.asarray(x))
+
+
+def test_draft_steps_by_hand():
+    """k = 4 draft steps at batch 1, context 1,000 (memory-bound: weights and
+    the draft's KV), then at batch 1,024, context 10 per sequence on two GPUs
+    (compute-bound, with the draft's all-reduces); the verification step is
+    the n-gram one plus them."""
+    with jax.enable_x64(True):
+        hw, m = h100(), llama()
+        got = _f(roofline.draft_s(hw, m, 1.0, 1.0, 1000.0, 4.0))
+        want = 4 * (W_D + 1000 * Q_D) / BW  # 4 x 0.750080 ms
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        np.testing.assert_allclose(want, 3.000319e-3, rtol=1e-6)
+
+        got = _f(roofline.draft_s(hw, m, 2.0, 1024.0, 10240.0, 4.0))
+        compute = (2 * 1.24e9 * 1024 + F_D * 10240) / 2 / PEAK
+        memory = (W_D + 10240 * Q_D) / 2 / BW
+        assert compute > memory
+        allreduce = 2 * 16 * (2 * 1 / 2 * 1024 * 2048 * 2) / NVLINK
+        np.testing.assert_allclose(got, 4 * (compute + allreduce), rtol=1e-12)
+
+        verify = _f(roofline.speculative_step_s(hw, m, 1.0, 1.0, 1000.0, 4.0))
+        target = max((W_T + 1000 * Q_T) / BW,
+                     (2 * 8.03e9 * 5 + F_T * (5 * 1000 + 10)) / PEAK)
+        np.testing.assert_allclose(verify, target + 4 * (W_D + 1000 * Q_D) / BW,
+                                   rtol=1e-12)
+        np.testing.assert_allclose(verify, 7.833476e-3, rtol=1e-6)
+
+
+def test_kv_capacity_by_hand():
+    """Both models' weights leave the memory and every token holds both KVs."""
+    with jax.enable_x64(True):
+        got = _f(roofline.kv_capacity_tokens(h100(), llama(), 1.0))
+        np.testing.assert_allclose(got, (80e9 - W_T - W_D) / (Q_T + Q_D),
+                                   rtol=1e-12)
+        np.testing.assert_allclose(got, 375122.07, rtol=1e-7)
+
+
+def test_ngram_and_no_speculation_are_unchanged():
+    """The n-gram proposer and k = 0 load no draft: every figure is bitwise
+    the draft-less model's (float32, as users run)."""
+    f32 = np.float32
+    hw, plain = h100(f32), llama(f32, draft=False)
+    for proposer, k in ((roofline.NGRAM, 4.0), (roofline.DRAFT, 0.0)):
+        m = roofline.with_proposer(llama(f32), f32(proposer), f32(k))
+        for fn, args in (
+                (roofline.verify_step_s, (f32(64), f32(1500), f32(k))),
+                (roofline.mixed_step_s,
+                 (f32(64), f32(96000), f32(512), f32(0), f32(k))),
+                (roofline.kv_capacity_tokens, ())):
+            assert _f(fn(hw, m, f32(1), *args)) == _f(fn(hw, plain, f32(1), *args))
+        got = roofline.chunked_prefill(hw, m, f32(1), f32(64), f32(1500), f32(8192),
+                                       f32(512), f32(k))
+        want = roofline.chunked_prefill(hw, plain, f32(1), f32(64), f32(1500),
+                                        f32(8192), f32(512), f32(k))
+        assert [_f(x) for x in got] == [_f(x) for x in want]
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 1024), context=st.floats(16.0, 32768.0),
+       k=st.integers(1, 8), acceptance=st.floats(0.0, 1.0),
+       tp=st.sampled_from([1.0, 2.0, 4.0]))
+def test_draft_never_beats_ngram(batch, context, k, acceptance, tp):
+    """At the same k and acceptance the draft proposer only adds time (its
+    steps) and memory (its weights and KV): per accepted token it is never
+    faster than n-gram, and never fits more sequences."""
+    with jax.enable_x64(True):
+        hw = h100()
+        ngram = roofline.with_proposer(llama(), roofline.NGRAM, float(k))
+        draft = roofline.with_proposer(llama(), roofline.DRAFT, float(k))
+        gain = roofline.tokens_per_step(float(k), acceptance)
+        tpot = [_f(roofline.verify_step_s(hw, m, tp, float(batch), context, float(k))
+                   / gain) for m in (ngram, draft)]
+        assert tpot[1] > tpot[0]
+        fit = [_f(roofline.max_concurrency_fit(hw, m, tp, context + k))
+               for m in (ngram, draft)]
+        assert fit[1] <= fit[0]
+
+
+@pytest.fixture(scope="module")
+def seed_llama():
+    """The shipped H100 SXM and Llama-3.1-8B with its draft (seed experiment,
+    real Hydra composition)."""
+    base, options = grid_inputs([
+        "experiment=seed", "hardware=h100_sxm", "model=llama3_1_8b",
+        "grid.hardware=[h100_sxm]", "grid.model=[llama3_1_8b]",
+        "grid.spec_tokens=[0,4]", "grid.spec_proposer=[ngram,draft]"])
+    (hw,), (m,) = options["hardware"], options["model"]
+    assert m.draft.name == "llama3_2_1b" and m.draft.hf_id.startswith("meta-llama/")
+    return hardware_params(hw, base.grid.gpu_memory_utilization), model_params(m)
+
+
+def test_draft_pays_at_batch_one_and_hurts_at_large_batch(seed_llama):
+    """Acceptance 0.7, k = 4 (2.77 tokens per step): at batch 1, context
+    1,500, the target is memory-bound and the draft's four steps (a 1.24B
+    model's weights, 15 % of the target's) cost less than the 1.77 extra
+    tokens they win. At batch 256, context 512, the verification step is
+    compute-bound (5 x 256 tokens, 21 ms against a 9.9 ms decode): n-gram
+    still gains a little, the draft's four steps on top make it slower per
+    token than no speculation at all."""
+    hw, m = seed_llama
+    gain = _f(roofline.tokens_per_step(4.0, 0.7))
+    for batch, context, pays in ((1.0, 1500.0, True), (256.0, 512.0, False)):
+        plain = _f(roofline.decode_step_s(hw, m, 1.0, batch, context))
+        tpot = [_f(roofline.verify_step_s(
+            hw, roofline.with_proposer(m, proposer, 4.0), 1.0, batch, context, 4.0))
+            / gain for proposer in (roofline.NGRAM, roofline.DRAFT)]
+        assert tpot[0] < plain, (batch, tpot, plain)
+        assert (tpot[1] < plain) == pays, (batch, tpot, plain)
+
+
+# a hard stream: two bursts of simultaneous arrivals, 20k-token prompts
+# among short ones, long and one-token outputs
+ARRIVAL = np.concatenate([np.zeros(8), np.full(8, 0.5), 0.6 + np.arange(8) * 0.05])
+PROMPT = np.array([20000, 30, 700, 1500, 200, 20000, 64, 3000] * 3, float)
+OUTPUT = np.array([1, 300, 40, 120, 5, 200, 250, 17] * 3, float)
+
+
+# eight 2,000-token prompts at once and 400-token outputs, the rest much
+# later: at 2.45 % of the FLOP/s the draft's steps over the eight decodes are
+# compute-bound until their summed context passes ~17,500 tokens, which it
+# does halfway through one long run of unchanged steps
+CROSSING = (np.concatenate([np.zeros(8), 100.0 + np.arange(16)]),
+            np.array([2000.0] * 8 + [50.0] * 16), np.array([400.0] * 8 + [3.0] * 16))
+
+
+@pytest.fixture(scope="module")
+def sim_draft64():
+    @jax.jit
+    def run(hw, model, conc, budget, k, a, arrival, prompt, output):
+        return simulate_requests(hw, model, 1.0, conc, budget,
+                                 Requests(arrival, prompt, output), CONTINUOUS,
+                                 np.inf, np.inf, 0, None, k, a, 0.0, max_slots=8)
+
+    def call(hw, model, conc, budget, k, a, stream):
+        with jax.enable_x64(True):
+            return jax.tree.map(np.asarray, run(
+                hw, model, *(np.float64(x) for x in (conc, budget, k, a)), *stream))
+    return call
+
+
+@pytest.mark.parametrize("memory,mfu,conc,budget,k,a,stream", [
+    # plenty of memory, the peaks: the draft is memory-bound throughout
+    (80e9, 1.0, 8, 512, 4, 0.7, "hard"),
+    # 2 % of the FLOP/s: the draft's steps are compute-bound or memory-bound
+    # by the step's decodes and context
+    (80e9, 0.02, 8, 2048, 3, 0.5, "hard"),
+    # KV for 43k tokens of both models: preemptions
+    (W_T + W_D + (Q_T + Q_D) * 43000, 1.0, 8, 1024, 4, 0.8, "hard"),
+    # the draft's steps turn memory-bound within a run (the run ends there)
+    (80e9, 0.0245, 8, 2048, 3, 0.5, "crossing"),
+])
+def test_simulator_matches_reference_with_draft(sim_draft64, memory, mfu, conc,
+                                                budget, k, a, stream):
+    stream = {"hard": (ARRIVAL, PROMPT, OUTPUT), "crossing": CROSSING}[stream]
+    with jax.enable_x64(True):
+        hw, m = h100(memory_bytes=memory, mfu=mfu), llama()
+        got = sim_draft64(hw, m, conc, budget, k, a, stream)
+    ref = simulate_reference(hw, m, 1.0, conc, budget, *stream, CONTINUOUS,
+                             spec_tokens=k, spec_acceptance=a)
+    assert got.status == 0
+    assert (got.steps, got.preemptions) == (ref.steps, ref.preemptions)
+    if memory < 80e9:
+        assert ref.preemptions > 0
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    # the draft's time is in there: the n-gram run of the same stream is faster
+    no_draft = simulate_reference(hw, llama(draft=False), 1.0, conc, budget,
+                                  *stream, CONTINUOUS, spec_tokens=k,
+                                  spec_acceptance=a)
+    assert ref.duration_s > no_draft.duration_s
+
+
+def test_surrogate_zero_load_itl_by_hand():
+    """One sequence at a time (no traffic), 1,500-token prompts, 200-token
+    outputs: the ITL is one verification step at the mean context of the
+    decodes (~1,600 tokens), the draft's four steps included, in float32."""
+    f32 = np.float32
+    wl = latency_workload(WorkloadTables(
+        "fixed", np.array([1500.0]), np.array([1.0]), np.array([200.0]),
+        np.array([1.0])))
+    fn = jax.jit(surrogate, compiler_options={"xla_backend_optimization_level": 0})
+    out = fn(h100(f32), llama(f32), wl, f32(1), f32(64), f32(2048), f32(1e-6),
+             f32(np.inf), f32(np.inf), f32(4), f32(0.5))
+    verify = max((W_T + 1600 * Q_T) / BW,
+                 (2 * 8.03e9 * 5 + F_T * (5 * 1600 + 10)) / PEAK)
+    want = verify + 4 * (W_D + 1600 * Q_D) / BW
+    np.testing.assert_allclose(_f(out["itl_p50_s"]), want, rtol=1e-2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["model=llama3_1_8b", "model.draft_model=nope", "grid.spec_tokens=[4]",
+      "grid.spec_proposer=[draft]"],
+     "model[llama3_1_8b].draft_model = 'nope': unknown option; allowed: "),
+    (["model=mistral_7b", "grid.spec_tokens=[4]", "grid.spec_proposer=[ngram,draft]"],
+     "grid.spec_proposer lists draft: model[mistral_7b].draft_model is empty"),
+    (["model=llama3_1_8b", "grid.spec_tokens=[0]", "grid.spec_proposer=[draft]"],
+     "grid.spec_tokens = [0]: grid.spec_proposer lists draft: needs some k > 0"),
+    (["model=llama3_1_8b", "grid.spec_tokens=[4]", "grid.spec_proposer=[eagle]"],
+     "grid.spec_proposer = ['eagle']: allowed: distinct values of ngram, draft"),
+    (["model=llama3_1_8b", "model.draft_model=llama3_1_70b", "grid.spec_tokens=[4]",
+      "grid.spec_proposer=[draft]"],
+     "model[llama3_1_8b].draft_model = 'llama3_1_70b': must be a dense model "
+     "smaller than llama3_1_8b"),
+])
+def test_bad_draft_input_is_one_line(args, message):
+    with pytest.raises(ConfigError) as e:
+        grid_inputs(["grid.hardware=[h100_sxm]", *args])
+    text = str(e.value)
+    assert text.startswith(message) and "\n" not in text, text
+
+
+def test_grid_compares_proposers_in_float32(tmp_path):
+    """``sweep-grid`` on a tiny grid with both proposers, float32: a draft
+    point is slower per token and dearer than its n-gram twin, k = 0 is the
+    same for both, and the proposer axis carries its units."""
+    proc = run_script("sweep-grid", [
+        "experiment=seed", "hardware=h100_sxm", "model=llama3_1_8b",
+        "grid.hardware=[h100_sxm]", "grid.model=[llama3_1_8b]",
+        "grid.tensor_parallel=[1]", "grid.concurrency=[1,256]",
+        "grid.token_budget=[2048]", "grid.context_tokens=[512]",
+        "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e9]",
+        "grid.spec_tokens=[0,4]", "grid.spec_acceptance=[0.7]",
+        "grid.spec_proposer=[ngram,draft]", "out=cube.zarr"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "cube.zarr")
+    assert ds.spec_proposer.values.tolist() == [0, 1]
+    assert ds.spec_proposer.attrs["units"] == "1"
+    v = ds[["tpot_s", "cost_per_mtok_out_usd", "max_concurrency_fit"]].squeeze(
+        drop=True)
+    assert v.tpot_s.dtype == np.float32
+    off = v.sel(spec_tokens=0)
+    assert (off.sel(spec_proposer=0) == off.sel(spec_proposer=1)).all()
+    on = v.sel(spec_tokens=4)
+    for var in ("tpot_s", "cost_per_mtok_out_usd"):
+        assert (on[var].sel(spec_proposer=1) > on[var].sel(spec_proposer=0)).all()
+    assert (on.max_concurrency_fit.sel(spec_proposer=1)
+            < on.max_concurrency_fit.sel(spec_proposer=0)).all()
+    # at batch 1 the draft beats no speculation; at 256 (context 512) it loses
+    tpot = v.tpot_s
+    assert tpot.sel(concurrency=1, spec_tokens=4, spec_proposer=1) < tpot.sel(
+        concurrency=1, spec_tokens=0, spec_proposer=0)
+    assert tpot.sel(concurrency=256, spec_tokens=4, spec_proposer=1) > tpot.sel(
+        concurrency=256, spec_tokens=0, spec_proposer=0)
+
+
+def test_optimize_candidates_per_proposer():
+    """``search.spec_proposer=[ngram,draft]``: k = 0 once, each k > 0 with
+    each proposer; the draft candidate carries Llama-3.2-1B (less KV room)
+    and its flags name it; a draft proposer with every k = 0 is refused."""
+    from helpers import optimize_inputs
+
+    from sweep.search import optimize
+
+    args = ["hardware=h100_sxm", "model=llama3_1_8b", "workload=seed_chat",
+            "calibration=roofline", "search=quick", "search.tensor_parallel=[1]",
+            "search.spec_tokens=[0,4]", "search.spec_proposer=[ngram,draft]"]
+    job = optimize.prepare(*optimize_inputs(args))
+    got = [(c.spec_tokens, c.spec_proposer) for c in job.candidates]
+    assert got == [(0, "ngram"), (4, "ngram"), (4, "draft")]
+    drafts = [c.model.draft for c in job.candidates]
+    assert drafts[:2] == [None, None] and drafts[2].name == "llama3_2_1b"
+    assert job.candidates[2].label.endswith("x spec k=4 (draft llama3_2_1b)")
+    hw = hardware_params(job.candidates[0].hardware, 0.9)
+    caps = [_f(roofline.kv_capacity_tokens(hw, model_params(c.model), 1.0))
+            for c in job.candidates]
+    assert caps[2] < caps[1] == caps[0]
+    config = optimize.Config(candidate=2, concurrency=64, token_budget=2048,
+                             replicas=1, surrogate={}, cost_per_mtok_out_usd=0.1,
+                             cost_per_month_usd=1.0)
+    assert ('--speculative-config \'{"method": "draft_model", "model": '
+            '"meta-llama/Llama-3.2-1B-Instruct", "num_speculative_tokens": 4}\''
+            in optimize.serving_flags(job, config, "vllm"))
+    assert ("--speculative-algorithm STANDALONE --speculative-draft-model-path "
+            "meta-llama/Llama-3.2-1B-Instruct --speculative-num-steps 4"
+            in optimize.serving_flags(job, config, "sglang"))
+    assert "decoding_type: DraftTarget" in optimize.serving_notes(
+        job, config, "trtllm")[0]
+    with pytest.raises(ConfigError, match=r"^search\.spec_tokens = \[0\]: "
+                       r"search\.spec_proposer lists draft: needs some k > 0"):
+        optimize_inputs([*args[:-2], "search.spec_tokens=[0]",
+                         "search.spec_proposer=[draft]"])
