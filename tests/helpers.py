@@ -187,6 +187,17 @@ def assert_cube_matches_baseline(ds, job) -> None:
                                    atol=0, err_msg=name)
 
 
+# --- reading cubes ----------------------------------------------------------------
+
+
+def squeeze_except(ds, *named: str):
+    """``ds`` without its length-1 axes other than ``named`` (each taken at
+    its one value, which stays a scalar coordinate): a test names the axes it
+    reads, and an axis that a new option adds with one value leaves it as it
+    was."""
+    return ds.isel({d: 0 for d, n in ds.sizes.items() if n == 1 and d not in named})
+
+
 # --- the simulator against the reference ---------------------------------------
 
 

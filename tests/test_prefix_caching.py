@@ -16,6 +16,7 @@ from helpers import (
     cost_per_mtok,
     report,
     run_script,
+    squeeze_except,
     step,
 )
 
@@ -52,12 +53,8 @@ def cube_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cube(cube_path) -> xr.Dataset:
-    return sweep.open_cube(cube_path).load().squeeze(
-        ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
-         "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
-         "spec_tokens", "spec_acceptance", "token_budget", "disaggregated",
-         "prefill_instances", "decode_instances"]).isel(
-        traffic_tokens_per_day=0)
+    return squeeze_except(sweep.open_cube(cube_path).load(), "prefix_caching",
+                          "concurrency").isel(traffic_tokens_per_day=0)
 
 
 def test_hand_numbers():

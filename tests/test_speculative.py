@@ -17,6 +17,7 @@ from helpers import (
     cost_per_mtok,
     report,
     run_script,
+    squeeze_except,
     step,
 )
 from hypothesis import given, settings
@@ -53,12 +54,9 @@ def cube_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cube(cube_path) -> xr.Dataset:
-    return sweep.open_cube(cube_path).load().squeeze(
-        ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
-         "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
-         "prefix_caching", "disaggregated", "prefill_instances",
-         "decode_instances"]).isel(
-        traffic_tokens_per_day=0, token_budget=-1)
+    return squeeze_except(sweep.open_cube(cube_path).load(), "spec_tokens",
+                          "spec_acceptance", "concurrency").isel(
+        traffic_tokens_per_day=0)
 
 
 @pytest.mark.slow
