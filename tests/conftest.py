@@ -7,7 +7,8 @@ A test that runs a console script is marked ``slow``: by hand where it runs
 one itself, here (``pytest_collection_modifyitems``) where it reads a run of
 the session fixtures below. ``python -m pytest -q`` runs them all;
 ``-m "not slow"`` leaves them out; ``-n 2`` spreads them over two processes,
-a test module (or every test reading the session's console runs) to each.
+a test module (or every test reading one of the session's console runs) to
+each.
 
 The public traces come from ``SWEEP_DATA_DIR``; unset, it defaults to the
 ``shared/data`` folder beside the checkout (CI's layout), or beside the main
@@ -37,21 +38,52 @@ if not os.environ.get("SWEEP_DATA_DIR") and SHARED_DATA is not None:
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-CONSOLE_FIXTURES = frozenset({"cube_path", "optimize_run", "simulated_run",
-                              "surrogate_run"})
+CONSOLE_GROUPS = {"cube_path": "console-cube", "optimize_run": "console-optimize",
+                  "simulated_run": "console-p99", "surrogate_run": "console-p99"}
+"""The session's console runs (fixtures below), each with the group of the
+tests that read it."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m reads the marks
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
-        console = CONSOLE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        # a module's own fixture of one of these names is not the session's
+        console = sorted({CONSOLE_GROUPS[n] for n in getattr(item, "fixturenames", ())
+                          if n in CONSOLE_GROUPS and not hasattr(item.module, n)})
         if console:
             item.add_marker(pytest.mark.slow)
         # with ``-n`` (pytest-xdist, ``--dist loadgroup``) one worker takes a
-        # group: the session's console runs are made once, a module's
-        # fixtures once
+        # group: each console run of the session is made once (with the
+        # tests reading it), a module's fixtures once
         item.add_marker(pytest.mark.xdist_group(
-            "console" if console else item.module.__name__))
+            console[0] if console else item.module.__name__))
+
+
+LONGEST_FIRST = ("test_disaggregated", "console-p99", "test_cli", "test_sensitivity",
+                 "test_calibrate", "console-optimize", "test_simulate", "test_inputs",
+                 "test_optimize", "test_prefix_caching", "test_speculative",
+                 "test_data", "test_shards", "console-cube")
+"""The groups that take longest, in that order ahead of the others (which
+keep the order of collection): with ``-n 2`` and ``--no-loadscope-reorder``
+the two workers start on the long ones and end together, where xdist's own
+order (the most tests first) left a long group with few tests to the end.
+Measured on a 2-core machine (``--durations``); a group missing here only
+starts later."""
+
+
+class LongestFirst:
+    @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture
+    def pytest_collection_modifyitems(self, items) -> None:
+        rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+
+        def group(item) -> str:
+            return item.get_closest_marker("xdist_group").args[0]
+
+        items.sort(key=lambda item: rank.get(group(item), len(rank)))
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(LongestFirst())
 
 
 @pytest.fixture
@@ -80,11 +112,19 @@ def cube_path(tmp_path_factory) -> Path:
 def jax_cache(tmp_path_factory):
     """One JAX compilation cache (a temporary folder) for every console-script
     run of the session, however small the program: a run reuses what an
-    earlier one compiled (a rerun of the same grid, the same search). This
-    process imported JAX before and keeps compiling in memory only."""
+    earlier one compiled (a rerun of the same grid, the same search). With
+    ``-n``, the workers share it (a folder beside theirs, under the session's
+    base folder): a program that two test modules run compiles once, not
+    once per worker. This process imported JAX before and keeps compiling in
+    memory only."""
     names = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     old = {n: os.environ.get(n) for n in names}
-    os.environ[names[0]] = str(tmp_path_factory.mktemp("jax_cache"))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "jax_cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("jax_cache")
+    os.environ[names[0]] = str(folder)
     os.environ[names[1]] = "0"
     yield
     for n, v in old.items():

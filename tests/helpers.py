@@ -187,6 +187,105 @@ def assert_cube_matches_baseline(ds, job) -> None:
                                    atol=0, err_msg=name)
 
 
+# --- reading cubes ----------------------------------------------------------------
+
+
+def squeeze_except(ds, *named: str):
+    """``ds`` without its length-1 axes other than ``named`` (each taken at
+    its one value, which stays a scalar coordinate): a test names the axes it
+    reads, and an axis that a new option adds with one value leaves it as it
+    was."""
+    return ds.isel({d: 0 for d, n in ds.sizes.items() if n == 1 and d not in named})
+
+
+# --- the simulator against the reference ---------------------------------------
+
+
+def h100(dtype, memory_bytes=80e9):
+    """The seed's H100 SXM at the bound (``HardwareParams`` in ``dtype``)."""
+    from sweep.model.params import HardwareParams
+
+    return HardwareParams(*(dtype(x) for x in (
+        BW, FLOPS, memory_bytes, 4.5e11, USD, 1.0, 1.0, 0.0, 1.0)))
+
+
+def qwen3_8b(dtype, max_context_tokens=math.inf):
+    """The seed's Qwen3-8B bf16 (``ModelParams`` in ``dtype``)."""
+    from sweep.model.params import ModelParams
+
+    return ModelParams(*(dtype(x) for x in (
+        PARAMS, 0.0, PARAMS, LAYERS, QH, KVH, HD, 4096, 1.0, 2, 2,
+        max_context_tokens)))
+
+
+def itl_bound_s(hw, model, tp, budget, value_s):
+    """The histogram's bound (``sweep.latency.simulate`` docstring) at ``value_s``.
+
+    One bin (``2**-ITL_MANTISSA_BITS`` of the value) plus half the largest
+    step-to-step increment a run can have: at most ``budget`` sequences'
+    KV reads grow by a token a step, and attention keys by ``budget**2``.
+    """
+    from sweep.latency.simulate import ITL_MANTISSA_BITS
+
+    kvb = 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_dtype_bytes
+    fpk = 4.0 * model.layers * model.q_heads * model.head_dim
+    slope_s = max(budget * kvb / (tp * hw.memory_bandwidth_bytes_per_s * hw.mbu),
+                  fpk * budget**2 / (tp * hw.peak_flops_per_s * hw.mfu))
+    return 2.0**-ITL_MANTISSA_BITS * value_s + float(slope_s) / 2.0
+
+
+def assert_itl_percentiles(outcome, gaps, budget, hw=None, model=None, tp=1.0):
+    """Within the histogram's bound of the interval NumPy interpolates in.
+
+    Returns the percentiles (p50, p90, p99).
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sweep.latency.simulate import itl_percentiles
+
+    hw = h100(np.float64) if hw is None else hw
+    model = qwen3_8b(np.float64) if model is None else model
+    q = np.array([50.0, 90.0, 99.0])
+    with jax.enable_x64(True):
+        got = np.asarray(itl_percentiles(
+            jnp.asarray(outcome.itl_hist, jnp.float64), len(gaps), q,
+            np.float64(outcome.itl_min_s), np.float64(outcome.itl_max_s)))
+    # the smallest and largest gap are exact (to the simulation's precision)
+    np.testing.assert_allclose([outcome.itl_min_s, outcome.itl_max_s],
+                               [gaps.min(), gaps.max()], rtol=1e-5)
+    want = np.percentile(gaps, q)
+    srt = np.sort(gaps)
+    pos = q / 100 * (len(gaps) - 1)
+    lo, hi = srt[np.floor(pos).astype(int)], srt[np.ceil(pos).astype(int)]
+    bound = itl_bound_s(hw, model, tp, budget, hi) + 1e-5 * hi
+    assert np.all(got >= lo - bound) and np.all(got <= hi + bound), (got, want, bound)
+    return got
+
+
+def assert_matches_reference(got, ref, ttft_slo, itl_slo, itl_budget) -> None:
+    """A float64 simulation (``SimOutcome``) is the step-by-step reference's
+    run of the same stream (``tests/reference_scheduler.py``, float64): the
+    same steps and preemptions; every request's TTFT and end-to-end time,
+    and the run's duration, equal up to rounding (the closed-form sums
+    differ from step-by-step accumulation only there); the same requests
+    within ``ttft_slo`` and ``itl_slo``; the ITL histogram holds every gap
+    exactly once, its percentiles within ``assert_itl_percentiles``' bound
+    for steps of at most ``itl_budget`` tokens."""
+    import numpy as np
+
+    assert got.status == 0
+    assert (got.steps, got.preemptions) == (ref.steps, ref.preemptions)
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+    good = (ref.ttft_s <= ttft_slo) & (ref.max_gap_s <= itl_slo)
+    np.testing.assert_array_equal(got.good, good)
+    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
+    assert_itl_percentiles(got, ref.itl_s, itl_budget)
+
+
 # --- the console scripts ------------------------------------------------------
 
 CUBE_GRID = ["grid=small", "grid.hardware=[h100_sxm,l40s]", "model=qwen3_8b",

@@ -23,8 +23,9 @@ INTERACTIVE = {"ttft_p99_s": 1.0, "itl_p99_s": 0.05}  # conf/slo/interactive.yam
 
 
 @pytest.fixture(scope="module", params=["surrogate", "simulated"])
-def p99(request) -> tuple[str, xr.Dataset, object]:
-    run = request.getfixturevalue(f"{request.param}_run")
+def p99(request, surrogate_run, simulated_run) -> tuple[str, xr.Dataset, object]:
+    # both runs named: the tests go with the session's other readers of them
+    run = {"surrogate": surrogate_run, "simulated": simulated_run}[request.param]
     return request.param, sweep.open_cube(run.path).load(), run
 
 

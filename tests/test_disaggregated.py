@@ -9,7 +9,18 @@ import jax
 import numpy as np
 import pytest
 import xarray as xr
-from helpers import KVB, chunked, compose_app, cost_per_mtok, decode, run_script, step
+from helpers import (
+    KVB,
+    assert_matches_reference,
+    chunked,
+    compose_app,
+    cost_per_mtok,
+    decode,
+    h100,
+    qwen3_8b,
+    run_script,
+    step,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,7 +181,7 @@ def dis64():
     """The float64 disaggregated simulation's per-request outcome (one
     compilation: R requests, at most 2 prefill and 3 decode instances)."""
     import jax
-    from test_simulate import SLOTS, h100, qwen3_8b
+    from test_simulate import SLOTS
 
     from sweep.latency.arrivals import Requests
     from sweep.latency.disaggregated import simulate_disaggregated_requests
@@ -217,7 +228,7 @@ DIS_CASES = [
 def test_simulator_matches_reference(dis64, stream, seed, p, d, conc, budget, memory,
                                      link):
     from reference_scheduler import simulate_disaggregated_reference
-    from test_simulate import assert_itl_percentiles, hard_requests, qwen3_8b
+    from test_simulate import hard_requests
     from test_simulate import random_requests as plain_requests
 
     make = {"random": plain_requests, "hard": hard_requests,
@@ -228,19 +239,11 @@ def test_simulator_matches_reference(dis64, stream, seed, p, d, conc, budget, me
                     ttft_slo, itl_slo)
     ref = simulate_disaggregated_reference(hw, qwen3_8b(np.float64), 1.0, conc, budget,
                                            arrival, prompt, output, p, d)
-    assert got.status == 0
-    assert (got.steps, got.preemptions) == (ref.steps, ref.preemptions)
+    assert_matches_reference(got, ref, ttft_slo, itl_slo, budget)
     if seed == 44:
         assert ref.preemptions > 0
-    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
-    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
-    good = (ref.ttft_s <= ttft_slo) & (ref.max_gap_s <= itl_slo)
-    np.testing.assert_array_equal(got.good, good)
     # every gap once, the decode pool's wait included
     assert len(ref.itl_s) == (output - 1).sum()
-    np.testing.assert_allclose(got.itl_hist.sum(), len(ref.itl_s), rtol=1e-9)
-    assert_itl_percentiles(got, ref.itl_s, budget)
 
 
 def test_simulated_request_by_hand(dis64):
@@ -418,8 +421,8 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
     (the aggregated engine's, and 1 prefill + 2 decode instances'). The
     surrogate models one aggregated engine: a disaggregated point is NaN
     with status ``unmodelled`` and never meets the SLO."""
+    from helpers import h100, itl_bound_s, qwen3_8b
     from reference_scheduler import simulate_disaggregated_reference, simulate_reference
-    from test_simulate import h100, itl_bound_s, qwen3_8b
 
     from sweep.cube import status
     from sweep.latency.arrivals import workload_requests

@@ -16,6 +16,7 @@ from helpers import (
     cost_per_mtok,
     report,
     run_script,
+    squeeze_except,
     step,
 )
 
@@ -39,7 +40,7 @@ def prefill_by_hand(prompt, cached):
 
 
 @pytest.fixture(scope="module")
-def cube_path(tmp_path_factory):
+def prefix_cube_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("prefix") / "prefix.zarr"
     proc = run_script("sweep-grid", [
         "experiment=seed", "grid.prefix_caching=[false,true]",
@@ -51,13 +52,9 @@ def cube_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cube(cube_path) -> xr.Dataset:
-    return sweep.open_cube(cube_path).load().squeeze(
-        ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
-         "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
-         "spec_tokens", "spec_acceptance", "spec_proposer", "token_budget",
-         "disaggregated",
-         "prefill_instances", "decode_instances"]).isel(
+def cube(prefix_cube_path) -> xr.Dataset:
+    return squeeze_except(sweep.open_cube(prefix_cube_path).load(),
+                          "prefix_caching", "concurrency").isel(
         traffic_tokens_per_day=0)
 
 
@@ -221,10 +218,10 @@ def _check_report(out, folder, ds: xr.Dataset) -> None:
 
 
 @pytest.mark.slow
-def test_chart_without_p99_shows_the_prefill_rate(cube_path):
+def test_chart_without_p99_shows_the_prefill_rate(prefix_cube_path):
     """On a roofline cube the second panel is the prefill rate per GPU (the
     same at both concurrencies: it is prefill alone) against the hit fraction."""
-    fig = plots.prefix_caching(sweep.open_cube(cube_path), "h100_sxm",
+    fig = plots.prefix_caching(sweep.open_cube(prefix_cube_path), "h100_sxm",
                                "qwen3_8b", {})
     axes = fig.get_axes()
     assert axes[1].get_ylabel() == "prefill rate per GPU (tokens/s/GPU)"

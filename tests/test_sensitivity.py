@@ -218,7 +218,7 @@ SURROGATE = ["hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
 
 
 @pytest.fixture(scope="module")
-def surrogate_run(run):
+def p99_run(run):
     root, _ = run
     proc = h.run_script("sweep-grid", [f"hydra.searchpath=[file://{root / 'conf'}]",
                                        "calibration=mine", *SURROGATE, "out=s.zarr"],
@@ -263,8 +263,8 @@ def surrogate_p99s_float64(cube) -> dict:
 
 
 @pytest.mark.slow
-def test_p99_elasticities_match_central_differences(surrogate_run):
-    _, _, ds = surrogate_run
+def test_p99_elasticities_match_central_differences(p99_run):
+    _, _, ds = p99_run
     cube = ds.squeeze()
     assert float(cube.rejected_fraction.max()) == 0.0
     checked = 0
@@ -285,8 +285,8 @@ def test_p99_elasticities_match_central_differences(surrogate_run):
 
 
 @pytest.mark.slow
-def test_p99_elasticities_reach_the_report(surrogate_run, tmp_path):
-    root, proc, ds = surrogate_run
+def test_p99_elasticities_reach_the_report(p99_run, tmp_path):
+    root, proc, ds = p99_run
     assert "p99 elasticities need latency=surrogate" not in proc.stderr
     h.report([root / "s.zarr", "--out", tmp_path / "r"])
     line = next(x for x in (tmp_path / "r" / "report.md").read_text().splitlines()

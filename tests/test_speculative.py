@@ -17,6 +17,7 @@ from helpers import (
     cost_per_mtok,
     report,
     run_script,
+    squeeze_except,
     step,
 )
 from hypothesis import given, settings
@@ -40,7 +41,7 @@ def verify_step(n, k, c=C):
 
 
 @pytest.fixture(scope="module")
-def cube_path(tmp_path_factory):
+def spec_cube_path(tmp_path_factory):
     out = tmp_path_factory.mktemp("spec") / "spec.zarr"
     proc = run_script("sweep-grid", [
         "experiment=seed", "grid.spec_tokens=[0,4,8]", "grid.spec_acceptance=[0.3,0.7]",
@@ -52,13 +53,10 @@ def cube_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cube(cube_path) -> xr.Dataset:
-    return sweep.open_cube(cube_path).load().squeeze(
-        ["hardware", "model", "workload", "tensor_parallel", "context_tokens",
-         "batching", "long_prompt_tokens", "weight_dtype", "kv_dtype",
-         "spec_proposer", "prefix_caching", "disaggregated", "prefill_instances",
-         "decode_instances"]).isel(
-        traffic_tokens_per_day=0, token_budget=-1)
+def cube(spec_cube_path) -> xr.Dataset:
+    return squeeze_except(sweep.open_cube(spec_cube_path).load(), "spec_tokens",
+                          "spec_acceptance", "concurrency").isel(
+        traffic_tokens_per_day=0)
 
 
 @pytest.mark.slow
@@ -188,8 +186,8 @@ def test_acceptance_outside_zero_one_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_report_draws_the_trade_off(cube_path, tmp_path):
-    report([cube_path, "--out", tmp_path / "r"])
+def test_report_draws_the_trade_off(spec_cube_path, tmp_path):
+    report([spec_cube_path, "--out", tmp_path / "r"])
     check_png(tmp_path / "r" / "speculative_decoding.png")
     assert "### Speculative decoding" in (tmp_path / "r" / "report.md").read_text()
 
