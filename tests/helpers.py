@@ -201,12 +201,16 @@ def squeeze_except(ds, *named: str):
 # --- the simulator against the reference ---------------------------------------
 
 
-def h100(dtype, memory_bytes=80e9):
-    """The seed's H100 SXM at the bound (``HardwareParams`` in ``dtype``)."""
+def h100(dtype=None, memory_bytes=80e9, mfu=1.0):
+    """The seed's H100 SXM at the bound (``HardwareParams`` in ``dtype``,
+    float64 by default)."""
+    import numpy as np
+
     from sweep.model.params import HardwareParams
 
+    dtype = dtype or np.float64
     return HardwareParams(*(dtype(x) for x in (
-        BW, FLOPS, memory_bytes, 4.5e11, USD, 1.0, 1.0, 0.0, 1.0)))
+        BW, FLOPS, memory_bytes, 4.5e11, USD, 1.0, mfu, 0.0, 1.0)))
 
 
 def qwen3_8b(dtype, max_context_tokens=math.inf):

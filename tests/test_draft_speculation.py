@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import grid_inputs, run_script
+from helpers import grid_inputs, h100, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_scheduler import simulate_reference
@@ -26,7 +26,7 @@ from sweep.latency.surrogate import latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables
 from sweep.model import roofline
 from sweep.model.batching import CONTINUOUS
-from sweep.model.params import HardwareParams, ModelParams
+from sweep.model.params import ModelParams
 
 # an H100 at its peaks (no calibration): bandwidth, FLOP/s, memory,
 # interconnect, price, mbu, mfu, step overhead, memory utilisation
@@ -41,11 +41,6 @@ F_D = 4 * 16 * 32 * 64  # draft attention FLOPs per key
 DRAFT = dict(draft_params=1.24e9, draft_layers=16.0, draft_q_heads=32.0,
              draft_kv_heads=8.0, draft_head_dim=64.0, draft_hidden_size=2048.0,
              draft_weight_dtype_bytes=2.0)
-
-
-def h100(dtype=np.float64, memory_bytes=80e9, mfu=1.0):
-    return HardwareParams(*(dtype(x) for x in (
-        BW, PEAK, memory_bytes, NVLINK, 4.29, 1.0, mfu, 0.0, 1.0)))
 
 
 def llama(dtype=np.float64, draft=True):
