@@ -125,16 +125,17 @@ def _optimize_app(cfg: DictConfig) -> None:
             err.print(calibration.line(job.app.calibration, choices), markup=False,
                       highlight=False, soft_wrap=True)
             split, infeasible = None, None
+            pools = True in job.app.search.disaggregated
             try:
                 outcome = optimize.run(job, log=lambda line: err.print(
                     line, markup=False))
             except optimize.Infeasible as e:
-                if True not in job.app.search.disaggregated:
+                if not pools:
                     raise
                 # disaggregation may meet an SLO no aggregated engine meets
                 outcome, infeasible = e.outcome, e
                 err.print(f"aggregated: {e}", markup=False, soft_wrap=True)
-            if True in job.app.search.disaggregated:
+            if pools:
                 split = disaggregate.run(job, log=lambda line: err.print(
                     line, markup=False))
                 if infeasible is not None and split.chosen is None:

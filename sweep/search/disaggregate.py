@@ -337,7 +337,8 @@ def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
                                      [met(job, d.simulated) for d in tried]),
     }
     d = result.chosen
-    attrs = {"deployment": winner(aggregated, result) or "none",
+    # a dataset is written only when one of the two met the SLO
+    attrs = {"deployment": winner(aggregated, result),
              "deployment_verdict": verdict(job, aggregated, result),
              "disaggregated_enumerated": result.enumerated,
              "disaggregated_simulate_wall_s": round(result.simulate_s, 3),
