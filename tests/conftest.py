@@ -17,6 +17,7 @@ checkout of a git worktree, when there is one: no test downloads anything.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from dataclasses import dataclass
@@ -59,31 +60,58 @@ def pytest_collection_modifyitems(items) -> None:
             console[0] if console else item.module.__name__))
 
 
-LONGEST_FIRST = ("test_disaggregated", "console-p99", "test_cli", "test_sensitivity",
-                 "test_calibrate", "console-optimize", "test_simulate", "test_inputs",
-                 "test_optimize", "test_prefix_caching", "test_speculative",
-                 "test_data", "test_shards", "console-cube")
-"""The groups that take longest, in that order ahead of the others (which
-keep the order of collection): with ``-n 2`` and ``--no-loadscope-reorder``
-the two workers start on the long ones and end together, where xdist's own
-order (the most tests first) left a long group with few tests to the end.
-Measured on a 2-core machine (``--durations``); a group missing here only
-starts later."""
+GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
+"""Each group's measured test time on a 2-core machine, longest first:
+written by ``python -m pytest -n 2 --store-group-seconds``, read to run the
+longest groups first (``LongestFirst``)."""
+
+
+def group(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
 
 
 class LongestFirst:
+    """With ``-n 2`` and ``--no-loadscope-reorder`` the two workers start on
+    the longest groups and end together, where xdist's own order (the most
+    tests first) left a long group with few tests to the end. A group not in
+    ``GROUP_SECONDS`` starts after the others, in the order of collection."""
+
     @pytest.hookimpl(trylast=True)  # after pytest's own reordering by fixture
     def pytest_collection_modifyitems(self, items) -> None:
-        rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+        seconds = (json.loads(GROUP_SECONDS.read_text())
+                   if GROUP_SECONDS.exists() else {})
+        for item in items:  # the controller sees reports, not items
+            item.user_properties.append(("group", group(item)))
+        items.sort(key=lambda item: -seconds.get(group(item), 0.0))
 
-        def group(item) -> str:
-            return item.get_closest_marker("xdist_group").args[0]
 
-        items.sort(key=lambda item: rank.get(group(item), len(rank)))
+class GroupSeconds:
+    """Sums each group's test time and writes ``GROUP_SECONDS``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        g = dict(report.user_properties).get("group")
+        if g is not None:
+            self.seconds[g] = self.seconds.get(g, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        if exitstatus == 0 and self.seconds:
+            ranked = sorted(self.seconds.items(), key=lambda kv: -kv[1])
+            GROUP_SECONDS.write_text(json.dumps(
+                {g: round(s) for g, s in ranked}, indent=1) + "\n")
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--store-group-seconds", action="store_true",
+                     help=f"write each test group's time to {GROUP_SECONDS.name}")
 
 
 def pytest_configure(config) -> None:
     config.pluginmanager.register(LongestFirst())
+    if config.getoption("--store-group-seconds") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(GroupSeconds())
 
 
 @pytest.fixture

@@ -463,14 +463,20 @@ def engine_lines(a: dict) -> list[str]:
     return lines
 
 
+def attrs_table(attrs: dict, columns) -> list[str]:
+    """A one-row table of the attributes ``columns`` names (``(attribute,
+    heading, format)``); a missing one (a dataset written before it existed)
+    shows a dash."""
+    return md_table([c[1] for c in columns],
+                    [[cell(attrs.get(k, ""), fmt) for k, _, fmt in columns]])
+
+
 def chosen_table(ds: xr.Dataset) -> list[str]:
     """The chosen aggregated deployment (the dataset's ``chosen_*`` attributes)."""
     if not ds["chosen"].values.any():
         return ["No aggregated deployment met the SLO in the simulator; a "
                 "disaggregated one did (below)."]
-    # a dataset written before the precision attributes existed shows dashes
-    return md_table([c[1] for c in CHOSEN_COLUMNS],
-                    [[cell(ds.attrs.get(k, ""), fmt) for k, _, fmt in CHOSEN_COLUMNS]])
+    return attrs_table(ds.attrs, CHOSEN_COLUMNS)
 
 
 def disaggregated_section(a: dict) -> list[str]:
@@ -480,8 +486,7 @@ def disaggregated_section(a: dict) -> list[str]:
         return []
     lines = ["## Disaggregated prefill/decode", "", a["deployment_verdict"] + ".", ""]
     if "disaggregated_hardware" in a:
-        lines += [*md_table([c[1] for c in DISAGGREGATED_COLUMNS],
-                            [[cell(a[k], fmt) for k, _, fmt in DISAGGREGATED_COLUMNS]]),
+        lines += [*attrs_table(a, DISAGGREGATED_COLUMNS),
                   "", *(f"* vLLM {pool} pool flags: `{a[key]}`"
                         for pool in ("prefill", "decode")
                         if (key := f"disaggregated_{pool}_vllm_flags") in a), ""]
