@@ -390,6 +390,42 @@ def test_quantile_gradient_is_the_implicit_one():
     np.testing.assert_allclose(np.asarray(jac), [1.0, 1.0], rtol=1e-4)
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_quantile_is_the_exact_inverse(x64):
+    """Against inverses computed outside JAX: a lognormal (NormalDist) and a
+    CDF linear between lattice points (as the surrogate's wait is; inverted
+    by NumPy on the lattice; the median at a kink), over a bracket 10^6
+    wide; and a quantile outside the bracket is its nearer end. Float32 to
+    what its CDF's rounding allows at the quantile's density, float64 to
+    what 32 halvings of the log bracket give (3e-9)."""
+    from statistics import NormalDist
+
+    mu, sigma = -3.0, 1.5
+    grid = np.array([0.0, 0.02, 0.05, 0.3, 0.31, 2.0, 9.0])
+    probs = np.array([0.0, 0.1, 0.5, 0.9, 0.985, 0.995, 1.0])
+    levels = (0.5, 0.99)
+    with jax.enable_x64(x64):
+        dtype = jnp.float64 if x64 else jnp.float32
+
+        def lognormal(t):
+            return jax.scipy.stats.norm.cdf((jnp.log(t) - mu) / sigma)
+
+        def lattice(t):
+            return jnp.interp(t, jnp.asarray(grid, dtype), jnp.asarray(probs, dtype))
+
+        got = jax.jit(lambda lo, hi: [nm.quantile(f, levels, lo, hi)
+                                      for f in (lognormal, lattice)])(
+            jnp.asarray(1e-4, dtype), jnp.asarray(100.0, dtype))
+        outside = nm.quantile(lognormal, levels, jnp.asarray(10.0, dtype),
+                              jnp.asarray(1e3, dtype))
+    rtol = 1e-8 if x64 else 2e-5
+    np.testing.assert_allclose(np.asarray(got[0]), [
+        math.exp(mu + sigma * NormalDist().inv_cdf(u)) for u in levels], rtol=rtol)
+    np.testing.assert_allclose(np.asarray(got[1]), np.interp(levels, probs, grid),
+                               rtol=rtol)
+    np.testing.assert_allclose(np.asarray(outside), [10.0, 10.0], rtol=1e-3)
+
+
 def test_long_prompt_alone_is_the_exact_chunked_prefill(setup):
     """Zero load, one 100k-token prompt: TTFT is the sum of its chunk steps,
     each at its own cached prefix (a float64 loop over the chunks)."""
