@@ -417,7 +417,7 @@ def evaluate_points_python(axes: tuple, flat_indices, shape: tuple[int, ...]
     """
     leaves = lambda tree, i: {  # noqa: E731
         k: float(v[i]) if np.ndim(v) == 1 else [float(x) for x in v[i]]
-        for k, v in tree._asdict().items()
+        for k, v in tree._asdict().items() if v is not None  # no draft model
     }
     hw_list = [leaves(axes[0], i) for i in range(shape[0])]
     model_list = [leaves(axes[1], i) for i in range(shape[1])]

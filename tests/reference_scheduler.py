@@ -101,7 +101,8 @@ def draft_time_s(hw, model, tp, decodes, context_tokens, k) -> float:
     of summed context ``context_tokens`` (0 without a draft model or decodes):
     each reads the draft's weights and its KV of the context and computes one
     token per decode, with its own all-reduces and no step overheads."""
-    if decodes == 0 or k == 0 or _f(model.draft_params) == 0.0:
+    if (decodes == 0 or k == 0 or model.draft_params is None
+            or _f(model.draft_params) == 0.0):
         return 0.0
     tp = _f(tp)
     layers, heads = _f(model.draft_layers), _f(model.draft_q_heads)
@@ -126,9 +127,10 @@ def kv_capacity_tokens(hw, model, tp) -> int:
            * _f(model.kv_dtype_bytes))
     weights = (_f(model.shared_params) + _f(model.expert_params)) * _f(
         model.weight_dtype_bytes)
-    kvb += (2.0 * _f(model.draft_layers) * _f(model.draft_kv_heads)
-            * _f(model.draft_head_dim) * _f(model.kv_dtype_bytes))
-    weights += _f(model.draft_params) * _f(model.draft_weight_dtype_bytes)
+    if model.draft_params is not None:
+        kvb += (2.0 * _f(model.draft_layers) * _f(model.draft_kv_heads)
+                * _f(model.draft_head_dim) * _f(model.kv_dtype_bytes))
+        weights += _f(model.draft_params) * _f(model.draft_weight_dtype_bytes)
     usable = _f(hw.memory_bytes) * _f(hw.gpu_memory_utilization) * _f(tp)
     return math.floor((usable - weights) / kvb)
 

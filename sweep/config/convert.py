@@ -11,7 +11,7 @@ import math
 
 from sweep.config.schema import Hardware, Model
 from sweep.model import precision
-from sweep.model.params import HardwareParams, ModelParams
+from sweep.model.params import HardwareParams, ModelParams, stack
 
 
 def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwareParams:
@@ -40,6 +40,10 @@ def model_params(m: Model) -> ModelParams:
     For a mixture of experts with ``E`` experts of which ``k`` serve a token,
     ``active = shared + expert * k / E`` and ``params = shared + expert``, so
     ``expert = (params - active) * E / (E - k)``.
+
+    The ``draft_*`` leaves are ``m.draft``'s, which ``sweep.config.resolve``
+    sets only where a sweep lists the draft proposer; without one they are
+    ``None``: no draft terms are compiled.
     """
     if m.num_experts > m.experts_per_token:
         expert = (m.params - m.active_params) * m.num_experts / (
@@ -65,9 +69,23 @@ def model_params(m: Model) -> ModelParams:
     )
 
 
+_DRAFT_FIELDS = tuple(f for f in ModelParams._fields if f.startswith("draft_"))
+
+
+def models_params(models: list[Model]) -> ModelParams:
+    """``model_params`` of each model, stacked. Beside a model with a draft
+    model, one without has zeros for its draft (every draft term exactly 0)."""
+    params = [model_params(m) for m in models]
+    if any(m.draft is not None for m in models):
+        zeros = dict.fromkeys(_DRAFT_FIELDS, 0.0)
+        params = [p if m.draft is not None else p._replace(**zeros)
+                  for m, p in zip(models, params)]
+    return stack(params)
+
+
 def draft_fields(d: Model | None) -> dict[str, float]:
     """``ModelParams``'s ``draft_*`` leaves of a draft model's config (dense,
-    ``sweep.config.resolve``); zeros without one."""
+    ``sweep.config.resolve``); none (the defaults, ``None``) without one."""
     if d is None:
         return {}
     return {"draft_params": d.params, "draft_layers": float(d.layers),

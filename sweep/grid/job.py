@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep.config.convert import hardware_params, model_params
+from sweep.config.convert import hardware_params, model_params, models_params
 from sweep.config.schema import (
     ConfigError,
     GridApp,
@@ -203,7 +203,7 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     inputs = {
         "hardware": stack([hardware_params(h, app.grid.gpu_memory_utilization)
                            for h in hardware]),
-        "model": stack([model_params(m) for m in models]),
+        "model": models_params(models),
         "workload": stack(_padded(tables)),
         "batching": np.array([batching.index(b) for b in policies], np.int32),
         "weight_dtype": np.array([_dtype_index(v, precision.WEIGHT_DTYPES)

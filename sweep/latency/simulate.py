@@ -899,9 +899,29 @@ def _event_step(cx: _Ctx, s: _State, prefilled, left, n_dec, ctx_f):
         jnp.zeros((), dt),
         n_dec + (taken > 0).sum(dtype=n_dec.dtype),
     )
-    draft_s = roofline.draft_s(cx.hw, cx.model, cx.tp, n_dec.astype(dt), ctx_t,
-                               cx.spec_tokens.astype(dt))
-    return _step_time(lines, jnp.zeros((), jnp.int32)) + draft_s, chunks, finished
+    step_s = roofline.plus_draft_s(_step_time(lines, jnp.zeros((), jnp.int32)), cx.hw,
+                                   cx.model, cx.tp, n_dec.astype(dt), ctx_t,
+                                   cx.spec_tokens.astype(dt))
+    return step_s, chunks, finished
+
+
+def _with_draft(cx: _Ctx, dt, lines: roofline.StepLines, horizon, n_dec, ctx_t,
+                ctx_slope):
+    """A run's ``lines`` plus the draft model's steps before each of its
+    steps (``roofline.draft_lines``, the decodes' summed context ``ctx_t +
+    ctx_slope x`` at step ``x``), and the step (``_BIG``: none) before
+    ``horizon`` where those change from memory- to compute-bound or back."""
+    draft = roofline.draft_lines(cx.hw, cx.model, cx.tp, n_dec.astype(dt), ctx_t,
+                                 ctx_slope, cx.spec_tokens.astype(dt))
+    draft_j, draft_a, draft_b = roofline.split_at_crossing(draft, horizon)
+    cap = jnp.where((draft_j > 0) & (draft_j < horizon.astype(dt)),
+                    draft_j.astype(jnp.int32), _BIG)
+    on_a = draft_j > 0
+    s0 = jnp.where(on_a, draft_a[0], draft_b[0])
+    slope = jnp.where(on_a, draft_a[1], draft_b[1])
+    return roofline.StepLines(
+        lines.memory_s + s0, lines.memory_slope_s + slope, lines.compute_s + s0,
+        lines.compute_slope_s + slope, lines.fixed_s + draft.fixed_s), cap
 
 
 def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
@@ -938,7 +958,9 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
                        jnp.where(_spec_on(cx), _spec_overflow(cx, s, kv),
                                  (cx.capacity - kv) // jnp.maximum(n_dec, 1) + 1),
                        _BIG)
-    horizon = jnp.minimum(jnp.minimum(cap_chunk, cap_done), cap_kv)
+    # the run's ends other than the running prompt's
+    cap_end = jnp.minimum(cap_done, cap_kv)
+    horizon = jnp.minimum(cap_chunk, cap_end)
     p0 = jnp.where(has_pref, prefilled - head_cum + s.slots.hit[h], 0).astype(dt)
     chunk_f = chunk.astype(dt)
     # speculation: contexts grow by ``spec_gain`` tokens per step, each
@@ -947,18 +969,6 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
     dec_new, dec_keys = _verified(cx, dt, n_dec, ctx_t)
     grow = n_dec.astype(dt) * cx.spec_gain.astype(dt)
     spec = _spec_on(cx)
-    # a draft model's steps (all 0 without one): the run ends where they
-    # change from memory- to compute-bound, so that within it they are one line
-    draft = roofline.draft_lines(cx.hw, cx.model, cx.tp, n_dec.astype(dt), ctx_t,
-                                 jnp.where(spec, grow, n_dec.astype(dt)),
-                                 cx.spec_tokens.astype(dt))
-    draft_j, draft_a, draft_b = roofline.split_at_crossing(draft, horizon)
-    cap_draft = jnp.where((draft_j > 0) & (draft_j < horizon.astype(dt)),
-                          draft_j.astype(jnp.int32), _BIG)
-    horizon = jnp.where(go, jnp.minimum(horizon, cap_draft), 0)
-    on_a = draft_j > 0
-    draft_s0 = jnp.where(on_a, draft_a[0], draft_b[0])
-    draft_slope = jnp.where(on_a, draft_a[1], draft_b[1])
     lines = _lines(
         cx, dt, dec_new + chunk, ctx_t + p0,
         jnp.where(spec, grow + chunk_f, (n_dec + chunk).astype(dt)),
@@ -967,10 +977,14 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
         + chunk_f * chunk_f,
         n_dec + has_pref.astype(n_dec.dtype),
     )
-    lines = roofline.StepLines(
-        lines.memory_s + draft_s0, lines.memory_slope_s + draft_slope,
-        lines.compute_s + draft_s0, lines.compute_slope_s + draft_slope,
-        lines.fixed_s + draft.fixed_s)
+    if cx.model.draft_params is not None:
+        # a draft model's steps: the run ends where they change from memory-
+        # to compute-bound, so that within it they are one line
+        lines, cap_draft = _with_draft(cx, dt, lines, horizon, n_dec, ctx_t,
+                                       jnp.where(spec, grow, n_dec.astype(dt)))
+        cap_end = jnp.minimum(cap_end, cap_draft)
+        horizon = jnp.minimum(horizon, cap_draft)
+    horizon = jnp.where(go, horizon, 0)
     split = roofline.split_at_crossing(lines, horizon)
     # the next new request, if it could join at a later step's start
     b_c = jnp.minimum(s.next_req, cx.arrival_s.shape[0] - 1)
@@ -982,8 +996,7 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
                      <= cx.capacity))
     j_arr = jnp.where(admissible, j_arr, _BIG)
     n_lin = jnp.minimum(horizon, j_arr)
-    event = go & has_pref & (cap_chunk < jnp.minimum(
-        jnp.minimum(jnp.minimum(cap_done, cap_kv), j_arr), cap_draft))
+    event = go & has_pref & (cap_chunk < jnp.minimum(cap_end, j_arr))
     run_s = _elapsed(lines, split, n_lin)
     slow_run = n_lin - _count_at_most(lines, n_lin, cx.itl_slo_s)
     n_lin, event, split, lines, run_s, slow_run = _materialize(

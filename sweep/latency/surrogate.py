@@ -318,10 +318,9 @@ def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens, spec_toke
     mem0 = (roofline.weight_bytes_read(model, new) + ctx * kvb) / bw
     comp0 = (roofline.linear_flops_per_token(hw, model) * new
              + fpk * (dec_keys + chunk_tokens * (chunk_tokens + 1.0) / 2.0)) / peak
-    # a draft model's steps over the decodes (0 without one) are the same in
-    # every chunk's step
-    fixed = roofline.fixed_s(hw, model, tp, new, decodes + 1.0) + roofline.draft_s(
-        hw, model, tp, decodes, ctx, spec_tokens)
+    # a draft model's steps over the decodes are the same in every chunk's step
+    fixed = roofline.plus_draft_s(roofline.fixed_s(hw, model, tp, new, decodes + 1.0),
+                                  hw, model, tp, decodes, ctx, spec_tokens)
     return roofline.StepLines(mem0, kvb / bw, comp0, fpk * chunk_tokens / peak, fixed)
 
 

@@ -68,14 +68,16 @@ class ModelParams(NamedTuple):
     weight_compute: jax.Array = 0.0
     # the draft model of speculative decoding with the draft proposer, dense, at
     # the target's tensor parallelism (sweep.model.roofline.draft_model); its KV
-    # is kept at the target's KV dtype. draft_params 0: no draft model loaded
-    draft_params: jax.Array = 0.0
-    draft_layers: jax.Array = 0.0
-    draft_q_heads: jax.Array = 0.0
-    draft_kv_heads: jax.Array = 0.0
-    draft_head_dim: jax.Array = 0.0
-    draft_hidden_size: jax.Array = 0.0
-    draft_weight_dtype_bytes: jax.Array = 0.0
+    # is kept at the target's KV dtype. draft_params 0: none loaded at this
+    # point; None (an empty pytree, static): none in the program, whose step
+    # functions then have no draft terms at all
+    draft_params: jax.Array | None = None
+    draft_layers: jax.Array | None = None
+    draft_q_heads: jax.Array | None = None
+    draft_kv_heads: jax.Array | None = None
+    draft_head_dim: jax.Array | None = None
+    draft_hidden_size: jax.Array | None = None
+    draft_weight_dtype_bytes: jax.Array | None = None
 
 
 def stack(trees: list, dtype=jnp.float32):

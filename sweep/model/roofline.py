@@ -53,6 +53,9 @@ reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
   verification step with ``B`` decodes takes ``speculative_step_s + draft_s``
   and the KV capacity shrinks to ``(M - W - W_d) / (q + q_d)`` tokens
   (``kv_capacity_tokens``): both models keep KV for every context token.
+  Where no draft model can be loaded (``ModelParams.draft_*`` ``None``: no
+  point of the program lists the draft proposer) these terms are left out
+  of the traced functions, not computed as zeros (``plus_draft_s``).
 
 Prefix caching (vLLM's automatic prefix caching, SGLang's RadixAttention):
 a prompt whose first ``c`` tokens are cached (``cached_prefix_tokens``)
@@ -104,10 +107,12 @@ def kv_bytes_per_token(model: ModelParams):
     return 2.0 * model.layers * model.kv_heads * model.head_dim * model.kv_dtype_bytes
 
 
-def draft_model(model: ModelParams) -> ModelParams:
+def draft_model(model: ModelParams) -> ModelParams | None:
     """The target's draft model (``ModelParams.draft_*``) as a dense model of
     its own, its KV at the target's KV dtype; every size 0 when none is
-    loaded."""
+    loaded at this point, ``None`` when none can be in the program."""
+    if model.draft_params is None:
+        return None
     zero = jnp.zeros_like(jnp.asarray(model.draft_params))
     return ModelParams(
         shared_params=model.draft_params, expert_params=zero,
@@ -122,7 +127,9 @@ def draft_model(model: ModelParams) -> ModelParams:
 def with_proposer(model: ModelParams, proposer, spec_tokens) -> ModelParams:
     """``model`` as an engine serves it: its draft model loaded only under the
     draft proposer with ``k > 0`` (otherwise every draft size is 0, and so is
-    every draft term below)."""
+    every draft term below); ``model`` itself when it has none."""
+    if model.draft_params is None:
+        return model
     on = (jnp.asarray(proposer) == DRAFT) & (jnp.asarray(spec_tokens) > 0)
     return model._replace(draft_params=jnp.where(on, model.draft_params, 0.0),
                           draft_layers=jnp.where(on, model.draft_layers, 0.0))
@@ -253,6 +260,14 @@ def draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens):
                        spec_tokens).at(0.0)
 
 
+def plus_draft_s(step, hw, model, tp, decodes, decode_context_tokens, spec_tokens):
+    """``step`` (seconds) plus ``draft_s``; ``step`` itself, with no draft
+    arithmetic traced, for a model without draft leaves (``draft_model``)."""
+    if model.draft_params is None:
+        return step
+    return step + draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens)
+
+
 def speculative_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
     """A decode step that also verifies ``k`` proposed tokens per sequence.
 
@@ -264,8 +279,9 @@ def speculative_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
     """
     new = spec_tokens + 1.0
     keys = new * context_tokens + new * spec_tokens / 2.0
-    return step_s(hw, model, tp, sequences * new, sequences * context_tokens,
-                  sequences * keys, sequences) + draft_s(
+    return plus_draft_s(
+        step_s(hw, model, tp, sequences * new, sequences * context_tokens,
+               sequences * keys, sequences),
         hw, model, tp, sequences, sequences * context_tokens, spec_tokens)
 
 
@@ -335,7 +351,7 @@ def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
       spec_tokens: proposals each decode verifies (``verified_decodes``).
     """
     new, keys = verified_decodes(decodes, decode_context_tokens, spec_tokens)
-    return step_s(
+    step = step_s(
         hw,
         model,
         tp,
@@ -343,7 +359,9 @@ def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
         decode_context_tokens + chunk_cached_tokens,
         keys + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
         decodes + jnp.where(chunk_tokens > 0, 1.0, 0.0),
-    ) + draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens)
+    )
+    return plus_draft_s(step, hw, model, tp, decodes, decode_context_tokens,
+                        spec_tokens)
 
 
 def prefill_step_s(hw, model, tp, prompt_tokens, cached_tokens=0.0):
@@ -476,8 +494,8 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
          + fpk * (dec_keys + b * cached_tokens + b * (b + 1.0) / 2.0)) / flop_rate,
         fpk * b * b / flop_rate,
         # the draft's steps over the decodes: the same in every chunk's step
-        fixed_s(hw, model, tp, new, decodes + 1.0)
-        + draft_s(hw, model, tp, decodes, ctx, spec_tokens),
+        plus_draft_s(fixed_s(hw, model, tp, new, decodes + 1.0), hw, model, tp,
+                     decodes, ctx, spec_tokens),
     )
     full_sum = run_s(lines, split_at_crossing(lines, full), full)
     last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
@@ -500,9 +518,11 @@ def kv_capacity_tokens(hw, model, tp):
     draft model, beside both models' weights, each token holding both
     models' KV."""
     usable = hw.memory_bytes * hw.gpu_memory_utilization * tp
+    free, kv = usable - weight_bytes(model), kv_bytes_per_token(model)
     d = draft_model(model)
-    return ((usable - weight_bytes(model) - weight_bytes(d))
-            / (kv_bytes_per_token(model) + kv_bytes_per_token(d)))
+    if d is not None:
+        free, kv = free - weight_bytes(d), kv + kv_bytes_per_token(d)
+    return free / kv
 
 
 def kv_fits(hw, model, tp, sequences, context_tokens):

@@ -51,7 +51,7 @@ import numpy as np
 import xarray as xr
 
 from sweep import shapes
-from sweep.config.convert import hardware_params, model_params
+from sweep.config.convert import hardware_params, model_params, models_params
 from sweep.config.schema import (
     ConfigError,
     Hardware,
@@ -240,7 +240,7 @@ def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candid
     rate = job.app.workload.arrival_rate_per_s
     return descent.Candidates(
         hw=stack([hardware_params(c.hardware, util) for c in cands]),
-        model=stack([model_params(c.model) for c in cands]),
+        model=models_params([c.model for c in cands]),
         workload=stack([lw for lw, _ in served]),
         tp=jnp.asarray([c.tp for c in cands], f32),
         # rejected requests never reach the replicas
@@ -412,7 +412,7 @@ def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: lis
     util = app.search.gpu_memory_utilization
     rows = Engines(
         stack([hardware_params(c.hardware, util) for c in cands]),
-        stack([model_params(c.model) for c in cands]),
+        models_params([c.model for c in cands]),
         jnp.asarray([c.tp for c in cands], f32), jnp.asarray(concurrency, f32),
         jnp.asarray(token_budget, f32),
         jnp.asarray([c.spec_tokens for c in cands], f32))
@@ -678,9 +678,7 @@ def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
         token_budget=c.token_budget,
         gpu_memory_utilization=job.app.search.gpu_memory_utilization,
         memory_bytes=cand.hardware.memory_bytes,
-        weight_bytes=float(roofline.weight_bytes(model_params(cand.model))
-                           + roofline.weight_bytes(roofline.draft_model(
-                               model_params(cand.model)))),
+        weight_bytes=_weight_bytes(model_params(cand.model)),
         weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
         spec_tokens=cand.spec_tokens,
         prefix_caching=job.app.workload.prefix_hit_fraction > 0,
@@ -693,6 +691,13 @@ def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str
     cand = job.candidates[c.candidate]
     return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens,
                          job.app.workload.prefix_hit_fraction > 0, _draft_hf_id(cand))
+
+
+def _weight_bytes(model) -> float:
+    """Both models' weights where the candidate loads a draft model."""
+    d = roofline.draft_model(model)
+    return float(roofline.weight_bytes(model)
+                 + (0.0 if d is None else roofline.weight_bytes(d)))
 
 
 def _draft_hf_id(cand: Candidate) -> str:
