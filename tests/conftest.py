@@ -97,7 +97,9 @@ class GroupSeconds:
             self.seconds[g] = self.seconds.get(g, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session, exitstatus) -> None:
-        if exitstatus == 0 and self.seconds:
+        # failed tests count too: a session that ran gives its groups' times
+        ran = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+        if ran and self.seconds:
             ranked = sorted(self.seconds.items(), key=lambda kv: -kv[1])
             GROUP_SECONDS.write_text(json.dumps(
                 {g: round(s) for g, s in ranked}, indent=1) + "\n")
