@@ -83,10 +83,15 @@ M/G/infinity occupancy), capped at the slots, taken at band quantiles by the
 Cornish-Fisher expansion; and mixed steps: the ramps of the prompts' chunk
 steps, weighted by their step counts (alone: ``ceil(P / b)`` equal chunks;
 under a prefill queue: ``P / b`` full-budget chunks). The share of gaps that
-fall in mixed steps is prefill steps over all steps, raised by
-``MIXED_SHARE_MARGIN``: p99 ITL jumps from a decode step to a chunk step where
-that share crosses 1 %, and the simulator's own share there is uncertain (a
-1,000-request stream), so the surrogate errs towards the jump.
+fall in mixed steps is prefill steps over all steps times the decoders a chunk
+step carries relative to an average step: the prompts that were ahead of it in
+the prefill queue have just started decoding, ``1 + (1 - rho_p) min(sojourn,
+decode time) / decode time`` (sojourn: the prefill wait and service; decode
+time: a request's ``(O - 1)`` gaps). It is raised by ``MIXED_SHARE_MARGIN``:
+p99 ITL jumps from a decode step to a chunk step where that share crosses 1 %,
+and there the estimate is not that exact (the simulator's share was 6-8 %
+above it in two probes, ``benchmarks/README.md``), so it errs towards the
+jump.
 
 **E2E** per (prompt band, output band), with their joint probabilities: the
 band's TTFT law shifted by ``(O - 1)`` mean gaps of a decoding request
@@ -775,8 +780,20 @@ def _itl(hw, model, tp, wl, st: _State, d_pre: _Prefill, n, slots, spec_tokens):
                                    queued * wl.prompt_tokens / st.pre.budget_tokens])
     chunk_w = jnp.concatenate([w, w]) * chunk_steps
     total = jnp.sum(chunk_w)
-    mixed = jnp.minimum(MIXED_SHARE_MARGIN * st.prefill_steps_per_s / st.steps_per_s,
-                        1.0)
+    # a share of gaps, not of steps: a chunk step carries the decoders of an
+    # average step and the prompts that were ahead of its own in the prefill
+    # queue, which have all just started decoding: lam x its sojourn (PASTA,
+    # Little's law), less those more than one decode time ahead, which have
+    # finished again; relative to the n = lam x decode time of an average step.
+    # Averaged over all steps, chunk steps (a share rho_p of the time) already
+    # hold them, so they carry (1 - rho_p) of them more than the mean
+    decode_time = jnp.maximum(wl.mean_output_tokens - 1.0, 0.0) * st.step_s
+    sojourn = st.mean_wait_s + w @ st.service_s
+    ahead = safe_div(smooth_min(sojourn, decode_time, 0.01 * decode_time + 1e-12),
+                     decode_time)
+    carried = 1.0 + (1.0 - queued) * ahead
+    mixed = jnp.minimum(
+        MIXED_SHARE_MARGIN * carried * st.prefill_steps_per_s / st.steps_per_s, 1.0)
 
     def row(v):
         return jax.tree.map(lambda a: a[None, :], v)
