@@ -34,9 +34,10 @@ of steps, no histograms), plus the simulator's documented choices:
   decoding request holds k more KV slots (the running total rounded up to
   whole tokens), and a preempted one recomputes ``round(1 + gain (d - 1))``
   generated tokens. ITL samples are the gaps between deliveries. With a
-  draft model (the model's ``draft_*`` sizes non-zero) each step with
-  decodes also takes the draft's k decode steps over them
-  (``draft_time_s``), and the KV capacity counts both models.
+  draft model (the model's ``draft_*`` sizes non-zero) each step also
+  takes the draft's k passes (``draft_time_s``): the first over its decodes
+  and its prompt chunks, the other k - 1 over the decodes; the KV capacity
+  counts both models.
 * prefix caching (``prefix_hit_fraction`` h): a request's first
   ``floor(h P / 16) * 16`` prompt tokens (whole 16-token blocks) are in the
   cache whenever it is admitted (readmissions too): they are held in KV and
@@ -96,28 +97,42 @@ def step_time_s(hw, model, tp, new_tokens, kv_read_tokens, attention_keys,
             + _f(hw.sequence_overhead_s) * sequences)
 
 
-def draft_time_s(hw, model, tp, decodes, context_tokens, k) -> float:
-    """The draft model's k decode steps before a step with ``decodes`` decodes
-    of summed context ``context_tokens`` (0 without a draft model or decodes):
-    each reads the draft's weights and its KV of the context and computes one
-    token per decode, with its own all-reduces and no step overheads."""
-    if (decodes == 0 or k == 0 or model.draft_params is None
-            or _f(model.draft_params) == 0.0):
+def draft_time_s(hw, model, tp, decodes, context_tokens, k, chunk_tokens=0.0,
+                 chunk_cached_tokens=0.0, chunk_keys=0.0) -> float:
+    """The draft model's k passes in a step with ``decodes`` decodes of
+    summed context ``context_tokens`` and prompt chunks of ``chunk_tokens``
+    new tokens in all, after ``chunk_cached_tokens`` cached ones, attending
+    to ``chunk_keys`` keys (0 without a draft model, at k = 0, or with
+    neither decodes nor chunks). Each pass reads the draft's weights and its
+    KV of what it attends to and computes its tokens, with its own
+    all-reduces and no step overheads; the first covers the decodes and the
+    chunks, the other k - 1 the decodes alone (none without decodes)."""
+    if (k == 0 or model.draft_params is None or _f(model.draft_params) == 0.0
+            or decodes + chunk_tokens == 0):
         return 0.0
     tp = _f(tp)
     layers, heads = _f(model.draft_layers), _f(model.draft_q_heads)
     head_dim = _f(model.draft_head_dim)
     kvb = 2.0 * layers * _f(model.draft_kv_heads) * head_dim * _f(model.kv_dtype_bytes)
     weights = _f(model.draft_params) * _f(model.draft_weight_dtype_bytes)
-    memory_s = (weights / _f(hw.mbu) + context_tokens * kvb / _f(hw.kv_mbu)) / tp / (
-        _f(hw.memory_bandwidth_bytes_per_s))
-    flops = (2.0 * _f(model.draft_params) * decodes
-             + 4.0 * layers * heads * head_dim * context_tokens)
-    compute_s = flops / tp / (_f(hw.peak_flops_per_s) * _f(hw.mfu))
-    allreduce_s = (2.0 * layers * 2.0 * (tp - 1.0) / tp * decodes
-                   * _f(model.draft_hidden_size) * 2.0
-                   / _f(hw.interconnect_bytes_per_s))
-    return k * (max(memory_s, compute_s) + allreduce_s)
+
+    def one_pass(tokens, kv_tokens, keys):
+        memory_s = (weights / _f(hw.mbu) + kv_tokens * kvb / _f(hw.kv_mbu)) / tp / (
+            _f(hw.memory_bandwidth_bytes_per_s))
+        flops = (2.0 * _f(model.draft_params) * tokens
+                 + 4.0 * layers * heads * head_dim * keys)
+        compute_s = flops / tp / (_f(hw.peak_flops_per_s) * _f(hw.mfu))
+        allreduce_s = (2.0 * layers * 2.0 * (tp - 1.0) / tp * tokens
+                       * _f(model.draft_hidden_size) * 2.0
+                       / _f(hw.interconnect_bytes_per_s))
+        return max(memory_s, compute_s) + allreduce_s
+
+    first = one_pass(decodes + chunk_tokens, context_tokens + chunk_cached_tokens,
+                     context_tokens + chunk_keys)
+    rest = 0.0
+    if decodes:
+        rest = (k - 1) * one_pass(decodes, context_tokens, context_tokens)
+    return first + rest
 
 
 def kv_capacity_tokens(hw, model, tp) -> int:
@@ -272,7 +287,9 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                 + sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks))
         t += step_time_s(hw, model, tp, new, kv_read, keys,
                          len(decodes) + len(chunks))
-        t += draft_time_s(hw, model, tp, len(decodes), sum(contexts), k)
+        t += draft_time_s(hw, model, tp, len(decodes), sum(contexts), k,
+                          sum(m for _, m, _ in chunks), sum(p for _, _, p in chunks),
+                          sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks))
         steps += 1
 
         def emit(r):

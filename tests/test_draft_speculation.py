@@ -1,6 +1,8 @@
 """Speculative decoding with a draft model (``grid.spec_proposer=[draft]``).
 
-Hand calculations of the draft's steps and memory in float64, the exactness
+Hand calculations of the draft's steps, its pass over prompt chunks (a
+prefill alone, a chunk beside decodes, a long prompt's chunks in closed
+form) and its memory in float64, the exactness
 of the n-gram and no-speculation paths, the law that a draft model only adds
 cost, where it pays and where it hurts on the shipped H100 x Llama-3.1-8B,
 the simulator against the step-by-step reference on a hard stream, the
@@ -80,6 +82,92 @@ def test_draft_steps_by_hand():
         np.testing.assert_allclose(verify, 7.833476e-3, rtol=1e-6)
 
 
+def test_draft_prefill_by_hand():
+    """The draft prefills each chunk with the target: a 1,500-token prompt
+    in one step at k = 4 (both models compute-bound), the last 1,536 tokens
+    of a 2,048-token prompt after a 512-token cached prefix on two GPUs (the
+    draft's all-reduces), and the same prompt at k = 0, where no draft
+    runs."""
+    with jax.enable_x64(True):
+        hw, m = h100(), llama()
+        got = _f(roofline.prefill_step_s(hw, m, 1.0, 1500.0, 0.0, 4.0))
+        target = (2 * 8.03e9 * 1500 + F_T * 1500 * 1501 / 2) / PEAK
+        draft = (2 * 1.24e9 * 1500 + F_D * 1500 * 1501 / 2) / PEAK
+        assert draft > W_D / BW and target > W_T / BW
+        np.testing.assert_allclose(got, target + draft, rtol=1e-12)
+        np.testing.assert_allclose(got, 24.95472e-3 + 3.91057e-3, rtol=1e-6)
+
+        got = _f(roofline.prefill_step_s(hw, m, 2.0, 2048.0, 512.0, 4.0))
+        keys = 1536 * 512 + 1536 * 1537 / 2
+        target = max((W_T + 512 * Q_T) / 2 / BW,
+                     (2 * 8.03e9 * 1536 + F_T * keys) / 2 / PEAK)
+        draft = max((W_D + 512 * Q_D) / 2 / BW,
+                    (2 * 1.24e9 * 1536 + F_D * keys) / 2 / PEAK)
+
+        def allreduce(layers, hidden):
+            return 2 * layers * (2 * 1 / 2 * 1536 * hidden * 2) / NVLINK
+
+        np.testing.assert_allclose(
+            got, target + allreduce(32, 4096) + draft + allreduce(16, 2048),
+            rtol=1e-12)
+
+        got = _f(roofline.prefill_step_s(hw, m, 2.0, 2048.0, 512.0, 0.0))
+        np.testing.assert_allclose(got, target + allreduce(32, 4096), rtol=1e-12)
+
+
+def test_draft_mixed_step_by_hand():
+    """Eight decodes at context 1,000 each verifying k = 4 proposals beside
+    a 512-token chunk after 1,024 prefilled tokens: the draft's first pass
+    takes the 8 decodes and the 512 chunk tokens together (its weights read
+    once, compute-bound: 1.39 ms against 0.83 ms of reads), its other three
+    only the decodes (memory-bound)."""
+    with jax.enable_x64(True):
+        hw, m = h100(), llama()
+        got = _f(roofline.mixed_step_s(hw, m, 1.0, 8.0, 8000.0, 512.0, 1024.0, 4.0))
+        chunk_keys = 512 * 1024 + 512 * 513 / 2
+        target = max((W_T + 9024 * Q_T) / BW,
+                     (2 * 8.03e9 * (8 * 5 + 512)
+                      + F_T * (5 * 8000 + 8 * 10 + chunk_keys)) / PEAK)
+        first_memory = (W_D + 9024 * Q_D) / BW
+        first = (2 * 1.24e9 * 520 + F_D * (8000 + chunk_keys)) / PEAK
+        assert first > first_memory
+        rest = (W_D + 8000 * Q_D) / BW
+        assert rest > (2 * 1.24e9 * 8 + F_D * 8000) / PEAK
+        np.testing.assert_allclose(got, target + first + 3 * rest, rtol=1e-12)
+        np.testing.assert_allclose(first, 1.391892e-3, rtol=1e-6)
+        np.testing.assert_allclose(first_memory, 0.828567e-3, rtol=1e-6)
+        # without a chunk: the k equal passes over the decodes
+        got = _f(roofline.mixed_step_s(hw, m, 1.0, 8.0, 8000.0, 0.0, 0.0, 4.0))
+        np.testing.assert_allclose(
+            got, _f(roofline.speculative_step_s(hw, m, 1.0, 8.0, 1000.0, 4.0)),
+            rtol=1e-12)
+
+
+@pytest.mark.parametrize("n, c, prompt, budget, k, cached", [
+    (64, 1500, 8192, 512, 4.0, 0.0), (8, 1000, 30_000, 2048, 3.0, 4096.0),
+    (0, 0, 20_000, 1536, 4.0, 0.0), (256, 512, 5000, 4096, 2.0, 1024.0),
+    # the draft's first pass turns from memory- to compute-bound at ~60k
+    (32, 4000, 100_000, 64, 4.0, 0.0),
+])
+def test_draft_chunked_prefill_matches_chunk_loop(n, c, prompt, budget, k, cached):
+    """``chunked_prefill`` with the draft's pass over each chunk (closed form,
+    its own crossing) against the sum of its chunks' ``mixed_step_s``."""
+    with jax.enable_x64(True):
+        hw, m = h100(mfu=0.3), llama()
+        total, steps, worst = (_f(x) for x in roofline.chunked_prefill(
+            hw, m, 1.0, float(n), float(c), float(prompt), float(budget), k, cached))
+        b = budget
+        times, done = [], cached
+        while done < prompt:
+            chunk = min(b, prompt - done)
+            times.append(_f(roofline.mixed_step_s(hw, m, 1.0, float(n), float(n * c),
+                                                  chunk, done, k)))
+            done += chunk
+        assert steps == len(times)
+        np.testing.assert_allclose(total, sum(times), rtol=1e-12)
+        np.testing.assert_allclose(worst, max(times), rtol=1e-12)
+
+
 def test_kv_capacity_by_hand():
     """Both models' weights leave the memory and every token holds both KVs."""
     with jax.enable_x64(True):
@@ -128,6 +216,17 @@ def test_draft_never_beats_ngram(batch, context, k, acceptance, tp):
         fit = [_f(roofline.max_concurrency_fit(hw, m, tp, context + k))
                for m in (ngram, draft)]
         assert fit[1] <= fit[0]
+        # nor does the draft's pass over a prompt chunk make any step faster
+        chunk, cached = float(1 + batch * 31 % 4096), float(batch * 97 % 20_000)
+        for args in ((0.0, 0.0), (float(batch), batch * context)):
+            mixed = [_f(roofline.mixed_step_s(hw, m, tp, *args, chunk, cached,
+                                              float(k))) for m in (ngram, draft)]
+            assert mixed[1] > mixed[0]
+        long = [_f(roofline.chunked_prefill(hw, m, tp, float(batch), context,
+                                            cached + 8 * chunk, 4096.0 + chunk,
+                                            float(k), cached)[0])
+                for m in (ngram, draft)]
+        assert long[1] > long[0]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +275,13 @@ OUTPUT = np.array([1, 300, 40, 120, 5, 200, 250, 17] * 3, float)
 CROSSING = (np.concatenate([np.zeros(8), 100.0 + np.arange(16)]),
             np.array([2000.0] * 8 + [50.0] * 16), np.array([400.0] * 8 + [3.0] * 16))
 
+# four decoding requests, then a 60,000-token prompt prefilled beside them in
+# 240-token chunks: the draft's pass over a chunk and the four decodes (244
+# tokens) is memory-bound at first and compute-bound from about the 30th
+# chunk on, within one run of unchanged steps
+LONG = (np.array([0.0, 0.0, 0.0, 0.0, 0.05]), np.array([1000.0] * 4 + [60000.0]),
+        np.array([2000.0] * 4 + [5.0]))
+
 
 @pytest.fixture(scope="module")
 def sim_draft64():
@@ -202,10 +308,13 @@ def sim_draft64():
     (W_T + W_D + (Q_T + Q_D) * 43000, 1.0, 8, 1024, 4, 0.8, "hard"),
     # the draft's steps turn memory-bound within a run (the run ends there)
     (80e9, 0.0245, 8, 2048, 3, 0.5, "crossing"),
+    # the draft's first pass, over a long prompt's chunks, turns compute-bound
+    (80e9, 1.0, 8, 256, 3, 0.5, "long"),
 ])
 def test_simulator_matches_reference_with_draft(sim_draft64, memory, mfu, conc,
                                                 budget, k, a, stream):
-    stream = {"hard": (ARRIVAL, PROMPT, OUTPUT), "crossing": CROSSING}[stream]
+    stream = {"hard": (ARRIVAL, PROMPT, OUTPUT), "crossing": CROSSING,
+              "long": LONG}[stream]
     with jax.enable_x64(True):
         hw, m = h100(memory_bytes=memory, mfu=mfu), llama()
         got = sim_draft64(hw, m, conc, budget, k, a, stream)

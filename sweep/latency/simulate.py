@@ -36,11 +36,11 @@ step-by-step reference):
   slots, and the ITL samples are the gaps between deliveries. The run
   machinery counts deliveries; ``_token_context`` and ``_kv_at`` turn them
   into tokens (exactly the integers of plain decoding at k = 0). With a
-  draft model (``roofline.with_proposer``) every step with decodes also
-  takes the draft's k decode steps over them (``roofline.draft_lines``),
-  and the KV capacity counts both models; a run also ends where the draft's
-  steps turn from memory- to compute-bound, so that they add one line to
-  the run's two.
+  draft model (``roofline.with_proposer``) every step also takes the
+  draft's k passes (``roofline.draft_lines``): the first over the step's
+  decodes and prompt chunks, the other k - 1 over the decodes, and the KV
+  capacity counts both models; a run also ends where either turns from
+  memory- to compute-bound, so that each adds one line to the run's two.
 * prefix caching (``prefix_hit_fraction`` h): each prompt's first ``h P``
   tokens, in whole 16-token blocks (vLLM's block size;
   ``roofline.cached_prefix_tokens``), are in the prefix cache at admission:
@@ -892,36 +892,44 @@ def _event_step(cx: _Ctx, s: _State, prefilled, left, n_dec, ctx_f):
     finished = ((taken > 0) & (done_new == work)).sum(dtype=jnp.int32)
     ctx_t = _token_context(cx, s, ctx_f, n_dec)
     dec_new, dec_keys = _verified(cx, dt, n_dec, ctx_t)
+    chunk_kv = jnp.where(taken > 0, done_f, 0.0).sum()
+    chunk_keys = (taken_f * done_f + taken_f * (taken_f + 1.0) / 2.0).sum()
     lines = _lines(
-        cx, dt, dec_new + chunks, ctx_t + jnp.where(taken > 0, done_f, 0.0).sum(),
-        jnp.zeros((), dt),
-        dec_keys + (taken_f * done_f + taken_f * (taken_f + 1.0) / 2.0).sum(),
-        jnp.zeros((), dt),
+        cx, dt, dec_new + chunks, ctx_t + chunk_kv, jnp.zeros((), dt),
+        dec_keys + chunk_keys, jnp.zeros((), dt),
         n_dec + (taken > 0).sum(dtype=n_dec.dtype),
     )
+    # the draft's first pass takes every chunk of the step with the decodes
     step_s = roofline.plus_draft_s(_step_time(lines, jnp.zeros((), jnp.int32)), cx.hw,
                                    cx.model, cx.tp, n_dec.astype(dt), ctx_t,
-                                   cx.spec_tokens.astype(dt))
+                                   cx.spec_tokens.astype(dt), chunks.astype(dt),
+                                   chunk_kv, chunk_keys)
     return step_s, chunks, finished
 
 
 def _with_draft(cx: _Ctx, dt, lines: roofline.StepLines, horizon, n_dec, ctx_t,
-                ctx_slope):
-    """A run's ``lines`` plus the draft model's steps before each of its
-    steps (``roofline.draft_lines``, the decodes' summed context ``ctx_t +
-    ctx_slope x`` at step ``x``), and the step (``_BIG``: none) before
-    ``horizon`` where those change from memory- to compute-bound or back."""
-    draft = roofline.draft_lines(cx.hw, cx.model, cx.tp, n_dec.astype(dt), ctx_t,
-                                 ctx_slope, cx.spec_tokens.astype(dt))
-    draft_j, draft_a, draft_b = roofline.split_at_crossing(draft, horizon)
-    cap = jnp.where((draft_j > 0) & (draft_j < horizon.astype(dt)),
-                    draft_j.astype(jnp.int32), _BIG)
-    on_a = draft_j > 0
-    s0 = jnp.where(on_a, draft_a[0], draft_b[0])
-    slope = jnp.where(on_a, draft_a[1], draft_b[1])
-    return roofline.StepLines(
-        lines.memory_s + s0, lines.memory_slope_s + slope, lines.compute_s + s0,
-        lines.compute_slope_s + slope, lines.fixed_s + draft.fixed_s), cap
+                ctx_slope, chunk_f, p0):
+    """A run's ``lines`` plus the draft model's passes in each of its steps
+    (``roofline.draft_lines``: the decodes' summed context ``ctx_t +
+    ctx_slope x`` at step ``x``; the first pass also takes the run's prompt
+    chunk of ``chunk_f`` tokens, its cached prefix ``p0 + chunk_f x``), and
+    the step (``_BIG``: none) before ``horizon`` where the first pass or the
+    others change from memory- to compute-bound or back."""
+    cap = _BIG
+    for draft in roofline.draft_lines(
+            cx.hw, cx.model, cx.tp, n_dec.astype(dt), ctx_t, ctx_slope,
+            cx.spec_tokens.astype(dt), chunk_f, p0, chunk_f,
+            roofline.chunk_attention_keys(chunk_f, p0), chunk_f * chunk_f):
+        draft_j, draft_a, draft_b = roofline.split_at_crossing(draft, horizon)
+        cap = jnp.minimum(cap, jnp.where((draft_j > 0) & (draft_j < horizon.astype(dt)),
+                                         draft_j.astype(jnp.int32), _BIG))
+        on_a = draft_j > 0
+        s0 = jnp.where(on_a, draft_a[0], draft_b[0])
+        slope = jnp.where(on_a, draft_a[1], draft_b[1])
+        lines = roofline.StepLines(
+            lines.memory_s + s0, lines.memory_slope_s + slope, lines.compute_s + s0,
+            lines.compute_slope_s + slope, lines.fixed_s + draft.fixed_s)
+    return lines, cap
 
 
 def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
@@ -978,10 +986,11 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
         n_dec + has_pref.astype(n_dec.dtype),
     )
     if cx.model.draft_params is not None:
-        # a draft model's steps: the run ends where they change from memory-
-        # to compute-bound, so that within it they are one line
+        # a draft model's passes: the run ends where they change from memory-
+        # to compute-bound, so that within it they are one line each
         lines, cap_draft = _with_draft(cx, dt, lines, horizon, n_dec, ctx_t,
-                                       jnp.where(spec, grow, n_dec.astype(dt)))
+                                       jnp.where(spec, grow, n_dec.astype(dt)),
+                                       chunk_f, p0)
         cap_end = jnp.minimum(cap_end, cap_draft)
         horizon = jnp.minimum(horizon, cap_draft)
     horizon = jnp.where(go, horizon, 0)

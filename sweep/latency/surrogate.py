@@ -25,7 +25,9 @@ tokens, decodes being scheduled first), and the step times its chunks add to
 the ITL distribution are the ramp from the first chunk to the last (cached
 prefix uniform on ``[0, P - m]``): two uniform pieces in time, one on each
 side of the point where memory and compute cross, each smoothed by a logistic
-kernel (closed form).
+kernel (closed form). A draft model's first pass, over the decodes and the
+chunk, adds a maximum of its own (``roofline.draft_lines``): exact in the
+prefill time, at the ramp's three points in the ITL distribution.
 
 **Steady state** (``_state``, a mean-field fixed point). When prompts queue,
 steps are filled to the budget and a prompt of ``P`` tokens costs ``P / b``
@@ -312,6 +314,11 @@ def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens, spec_toke
     Written out rather than ``roofline.step_lines``, for the reason given in
     ``roofline.chunked_prefill``: the terms keep the order the surrogate's
     figures and gradients are bitwise tied to.
+
+    Returns ``(lines, draft)``: with a draft model, ``lines`` holds its passes
+    over the decodes alone in ``fixed_s`` and ``draft`` its first pass, over
+    the decodes and the chunk, as lines of its own (its own maximum,
+    ``roofline.draft_lines``); ``draft`` is ``None`` without one.
     """
     ctx = decodes * context_tokens
     dec_new, dec_keys = roofline.verified_decodes(decodes, ctx, spec_tokens)
@@ -323,26 +330,40 @@ def _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens, spec_toke
     mem0 = (roofline.weight_bytes_read(model, new) + ctx * kvb) / bw
     comp0 = (roofline.linear_flops_per_token(hw, model) * new
              + fpk * (dec_keys + chunk_tokens * (chunk_tokens + 1.0) / 2.0)) / peak
-    # a draft model's steps over the decodes are the same in every chunk's step
-    fixed = roofline.plus_draft_s(roofline.fixed_s(hw, model, tp, new, decodes + 1.0),
-                                  hw, model, tp, decodes, ctx, spec_tokens)
-    return roofline.StepLines(mem0, kvb / bw, comp0, fpk * chunk_tokens / peak, fixed)
+    fixed = roofline.fixed_s(hw, model, tp, new, decodes + 1.0)
+    draft = None
+    if model.draft_params is not None:
+        # the draft's passes over the decodes alone are the same in every
+        # chunk's step; its first pass takes the chunk, at the same prefix
+        draft, rest = roofline.draft_lines(
+            hw, model, tp, decodes, ctx, 0.0, spec_tokens, chunk_tokens, 0.0, 1.0,
+            chunk_tokens * (chunk_tokens + 1.0) / 2.0, chunk_tokens)
+        fixed = fixed + rest.at(0.0)
+    return roofline.StepLines(mem0, kvb / bw, comp0, fpk * chunk_tokens / peak,
+                              fixed), draft
 
 
 def _ramp(hw, model, tp, decodes, context_tokens, chunk_tokens, span_tokens,
           spec_tokens, cached_tokens=0.0):
     """The ramp of chunk steps with prefixes uniform on ``[c, c + span]``,
-    ``c`` the prompt's prefix in the prefix cache."""
-    lines = _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens,
-                         spec_tokens)
+    ``c`` the prompt's prefix in the prefix cache. Its three points are
+    exact; with a draft model, whose first pass adds a maximum with a
+    crossing of its own, the step times between them are taken as linear
+    past that crossing too (a chord of a convex function of the prefix:
+    never below it)."""
+    lines, draft = _chunk_lines(hw, model, tp, decodes, context_tokens, chunk_tokens,
+                                spec_tokens)
     ds = lines.memory_slope_s - lines.compute_slope_s
     cross = jnp.where(ds == 0.0, 0.0, roofline.crossing(lines))
     split = jnp.clip(cross - cached_tokens, 0.0, span_tokens)
     some = span_tokens > 1e-6
     w_low = jnp.where(some, split / jnp.where(some, span_tokens, 1.0), 0.0)
-    return _Ramp(lines.at(jnp.zeros_like(span_tokens) + cached_tokens),
-                 lines.at(split + cached_tokens), lines.at(span_tokens + cached_tokens),
-                 w_low)
+
+    def at(x):
+        return lines.at(x) if draft is None else lines.at(x) + draft.at(x)
+
+    return _Ramp(at(jnp.zeros_like(span_tokens) + cached_tokens),
+                 at(split + cached_tokens), at(span_tokens + cached_tokens), w_low)
 
 
 def _uniform_cdf(t, lo, hi, scale):

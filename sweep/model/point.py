@@ -140,7 +140,8 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     # read from the cache, not computed; input tokens count the cached ones
     hit = jnp.where(pt.prefix_caching > 0, wl.prefix_hit_fraction, 0.0)
     cached = roofline.cached_prefix_tokens(wl.mean_prompt_tokens, hit)
-    prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens, cached)
+    prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens, cached,
+                                     pt.spec_tokens)
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = roofline.chunked_prefill(
         hw, model, tp, running, pt.context_tokens, pt.long_prompt_tokens,

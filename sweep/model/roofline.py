@@ -48,10 +48,29 @@ reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
 
   (``draft_lines``; the KV term at ``kv_mbu`` as the target's). The engine's
   step and per-sequence overheads are counted once per engine step, not per
-  draft step. The draft also prefills each prompt in the engine; that
-  compute (about ``N_d / N`` of the target's prefill) is not modelled. A
-  verification step with ``B`` decodes takes ``speculative_step_s + draft_s``
-  and the KV capacity shrinks to ``(M - W - W_d) / (q + q_d)`` tokens
+  draft step. The draft keeps its KV in step with the target's, as vLLM's
+  V1 draft-model proposer does: in a step that also carries prompt chunks
+  (``c`` new tokens after ``h`` cached ones), the draft's first pass covers
+  every new token of the step, the ``B`` decodes and the ``c`` chunk
+  tokens, and only its other ``k - 1`` passes are over the decodes alone:
+
+      draft_s = first_d + (k - 1) [max((W_d + q_d C) / (tp bw mbu),
+                                       (2 N_d B + f_d C) / (tp peak mfu))
+                                   + allreduce_d(B)]
+      first_d = max((W_d + q_d (C + h)) / (tp bw mbu),
+                    (2 N_d (B + c) + f_d (C + c h + c (c + 1) / 2))
+                    / (tp peak mfu)) + allreduce_d(B + c)
+
+  One pass, one ``max``: the chunk's tokens go through the draft's layers
+  with the decodes, so the draft's weights are read once for both and the
+  pass is memory- or compute-bound as a whole, as the target's step is.
+  Without decodes the step still takes that one pass, for the chunk alone
+  (the draft's prefill: about ``N_d / N`` of the target's FLOPs); without
+  a chunk ``draft_s`` is the ``k`` equal passes above. A prompt prefilled
+  on a disaggregated prefill instance is prefilled by the target alone
+  (the draft's prefill is not modelled there). A verification step with
+  ``B`` decodes takes ``speculative_step_s + draft_s`` and the KV capacity
+  shrinks to ``(M - W - W_d) / (q + q_d)`` tokens
   (``kv_capacity_tokens``): both models keep KV for every context token.
   Where no draft model can be loaded (``ModelParams.draft_*`` ``None``: no
   point of the program lists the draft proposer) these terms are left out
@@ -231,41 +250,77 @@ def decode_step_s(hw, model, tp, sequences, context_tokens):
     return step_s(hw, model, tp, sequences, cached, cached, sequences)
 
 
-def draft_lines(hw: HardwareParams, model: ModelParams, tp, decodes, context_tokens,
-                context_slope, spec_tokens) -> StepLines:
-    """The ``k`` draft decode steps before a verification step of ``decodes``
-    decodes whose summed context is ``context_tokens + context_slope x`` at
-    ``x`` (a step of a run), as ``StepLines`` (module docstring: ``draft_s``).
-    Exactly 0 without a draft model, at ``k = 0`` or without decodes."""
-    d = draft_model(model)
-    k = jnp.where(decodes > 0, spec_tokens, 0.0)
-    kvb = kv_read_bytes_per_token(hw, d)
-    fpk = attention_flops_per_key(d)
+def _draft_pass_lines(hw: HardwareParams, draft: ModelParams, tp, passes, new_tokens,
+                      kv_read_tokens, kv_read_slope, attention_keys,
+                      attention_keys_slope) -> StepLines:
+    """``passes`` equal forward passes of the ``draft`` model over
+    ``new_tokens`` tokens that read ``kv_read_tokens + kv_read_slope x``
+    cached tokens and attend to ``attention_keys + attention_keys_slope x``
+    keys at ``x``: the draft's weights, its KV and its FLOPs at the
+    target's rates, its all-reduces, no step overheads."""
+    kvb = kv_read_bytes_per_token(hw, draft)
+    fpk = attention_flops_per_key(draft)
     bandwidth = tp * effective_bandwidth_bytes_per_s(hw)
     flop_rate = tp * effective_flops_per_s(hw)
     return StepLines(
-        k * (weight_bytes(d) + kvb * context_tokens) / bandwidth,
-        k * kvb * context_slope / bandwidth,
-        k * (linear_flops_per_token(hw, d) * decodes + fpk * context_tokens)
-        / flop_rate,
-        k * fpk * context_slope / flop_rate,
-        k * allreduce_s(hw, d, tp, decodes),
+        passes * (weight_bytes(draft) + kvb * kv_read_tokens) / bandwidth,
+        passes * kvb * kv_read_slope / bandwidth,
+        passes * (linear_flops_per_token(hw, draft) * new_tokens
+                  + fpk * attention_keys) / flop_rate,
+        passes * fpk * attention_keys_slope / flop_rate,
+        passes * allreduce_s(hw, draft, tp, new_tokens),
     )
 
 
-def draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens):
-    """The draft model's ``k`` decode steps for ``decodes`` decodes of summed
-    context ``decode_context_tokens`` (``draft_lines`` at ``x = 0``), seconds."""
-    return draft_lines(hw, model, tp, decodes, decode_context_tokens, 0.0,
-                       spec_tokens).at(0.0)
+def draft_lines(hw: HardwareParams, model: ModelParams, tp, decodes, context_tokens,
+                context_slope, spec_tokens, chunk_tokens=0.0, chunk_kv_tokens=0.0,
+                chunk_kv_slope=0.0, chunk_keys=0.0, chunk_keys_slope=0.0):
+    """The draft model's ``k`` passes in a step of ``decodes`` decodes whose
+    summed context is ``context_tokens + context_slope x`` at ``x`` (a step
+    of a run, or a chunk's cached prefix), and ``chunk_tokens`` new prompt
+    tokens that read ``chunk_kv_tokens + chunk_kv_slope x`` cached tokens and
+    attend to ``chunk_keys + chunk_keys_slope x`` keys (module docstring:
+    ``draft_s`` and ``first_d``).
+
+    Returns ``(first, rest)`` as ``StepLines``: the first pass, over the
+    decodes and the chunk, and the other ``k - 1``, over the decodes. Both
+    exactly 0 without a draft model or at ``k = 0``; ``first`` is the
+    chunk's pass alone without decodes, and 0 without a chunk either.
+    """
+    d = draft_model(model)
+    first = jnp.where((spec_tokens > 0) & ((decodes > 0) | (chunk_tokens > 0)),
+                      1.0, 0.0)
+    rest = jnp.where(decodes > 0, jnp.maximum(spec_tokens - 1.0, 0.0), 0.0)
+    return (
+        _draft_pass_lines(hw, d, tp, first, decodes + chunk_tokens,
+                          context_tokens + chunk_kv_tokens,
+                          context_slope + chunk_kv_slope, context_tokens + chunk_keys,
+                          context_slope + chunk_keys_slope),
+        _draft_pass_lines(hw, d, tp, rest, decodes, context_tokens, context_slope,
+                          context_tokens, context_slope),
+    )
 
 
-def plus_draft_s(step, hw, model, tp, decodes, decode_context_tokens, spec_tokens):
+def draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens,
+            chunk_tokens=0.0, chunk_kv_tokens=0.0, chunk_keys=0.0):
+    """The draft model's ``k`` passes in a step of ``decodes`` decodes of
+    summed context ``decode_context_tokens`` and a prompt chunk of
+    ``chunk_tokens`` tokens that reads ``chunk_kv_tokens`` cached tokens and
+    attends to ``chunk_keys`` keys (``draft_lines`` at ``x = 0``), seconds."""
+    first, rest = draft_lines(hw, model, tp, decodes, decode_context_tokens, 0.0,
+                              spec_tokens, chunk_tokens, chunk_kv_tokens, 0.0,
+                              chunk_keys, 0.0)
+    return first.at(0.0) + rest.at(0.0)
+
+
+def plus_draft_s(step, hw, model, tp, decodes, decode_context_tokens, spec_tokens,
+                 chunk_tokens=0.0, chunk_kv_tokens=0.0, chunk_keys=0.0):
     """``step`` (seconds) plus ``draft_s``; ``step`` itself, with no draft
     arithmetic traced, for a model without draft leaves (``draft_model``)."""
     if model.draft_params is None:
         return step
-    return step + draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens)
+    return step + draft_s(hw, model, tp, decodes, decode_context_tokens, spec_tokens,
+                          chunk_tokens, chunk_kv_tokens, chunk_keys)
 
 
 def speculative_step_s(hw, model, tp, sequences, context_tokens, spec_tokens):
@@ -351,25 +406,27 @@ def mixed_step_s(hw, model, tp, decodes, decode_context_tokens, chunk_tokens,
       spec_tokens: proposals each decode verifies (``verified_decodes``).
     """
     new, keys = verified_decodes(decodes, decode_context_tokens, spec_tokens)
+    chunk_keys = chunk_attention_keys(chunk_tokens, chunk_cached_tokens)
     step = step_s(
         hw,
         model,
         tp,
         new + chunk_tokens,
         decode_context_tokens + chunk_cached_tokens,
-        keys + chunk_attention_keys(chunk_tokens, chunk_cached_tokens),
+        keys + chunk_keys,
         decodes + jnp.where(chunk_tokens > 0, 1.0, 0.0),
     )
     return plus_draft_s(step, hw, model, tp, decodes, decode_context_tokens,
-                        spec_tokens)
+                        spec_tokens, chunk_tokens, chunk_cached_tokens, chunk_keys)
 
 
-def prefill_step_s(hw, model, tp, prompt_tokens, cached_tokens=0.0):
+def prefill_step_s(hw, model, tp, prompt_tokens, cached_tokens=0.0, spec_tokens=0.0):
     """A whole prompt prefilled in one step: its ``prompt - cached`` new
     tokens after the ``cached_tokens`` the prefix cache holds (read and
-    attended to, not computed)."""
+    attended to, not computed); under speculation with a draft model
+    (``spec_tokens > 0``), the draft's pass over them too."""
     return mixed_step_s(hw, model, tp, 0.0, 0.0, prompt_tokens - cached_tokens,
-                        cached_tokens)
+                        cached_tokens, spec_tokens)
 
 
 class StepLines(NamedTuple):
@@ -493,12 +550,21 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
         (linear_flops_per_token(hw, model) * new
          + fpk * (dec_keys + b * cached_tokens + b * (b + 1.0) / 2.0)) / flop_rate,
         fpk * b * b / flop_rate,
-        # the draft's steps over the decodes: the same in every chunk's step
-        plus_draft_s(fixed_s(hw, model, tp, new, decodes + 1.0), hw, model, tp,
-                     decodes, ctx, spec_tokens),
+        fixed_s(hw, model, tp, new, decodes + 1.0),
     )
     full_sum = run_s(lines, split_at_crossing(lines, full), full)
-    last_full = jnp.where(full > 0, lines.at(full - 1.0), 0.0)
+    last_full = lines.at(full - 1.0)
+    if model.draft_params is not None:
+        # the draft's first pass takes chunk i too (its own maximum, summed
+        # as the target's); its other passes, over the decodes, are the
+        # same in every chunk's step
+        first, others = draft_lines(hw, model, tp, decodes, ctx, 0.0, spec_tokens, b,
+                                    cached_tokens, b,
+                                    chunk_attention_keys(b, cached_tokens), b * b)
+        full_sum = (full_sum + run_s(first, split_at_crossing(first, full), full)
+                    + full * others.at(0.0))
+        last_full = last_full + first.at(full - 1.0) + others.at(0.0)
+    last_full = jnp.where(full > 0, last_full, 0.0)
     partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, cached_tokens + full * b,
                            spec_tokens)
     partial = jnp.where(rest > 0, partial, 0.0)
