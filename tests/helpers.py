@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # the SPEC's seed: H100 SXM, Qwen3-8B bf16
 BW, FLOPS, MEM, USD = 3.35e12, 989e12, 80e9, 4.29
+NVLINK = 4.5e11  # the H100 SXM's interconnect, bytes/s
 PARAMS, LAYERS, QH, KVH, HD = 8.19e9, 36, 32, 8, 128
 W = PARAMS * 2
 KVB = 2 * LAYERS * KVH * HD * 2
@@ -210,7 +211,7 @@ def h100(dtype=None, memory_bytes=80e9, mfu=1.0):
 
     dtype = dtype or np.float64
     return HardwareParams(*(dtype(x) for x in (
-        BW, FLOPS, memory_bytes, 4.5e11, USD, 1.0, mfu, 0.0, 1.0)))
+        BW, FLOPS, memory_bytes, NVLINK, USD, 1.0, mfu, 0.0, 1.0)))
 
 
 def qwen3_8b(dtype, max_context_tokens=math.inf):

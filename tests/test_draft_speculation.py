@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import grid_inputs, h100, run_script
+from helpers import BW, FLOPS, NVLINK, grid_inputs, h100, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_scheduler import simulate_reference
@@ -30,9 +30,6 @@ from sweep.model import roofline
 from sweep.model.batching import CONTINUOUS
 from sweep.model.params import ModelParams
 
-# an H100 at its peaks (no calibration): bandwidth, FLOP/s, memory,
-# interconnect, price, mbu, mfu, step overhead, memory utilisation
-BW, PEAK, NVLINK = 3.35e12, 9.89e14, 4.5e11
 # Llama-3.1-8B and its draft Llama-3.2-1B (conf/model), bf16
 W_T = 8.03e9 * 2  # target weight bytes
 Q_T = 2 * 32 * 8 * 128 * 2  # target KV bytes per token: 131,072
@@ -68,7 +65,7 @@ def test_draft_steps_by_hand():
         np.testing.assert_allclose(want, 3.000319e-3, rtol=1e-6)
 
         got = _f(roofline.draft_s(hw, m, 2.0, 1024.0, 10240.0, 4.0))
-        compute = (2 * 1.24e9 * 1024 + F_D * 10240) / 2 / PEAK
+        compute = (2 * 1.24e9 * 1024 + F_D * 10240) / 2 / FLOPS
         memory = (W_D + 10240 * Q_D) / 2 / BW
         assert compute > memory
         allreduce = 2 * 16 * (2 * 1 / 2 * 1024 * 2048 * 2) / NVLINK
@@ -76,7 +73,7 @@ def test_draft_steps_by_hand():
 
         verify = _f(roofline.speculative_step_s(hw, m, 1.0, 1.0, 1000.0, 4.0))
         target = max((W_T + 1000 * Q_T) / BW,
-                     (2 * 8.03e9 * 5 + F_T * (5 * 1000 + 10)) / PEAK)
+                     (2 * 8.03e9 * 5 + F_T * (5 * 1000 + 10)) / FLOPS)
         np.testing.assert_allclose(verify, target + 4 * (W_D + 1000 * Q_D) / BW,
                                    rtol=1e-12)
         np.testing.assert_allclose(verify, 7.833476e-3, rtol=1e-6)
@@ -91,8 +88,8 @@ def test_draft_prefill_by_hand():
     with jax.enable_x64(True):
         hw, m = h100(), llama()
         got = _f(roofline.prefill_step_s(hw, m, 1.0, 1500.0, 0.0, 4.0))
-        target = (2 * 8.03e9 * 1500 + F_T * 1500 * 1501 / 2) / PEAK
-        draft = (2 * 1.24e9 * 1500 + F_D * 1500 * 1501 / 2) / PEAK
+        target = (2 * 8.03e9 * 1500 + F_T * 1500 * 1501 / 2) / FLOPS
+        draft = (2 * 1.24e9 * 1500 + F_D * 1500 * 1501 / 2) / FLOPS
         assert draft > W_D / BW and target > W_T / BW
         np.testing.assert_allclose(got, target + draft, rtol=1e-12)
         np.testing.assert_allclose(got, 24.95472e-3 + 3.91057e-3, rtol=1e-6)
@@ -100,9 +97,9 @@ def test_draft_prefill_by_hand():
         got = _f(roofline.prefill_step_s(hw, m, 2.0, 2048.0, 512.0, 4.0))
         keys = 1536 * 512 + 1536 * 1537 / 2
         target = max((W_T + 512 * Q_T) / 2 / BW,
-                     (2 * 8.03e9 * 1536 + F_T * keys) / 2 / PEAK)
+                     (2 * 8.03e9 * 1536 + F_T * keys) / 2 / FLOPS)
         draft = max((W_D + 512 * Q_D) / 2 / BW,
-                    (2 * 1.24e9 * 1536 + F_D * keys) / 2 / PEAK)
+                    (2 * 1.24e9 * 1536 + F_D * keys) / 2 / FLOPS)
 
         def allreduce(layers, hidden):
             return 2 * layers * (2 * 1 / 2 * 1536 * hidden * 2) / NVLINK
@@ -127,12 +124,12 @@ def test_draft_mixed_step_by_hand():
         chunk_keys = 512 * 1024 + 512 * 513 / 2
         target = max((W_T + 9024 * Q_T) / BW,
                      (2 * 8.03e9 * (8 * 5 + 512)
-                      + F_T * (5 * 8000 + 8 * 10 + chunk_keys)) / PEAK)
+                      + F_T * (5 * 8000 + 8 * 10 + chunk_keys)) / FLOPS)
         first_memory = (W_D + 9024 * Q_D) / BW
-        first = (2 * 1.24e9 * 520 + F_D * (8000 + chunk_keys)) / PEAK
+        first = (2 * 1.24e9 * 520 + F_D * (8000 + chunk_keys)) / FLOPS
         assert first > first_memory
         rest = (W_D + 8000 * Q_D) / BW
-        assert rest > (2 * 1.24e9 * 8 + F_D * 8000) / PEAK
+        assert rest > (2 * 1.24e9 * 8 + F_D * 8000) / FLOPS
         np.testing.assert_allclose(got, target + first + 3 * rest, rtol=1e-12)
         np.testing.assert_allclose(first, 1.391892e-3, rtol=1e-6)
         np.testing.assert_allclose(first_memory, 0.828567e-3, rtol=1e-6)
@@ -346,7 +343,7 @@ def test_surrogate_zero_load_itl_by_hand():
     out = fn(h100(f32), llama(f32), wl, f32(1), f32(64), f32(2048), f32(1e-6),
              f32(np.inf), f32(np.inf), f32(4), f32(0.5))
     verify = max((W_T + 1600 * Q_T) / BW,
-                 (2 * 8.03e9 * 5 + F_T * (5 * 1600 + 10)) / PEAK)
+                 (2 * 8.03e9 * 5 + F_T * (5 * 1600 + 10)) / FLOPS)
     want = verify + 4 * (W_D + 1600 * Q_D) / BW
     np.testing.assert_allclose(_f(out["itl_p50_s"]), want, rtol=1e-2)
 
