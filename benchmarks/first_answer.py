@@ -2,6 +2,8 @@
 
 ``python benchmarks/first_answer.py [--commands sweep-optimize sweep-grid] [--runs 1]``
 
+A command may carry overrides: ``--commands "sweep-grid grid=small latency=simulate"``.
+
 Each command runs in a fresh process, its output in a fresh folder, first
 with an empty persistent compilation cache (``SWEEP_COMPILATION_CACHE`` set
 to a new folder: cold), then again with the cache the first run filled
@@ -94,14 +96,16 @@ PHASES = ("imports", "compose", "trace", "lower", "compile", "write")
 
 
 def run(command: str, cache: Path, folder: Path) -> dict:
-    app = command.removeprefix("sweep-")
+    name, *overrides = command.split()
+    app = name.removeprefix("sweep-")
     report = folder / f"{app}.json"
     out = folder / ("optimize.zarr" if app == "optimize" else "cube.zarr")
     env = {**os.environ, "SWEEP_COMPILATION_CACHE": str(cache)}
     env.setdefault("JAX_PLATFORMS", "cpu")
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", WRAPPER, str(report), app,
-                           f"out={out}"], env=env, capture_output=True, text=True,
+                           *overrides, f"out={out}"], env=env, capture_output=True,
+                          text=True,
                           cwd=folder, check=False)
     wall = time.perf_counter() - start
     if proc.returncode:

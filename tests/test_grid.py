@@ -193,3 +193,51 @@ def test_surrogate_chunks_hold_a_megabyte_and_batches_stay_small():
     assert p99.plan.size * 4 >= MIN_CHUNK_BYTES
     assert math.prod(p99.batch) <= 4096  # conf/latency/surrogate.yaml
     assert all(c <= w for c, w in zip(p99.batch, p99.plan.chunks))
+
+
+def _indices(a, b, c, pair, row, scalar):
+    """Each argument's value encodes where it was gathered from."""
+    return {"v": a * 1e5 + b * 1e4 + c * 1e3 + pair * 10 + row + scalar}
+
+
+def test_flat_evaluation_gathers_what_the_nested_vmaps_pass():
+    """One vmap over the block's points (``Part.flat``, the p99 part's way)
+    hands the point function the same axis and table values as the nested
+    vmaps, blocks sticking out of the cube included: integer-valued floats,
+    compared exactly."""
+    shape = (3, 5, 5)
+    axes = tuple(np.arange(n, dtype=np.float32) for n in shape)
+    pair = np.arange(3 * 5, dtype=np.float32).reshape(3, 5)  # along axes 0 and 2
+    row = np.arange(5, dtype=np.float32) / 10  # along axis 1
+    tables, table_dims = (pair, row, np.float32(0.5)), ((0, 2), (1,), ())
+    plan = blocking(shape, 12)
+    # the last block along axis 1 sticks out of the cube; batches of 3
+    # along axis 2 stick out of every block
+    assert plan.chunks == (1, 2, 5)
+
+    def cube(flat):
+        out = np.full(shape, np.nan, np.float32)
+        for _, region, values in iterate_blocks(
+                _indices, axes, plan, tables, table_dims, batch=(1, 2, 3), flat=flat):
+            out[region] = values["v"]
+        return out
+
+    a, b, c = np.meshgrid(*axes, indexing="ij")
+    want = (a * 1e5 + b * 1e4 + c * 1e3 + pair[:, None, :] * 10
+            + row[None, :, None] + 0.5).astype(np.float32)
+    np.testing.assert_array_equal(cube(flat=False), want)
+    np.testing.assert_array_equal(cube(flat=True), want)
+
+
+def test_flat_roofline_equals_the_nested_one(job, cube):
+    """The roofline part through one flat vmap: the nested cube within float32
+    rounding (XLA fuses the two programs differently)."""
+    part = job.parts[0]
+    want, _ = cube
+    got = {}
+    for _, region, values in iterate_blocks(part.fn, part.axes, part.plan,
+                                            part.tables, part.table_dims, flat=True):
+        for k, v in values.items():
+            got.setdefault(k, np.zeros(part.plan.shape, v.dtype))[region] = v
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
