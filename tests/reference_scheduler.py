@@ -49,9 +49,14 @@ of steps, no histograms), plus the simulator's documented choices:
   prompt's KV: all of it but the last token, which it computes).
 * disaggregated prefill/decode (``simulate_disaggregated_reference``): the
   stream goes round-robin over ``p`` prefill instances, each this scheduler
-  with every output one token; a request's first token comes at the end of
-  its prefill plus the KV transfer ``P kv_bytes_per_token / (tp link)``; it
-  then arrives at a decode instance (round-robin over ``d`` in that order)
+  with every output one token; the requests that go on to decode are dealt
+  round-robin over ``d`` decode instances in the order their prefills end;
+  each one's KV transfer ``P kv_bytes_per_token / (tp link)`` starts when
+  its prefill has ended and both its prefill instance's link and its decode
+  instance's link are free (one transfer at a time on each, in that
+  order), and its first token comes when the transfer ends (a request of
+  one output token: prefill end plus its transfer, no link shared); it
+  then arrives at its decode instance
   with ``P - 1`` prompt tokens cached and ``output - 1`` tokens to make; the
   decode instance's first token is the request's second (its wait for a slot
   is the first inter-token gap).
@@ -394,11 +399,24 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
 
     first, _, *pre = run(int(prefill_instances), served, arrival, prompt, [1] * n,
                       prefix_hit_fraction=prefix_hit_fraction)
+    # the KV transfer: over the prefill instance's link and the decode
+    # instance's, one transfer at a time on each, in the order prefills end
+    sender = {i: k % int(prefill_instances) for k, i in enumerate(served)}
+    ready = {i: arrival[i] + first[i][0] for i in served}
+    to_decode = sorted((i for i in served if output[i] > 1), key=lambda i: ready[i])
+    receiver = {i: k % int(decode_instances) for k, i in enumerate(to_decode)}
+    send_free = [-math.inf] * int(prefill_instances)
+    recv_free = [-math.inf] * int(decode_instances)
     ttft = [math.nan] * n
     for i in served:
-        ttft[i] = first[i][0] + prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
+        transfer = prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
+        ttft[i] = first[i][0] + transfer  # one output token: no shared link
+    for i in to_decode:
+        transfer = prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
+        start = max(ready[i], send_free[sender[i]], recv_free[receiver[i]])
+        send_free[sender[i]] = recv_free[receiver[i]] = start + transfer
+        ttft[i] = start + transfer - arrival[i]
     handed = [arrival[i] + ttft[i] if i in first else math.nan for i in range(n)]
-    to_decode = sorted((i for i in served if output[i] > 1), key=lambda i: handed[i])
     rest, dec_gaps, *dec = run(int(decode_instances), to_decode, handed, prompt,
                      [o - 1 for o in output], spec_tokens=spec_tokens,
                      spec_acceptance=spec_acceptance,

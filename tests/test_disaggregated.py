@@ -266,15 +266,49 @@ def test_simulated_request_by_hand(dis64):
     assert got.gaps[0] == 2.0
 
 
+@pytest.mark.parametrize("p,d,waits", [(2, 1, True), (2, 2, False), (1, 2, None)])
+def test_transfers_share_a_link_one_at_a_time(dis64, p, d, waits):
+    """Two 1,000-token prompts arriving together (output 3; budget 512) on
+    two prefill instances end their prefills together: with one decode
+    instance its link carries the first transfer, then the second (TTFT
+    prefill + 2 transfers); with two, each has its own links (prefill + 1
+    transfer). On one prefill instance the two prompts' chunks share its
+    steps, and the first to finish sends first: the sending link alone
+    makes the second wait if it finishes within a transfer of the first."""
+    from helpers import step as hand_step
+
+    link = 1.25e10  # 100 GbE: a transfer of 11.8 ms
+    arrival = np.concatenate([[0.0, 0.0], 1e6 + np.arange(38)])  # the rest much later
+    got, _ = dis64(arrival, np.full(40, 1000.0), np.full(40, 3.0), p, d, link=link)
+    transfer = 1000 * 147_456 / link
+    if waits is None:  # compare with the reference's own sending link
+        from reference_scheduler import simulate_disaggregated_reference
+
+        hw = h100(np.float64)._replace(kv_link_bytes_per_s=link)
+        ref = simulate_disaggregated_reference(hw, qwen3_8b(np.float64), 1.0, 8, 512,
+                                               arrival, np.full(40, 1000.0),
+                                               np.full(40, 3.0), p, d)
+        np.testing.assert_allclose(got.ttft_s[:2], ref.ttft_s[:2], rtol=1e-12)
+        return
+    prefill = (hand_step(512, 0, 512 * 513 / 2)
+               + hand_step(488, 512, 488 * 512 + 488 * 489 / 2))
+    assert got.ttft_s[0] == pytest.approx(prefill + transfer, rel=1e-12)
+    second = prefill + (2 if waits else 1) * transfer
+    assert got.ttft_s[1] == pytest.approx(second, rel=1e-12)
+
+
 # --- sweep-optimize (sweep.search.disaggregate) ---------------------------------
 
 RATE = 20.0  # req/s of the seed workload: several instances per pool
 
 
-def test_enumerated_deployments_by_hand():
+@pytest.mark.parametrize("link", [LINK, 2.5e9])
+def test_enumerated_deployments_by_hand(link):
     """The roofline's P:D enumeration on the seed (H100, Qwen3-8B, TP 1, the
     bound): each deployment's pools within 95 % of their capacity, by hand in
-    float64, the cheapest first."""
+    float64, the cheapest first. Over 20 Gb/s a transfer (88 ms) outlasts a
+    decode instance's time per request at most settings: its link bounds
+    the pool."""
     from helpers import optimize_inputs
 
     from sweep.search import disaggregate, optimize
@@ -283,30 +317,38 @@ def test_enumerated_deployments_by_hand():
         "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
         "calibration=roofline", "search=quick", "search.tensor_parallel=[1]",
         "search.gpu_memory_utilization=1.0", "search.disaggregated=[false,true]",
+        f"hardware.kv_link_bytes_per_s={link}",
         f"workload.arrival_rate_per_s={RATE}"]))
     deps = disaggregate.enumerate_deployments(job)
     assert deps
     costs = [d.cost_per_mtok_out_usd for d in deps]
     assert costs == sorted(costs)
-    ratios = set()
+    ratios, link_bound = set(), 0
+    transfer = PROMPT * KVB / link
     for d in deps:
         n, b = d.concurrency, d.token_budget
         itl = decode(n, PROMPT + OUT_MEAN / 2)
         prefill = chunked(0, 0, PROMPT, b)[0]
-        p0 = max(int(np.ceil(RATE * prefill / 0.95)), 1)
-        d0 = max(int(np.ceil(RATE * (OUT_MEAN - 1) * itl / (n * 0.95))), 1)
+        pre_busy = max(prefill, transfer)
+        dec_busy = max((OUT_MEAN - 1) * itl / n, transfer)
+        link_bound += transfer > (OUT_MEAN - 1) * itl / n
+        p0 = max(int(np.ceil(RATE * pre_busy / 0.95)), 1)
+        d0 = max(int(np.ceil(RATE * dec_busy / 0.95)), 1)
         assert p0 <= d.prefill_instances <= p0 + 2, d
         assert d0 <= d.decode_instances <= d0 + 2, d
         assert d.itl_s == pytest.approx(itl, rel=2e-5)
-        assert d.zero_load_ttft_s == pytest.approx(
-            prefill + PROMPT * KVB / LINK, rel=2e-5)
+        assert d.zero_load_ttft_s == pytest.approx(prefill + transfer, rel=2e-5)
         assert d.prefill_utilization == pytest.approx(
-            RATE * prefill / d.prefill_instances, rel=2e-5)
+            RATE * pre_busy / d.prefill_instances, rel=2e-5)
+        assert d.decode_utilization == pytest.approx(
+            RATE * dec_busy / d.decode_instances, rel=2e-5)
         assert d.cost_per_mtok_out_usd == pytest.approx(
             cost_per_mtok(RATE * OUT_MEAN, gpus=d.instances), rel=1e-9)
         assert b >= n and itl <= job.app.slo.itl_p99_s
         ratios.add(d.ratio)
     assert len(ratios) >= 4  # several P:D ratios are priced
+    # the slow link binds somewhere, the InfiniBand one nowhere
+    assert (link_bound > 0) == (link < LINK)
 
 
 def test_search_disaggregated_must_keep_the_aggregated_baseline():

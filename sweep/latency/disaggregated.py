@@ -12,10 +12,15 @@ instance (``tests/reference_scheduler.py``'s
   queue and chunked prefill (prefill-only steps at the token budget) give
   the end of each prefill;
 * the KV transfer: ``P kv_bytes_per_token / (tp kv_link_bytes_per_s)``
-  (``roofline.kv_transfer_s``) after the prefill; the first token reaches
-  the user then, so TTFT = prefill pool TTFT + transfer;
+  (``roofline.kv_transfer_s``) after the prefill, over two links: the
+  prefill instance's and the decode instance's, each carrying one transfer
+  at a time, first come first served in the order the prefills end (a
+  transfer starts when both are free: ``_transfers``); the first token
+  reaches the user when it has arrived, so TTFT = prefill pool TTFT + the
+  wait for the links + transfer;
 * the decode pool: ``d`` instances, the requests round-robin over them in
-  the order they arrive there (arrival + TTFT), each with its whole prompt
+  the order their prefills end (a router picks the decode instance when it
+  hands the request on), each with its whole prompt
   in KV but the last token (``simulate_requests``' ``cached_tokens``: the
   instance computes that token, as vLLM's KV consumer does, a step that
   costs a decode) and ``output - 1`` tokens to make; its first token is the
@@ -58,6 +63,37 @@ def _round_robin(times, members, instances, max_instances: int):
     rank = jnp.argsort(order).astype(jnp.int32)
     r = jnp.arange(max_instances, dtype=jnp.int32)[:, None]
     return members[None, :] & (rank[None, :] % instances == r) & (r < instances)
+
+
+def _transfers(ready, transfer_s, to_decode, pre_rows, dec_rows):
+    """When each request's KV has arrived: ``ready + transfer_s``, each
+    instance's link carrying one transfer at a time, first come first
+    served in the order the prefills end (a prefill instance's sending link,
+    a decode instance's receiving link: a transfer waits for both). Requests
+    not in ``to_decode`` send no KV over a shared link (their first token is
+    the last; ``ready + transfer_s``)."""
+    dt = ready.dtype
+    order = jnp.argsort(jnp.where(to_decode, ready, jnp.inf), stable=True)
+    sender = jnp.argmax(pre_rows, axis=0)
+    receiver = jnp.argmax(dec_rows, axis=0)
+
+    def one(links, i):
+        send_free, recv_free = links
+        start = jnp.maximum(ready[i], jnp.maximum(send_free[sender[i]],
+                                                  recv_free[receiver[i]]))
+        done = start + transfer_s[i]
+        shared = to_decode[i]
+        send_free = send_free.at[sender[i]].set(
+            jnp.where(shared, done, send_free[sender[i]]))
+        recv_free = recv_free.at[receiver[i]].set(
+            jnp.where(shared, done, recv_free[receiver[i]]))
+        return (send_free, recv_free), jnp.where(shared, done,
+                                                 ready[i] + transfer_s[i])
+
+    links = (jnp.full(pre_rows.shape[0], -jnp.inf, dt),
+             jnp.full(dec_rows.shape[0], -jnp.inf, dt))
+    _, done = jax.lax.scan(one, links, order)
+    return jnp.zeros_like(ready).at[order].set(done)
 
 
 def _pick(rows, x):
@@ -108,11 +144,14 @@ def simulate_disaggregated_requests(
     pre = jax.vmap(lambda mine: simulate_requests(
         hw, model, tp, concurrency, token_budget, prefill_stream, CONTINUOUS, inf,
         inf, REJECT, mine, 0, 0.0, prefix_hit_fraction, **kw))(pre_rows)
-    ttft = _pick(pre_rows, pre.ttft_s) + roofline.kv_transfer_s(hw, model, tp, prompt)
 
     to_decode = fits & (output > 1)
-    handed = arrival + ttft
-    dec_rows = _round_robin(handed, to_decode, d, max_decode_instances)
+    ready = arrival + _pick(pre_rows, pre.ttft_s)  # the prefill's end
+    dec_rows = _round_robin(ready, to_decode, d, max_decode_instances)
+    sent = _transfers(ready, roofline.kv_transfer_s(hw, model, tp, prompt),
+                      to_decode, pre_rows, dec_rows)
+    ttft = sent - arrival
+    handed = sent
     decode_stream = Requests(jnp.where(to_decode, handed, 0.0), prompt,
                              jnp.maximum(output - 1.0, 1.0))
     # the decode instance's "TTFT" is the request's first inter-token gap:

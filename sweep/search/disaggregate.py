@@ -14,7 +14,11 @@ and the simulator instead:
    - 1`` tokens after the prefill's first) and one prefill instance ``1 /
    prefill(E[prompt], B)`` (prefill-only chunks at the budget). A setting
    whose decode step exceeds the ITL SLO, or whose zero-load TTFT (prefill +
-   KV transfer) exceeds the TTFT SLO, is dropped. The fewest instances that
+   KV transfer) exceeds the TTFT SLO, is dropped. Each instance's link
+   carries one transfer at a time (``sweep.latency.disaggregated``), so an
+   instance's capacity is also one request per transfer time: a prefill
+   instance is busy ``max(prefill, transfer)`` per request, a decode
+   instance ``max(1 / its rate, transfer)``. The fewest instances that
    keep each pool below ``UTILIZATION_MAX`` of its capacity, ``p0`` and
    ``d0``, and the two next counts of each give nine P:D ratios; per
    candidate x ratio the setting with the most headroom is kept.
@@ -72,7 +76,7 @@ class Deployment:
     decode_instances: int
     concurrency: int  # max_num_seqs of every instance
     token_budget: int  # max_num_batched_tokens of every instance
-    prefill_utilization: float  # offered / roofline capacity of the pool
+    prefill_utilization: float  # offered / roofline capacity of the pool (link too)
     decode_utilization: float
     zero_load_ttft_s: float  # roofline: prefill of the mean prompt + transfer
     itl_s: float  # roofline: the decode-only step at N
@@ -131,22 +135,28 @@ def enumerate_deployments(job) -> list[Deployment]:
         prefill = np.asarray(roofline.chunked_prefill(
             hw, model, tp, 0.0, 0.0, prompt, B, 0.0,
             roofline.cached_prefix_tokens(prompt, hit))[0], float)
-        ttft0 = prefill + float(roofline.kv_transfer_s(hw, model, tp, prompt))
+        transfer = float(roofline.kv_transfer_s(hw, model, tp, prompt))
+        ttft0 = prefill + transfer
+        # an instance's link carries one transfer at a time: per request, a
+        # prefill instance is busy computing or sending, whichever is longer,
+        # and a decode instance decoding or receiving
+        pre_busy = np.maximum(prefill, transfer)
+        dec_busy = np.maximum(1.0 / decode_rps, transfer)
         fits = np.asarray(roofline.kv_fits(hw, model, tp, N, prompt + out_mean + k))
         ok = (fits & (step <= app.slo.itl_p99_s) & (ttft0 <= app.slo.ttft_p99_s)
               & (B >= N * (k + 1.0)))
         usd = cand.hardware.usd_per_gpu_hour
         for i in np.flatnonzero(ok):
-            p0 = max(math.ceil(rate * prefill[i] / UTILIZATION_MAX), 1)
-            d0 = max(math.ceil(rate / (decode_rps[i] * UTILIZATION_MAX)), 1)
+            p0 = max(math.ceil(rate * pre_busy[i] / UTILIZATION_MAX), 1)
+            d0 = max(math.ceil(rate * dec_busy[i] / UTILIZATION_MAX), 1)
             for p in range(p0, p0 + EXTRA_INSTANCES):
                 for d in range(d0, d0 + EXTRA_INSTANCES):
                     if max(p, d) > s.disaggregated_max_instances:
                         continue
                     gpus = cand.tp * (p + d)
                     dep = Deployment(
-                        ci, p, d, int(N[i]), int(B[i]), rate * prefill[i] / p,
-                        rate / (decode_rps[i] * d), float(ttft0[i]), float(step[i]),
+                        ci, p, d, int(N[i]), int(B[i]), rate * pre_busy[i] / p,
+                        rate * dec_busy[i] / d, float(ttft0[i]), float(step[i]),
                         float(cost_per_mtok_usd(usd, gpus, rate * out_mean)),
                         usd * gpus * HOURS_PER_MONTH)
                     key = (ci, p, d)
