@@ -105,8 +105,7 @@ def run(command: str, cache: Path, folder: Path) -> dict:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", WRAPPER, str(report), app,
                            *overrides, f"out={out}"], env=env, capture_output=True,
-                          text=True,
-                          cwd=folder, check=False)
+                          text=True, cwd=folder, check=False)
     wall = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(proc.stderr[-3000:])

@@ -135,8 +135,8 @@ def xla_buffers() -> None:
             plan = part.plan
             compiled = evaluate_region.lower(
                 part.fn, part.axes, part.tables, jnp.zeros(len(plan.shape), jnp.int32),
-                shape=plan.shape, chunks=plan.chunks, table_dims=part.table_dims
-            ).compile()
+                shape=plan.shape, chunks=plan.chunks, table_dims=part.table_dims,
+                flat=part.flat).compile()
             m = compiled.memory_analysis()
             sizes[name] = total = (m.temp_size_in_bytes + m.argument_size_in_bytes
                                    + m.output_size_in_bytes)

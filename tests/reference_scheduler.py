@@ -405,17 +405,17 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
     ready = {i: arrival[i] + first[i][0] for i in served}
     to_decode = sorted((i for i in served if output[i] > 1), key=lambda i: ready[i])
     receiver = {i: k % int(decode_instances) for k, i in enumerate(to_decode)}
+    transfer = {i: prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
+                for i in served}
     send_free = [-math.inf] * int(prefill_instances)
     recv_free = [-math.inf] * int(decode_instances)
     ttft = [math.nan] * n
-    for i in served:
-        transfer = prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
-        ttft[i] = first[i][0] + transfer  # one output token: no shared link
+    for i in served:  # one output token: no shared link
+        ttft[i] = first[i][0] + transfer[i]
     for i in to_decode:
-        transfer = prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
         start = max(ready[i], send_free[sender[i]], recv_free[receiver[i]])
-        send_free[sender[i]] = recv_free[receiver[i]] = start + transfer
-        ttft[i] = start + transfer - arrival[i]
+        send_free[sender[i]] = recv_free[receiver[i]] = start + transfer[i]
+        ttft[i] = start + transfer[i] - arrival[i]
     handed = [arrival[i] + ttft[i] if i in first else math.nan for i in range(n)]
     rest, dec_gaps, *dec = run(int(decode_instances), to_decode, handed, prompt,
                      [o - 1 for o in output], spec_tokens=spec_tokens,

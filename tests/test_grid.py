@@ -203,13 +203,13 @@ def _indices(a, b, c, pair, row, scalar):
 def test_flat_evaluation_gathers_what_the_nested_vmaps_pass():
     """One vmap over the block's points (``Part.flat``, the p99 part's way)
     hands the point function the same axis and table values as the nested
-    vmaps, blocks sticking out of the cube included: integer-valued floats,
-    compared exactly."""
+    vmaps, blocks sticking out of the cube included: multiples of 1/8 that
+    float32 holds exactly, compared exactly."""
     shape = (3, 5, 5)
     axes = tuple(np.arange(n, dtype=np.float32) for n in shape)
     pair = np.arange(3 * 5, dtype=np.float32).reshape(3, 5)  # along axes 0 and 2
-    row = np.arange(5, dtype=np.float32) / 10  # along axis 1
-    tables, table_dims = (pair, row, np.float32(0.5)), ((0, 2), (1,), ())
+    row = np.arange(5, dtype=np.float32) / 8  # along axis 1
+    tables, table_dims = (pair, row, np.float32(0.25)), ((0, 2), (1,), ())
     plan = blocking(shape, 12)
     # the last block along axis 1 sticks out of the cube; batches of 3
     # along axis 2 stick out of every block
@@ -224,7 +224,7 @@ def test_flat_evaluation_gathers_what_the_nested_vmaps_pass():
 
     a, b, c = np.meshgrid(*axes, indexing="ij")
     want = (a * 1e5 + b * 1e4 + c * 1e3 + pair[:, None, :] * 10
-            + row[None, :, None] + 0.5).astype(np.float32)
+            + row[None, :, None] + 0.25).astype(np.float32)
     np.testing.assert_array_equal(cube(flat=False), want)
     np.testing.assert_array_equal(cube(flat=True), want)
 

@@ -18,7 +18,7 @@ along, in increasing order.
 
 A part of loop-built point functions (the p99 part: ``Part.flat``) is
 instead evaluated through one ``vmap`` over the block's points
-(``_flat_region``).
+(``_region``).
 
 Every block has the same static shape, so a grid of any size compiles once;
 a block sticking out of the cube repeats the axis's last index there and is
@@ -105,8 +105,6 @@ class Part:
     batch_points: int | None = None  # per compiled call; None: a whole write block
     # the optional variables it computes (``contract.Metric.option``)
     options: frozenset[str] = frozenset()
-    # one vmap over the block's points instead of one per axis (``_flat_region``)
-    flat: bool = False
 
     @property
     def batch(self) -> tuple[int, ...]:
@@ -118,6 +116,13 @@ class Part:
     @property
     def dims(self) -> tuple[str, ...]:
         return contract.dims(self.name)
+
+    @property
+    def flat(self) -> bool:
+        """One vmap over the block's points instead of one per axis
+        (``_region``): the p99 part, whose point functions are built around
+        loops."""
+        return self.name == contract.P99
 
     @property
     def variables(self) -> tuple[contract.Metric, ...]:
@@ -184,16 +189,36 @@ class Named:
 
 def _region(fn: Callable, axes: tuple, tables: tuple, starts, shape, chunks,
             table_dims, flat=False):
-    """``evaluate_region``'s computation (traced, not compiled, here)."""
+    """``evaluate_region``'s computation (traced, not compiled, here).
+
+    Nested, each axis's values are gathered for the block once and each
+    table's on the grid of its axes, and ``fn`` runs under one ``vmap`` per
+    axis. ``flat`` (``Part.flat``): every argument is gathered per point and
+    ``fn`` runs under one ``vmap`` over the block's points. The p99 part's
+    point functions are built around loops (the simulator's
+    ``while_loop``, the surrogate's bisections), whose every operation ends
+    up batched over all the axes anyway, so the nested vmaps save them no
+    arithmetic, while each level batches the loops' bodies again. Measured
+    on the 2-core CPU: tracing a simulated grid of 2 points took 34.0 s
+    nested, 5.0 s flat; a surrogate grid of 48 configurations traced in
+    20.8 s and compiled in 15.7 s nested, 2.0 s and 11.0 s flat; the
+    surrogate's run time on 20,480 configurations was the same (286 and 294
+    configurations/s).
+    """
     idx = [jnp.minimum(starts[d] + jnp.arange(c, dtype=jnp.int32), n - 1)
            for d, (c, n) in enumerate(zip(chunks, shape))]
     if flat:
-        return _flat_region(fn, axes, tables, idx, chunks, table_dims)
+        idx = [g.ravel() for g in jnp.meshgrid(*idx, indexing="ij")]
     args = [jax.tree.map(lambda x, i=i: x[i], axis) for axis, i in zip(axes, idx)]
     for table, dims in zip(tables, table_dims):
-        grids = jnp.ix_(*(idx[d] for d in dims)) if dims else ()
+        rows = [idx[d] for d in dims]
+        grids = (tuple(rows) if flat else jnp.ix_(*rows)) if dims else ()
         args.append(jax.tree.map(lambda x, g=grids: x[g] if g else x, table))
     n = len(axes)
+    if flat:
+        in_axes = (0,) * n + tuple(0 if dims else None for dims in table_dims)
+        out = jax.vmap(fn, in_axes=in_axes)(*args)
+        return jax.tree.map(lambda x: x.reshape(chunks), out)
     for d in reversed(range(n)):
         in_axes = [None] * len(args)
         in_axes[d] = 0
@@ -204,34 +229,10 @@ def _region(fn: Callable, axes: tuple, tables: tuple, starts, shape, chunks,
     return fn(*args)
 
 
-def _flat_region(fn: Callable, axes: tuple, tables: tuple, idx, chunks, table_dims):
-    """``_region`` through one ``vmap`` over the block's points, each argument
-    gathered per point.
-
-    The p99 parts' point functions are built around loops (the simulator's
-    ``while_loop``, the surrogate's bisections), whose every operation ends
-    up batched over all the axes anyway, so the nested vmaps save them no
-    arithmetic, while each level batches the loops' bodies again. Measured
-    on the 2-core CPU: tracing a simulated grid of 2 points took 34.0 s
-    nested, 5.0 s flat; a surrogate grid of 48 configurations traced in
-    20.8 s and compiled in 15.7 s nested, 2.0 s and 11.0 s flat; the
-    surrogate's run time on 20,480 configurations was the same (286 and 294
-    configurations/s)."""
-    per_point = [g.ravel() for g in jnp.meshgrid(*idx, indexing="ij")]
-    args = [jax.tree.map(lambda x, i=i: x[i], axis) for axis, i in zip(axes, per_point)]
-    in_axes = [0] * len(args)
-    for table, dims in zip(tables, table_dims):
-        rows = tuple(per_point[d] for d in dims)
-        args.append(jax.tree.map(lambda x, r=rows: x[r] if r else x, table))
-        in_axes.append(0 if dims else None)
-    out = jax.vmap(fn, in_axes=tuple(in_axes))(*args)
-    return jax.tree.map(lambda x: x.reshape(chunks), out)
-
-
-@partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims"))
+@partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims", "flat"))
 def evaluate_region(fn: Callable, axes: tuple, tables: tuple, starts, *,
                     shape: tuple[int, ...], chunks: tuple[int, ...],
-                    table_dims: tuple[tuple[int, ...], ...]):
+                    table_dims: tuple[tuple[int, ...], ...], flat: bool = False):
     """``fn`` over the block of shape ``chunks`` whose first index is ``starts``.
 
     Args:
@@ -243,11 +244,12 @@ def evaluate_region(fn: Callable, axes: tuple, tables: tuple, starts, *,
       shape: the cube's shape (static).
       chunks: the block's shape (static).
       table_dims: for each table, the axes of its leading dimensions (static).
+      flat: one vmap over the block's points (``Part.flat``; static).
 
     Returns:
       A dict of arrays of shape ``chunks``.
     """
-    return _region(fn, axes, tables, starts, shape, chunks, table_dims)
+    return _region(fn, axes, tables, starts, shape, chunks, table_dims, flat)
 
 
 BLOCKS = "blocks"

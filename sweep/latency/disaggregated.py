@@ -151,8 +151,7 @@ def simulate_disaggregated_requests(
     sent = _transfers(ready, roofline.kv_transfer_s(hw, model, tp, prompt),
                       to_decode, pre_rows, dec_rows)
     ttft = sent - arrival
-    handed = sent
-    decode_stream = Requests(jnp.where(to_decode, handed, 0.0), prompt,
+    decode_stream = Requests(jnp.where(to_decode, sent, 0.0), prompt,
                              jnp.maximum(output - 1.0, 1.0))
     # the decode instance's "TTFT" is the request's first inter-token gap:
     # held to the ITL SLO

@@ -76,7 +76,8 @@ class Deployment:
     decode_instances: int
     concurrency: int  # max_num_seqs of every instance
     token_budget: int  # max_num_batched_tokens of every instance
-    prefill_utilization: float  # offered / roofline capacity of the pool (link too)
+    # offered / the pool's roofline capacity, its links' included
+    prefill_utilization: float
     decode_utilization: float
     zero_load_ttft_s: float  # roofline: prefill of the mean prompt + transfer
     itl_s: float  # roofline: the decode-only step at N
