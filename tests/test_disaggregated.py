@@ -12,6 +12,7 @@ import xarray as xr
 from helpers import (
     KVB,
     assert_matches_reference,
+    chunk_keys,
     chunked,
     compose_app,
     cost_per_mtok,
@@ -454,6 +455,34 @@ def test_neither_deployment_meets_the_slo_is_one_line_and_exit_3(tmp_path):
     assert not out.exists()
 
 
+# --- the surrogate's pools (sweep.latency.disaggregated.pools) -----------------
+
+
+def test_pools_surrogate_at_zero_load_by_hand():
+    """No traffic, 1,500-token prompts and 200-token outputs: TTFT = the
+    prompt's prefill alone (one chunk of the 2,048 budget) + its KV transfer;
+    ITL = one decode alone; E2E = TTFT + the decode instance's own first
+    token (the prompt's last 12 tokens after the 1,488 received, in whole
+    16-token blocks) + 198 decodes."""
+    from sweep.latency.disaggregated import pool_workloads, pools
+    from sweep.latency.workload import WorkloadTables
+
+    wl = pool_workloads(WorkloadTables("fixed", np.array([1500.0]), np.array([1.0]),
+                                       np.array([200.0]), np.array([1.0])), False)
+    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(LINK))
+    out = jax.jit(pools)(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0,
+                         1e-6, 1.0, 2.0)
+    prefill = step(1500, 0, chunk_keys(1500, 0)) + 1500 * KVB / LINK
+    ctx = float(wl.decode.decode_context_tokens)
+    assert 1500 < ctx < 1700  # the prompt and half the output, about
+    first = step(12, 1488, chunk_keys(12, 1488))
+    np.testing.assert_allclose(float(out["ttft_p50_s"]), prefill, rtol=2e-3)
+    np.testing.assert_allclose(float(out["itl_p50_s"]), decode(1, ctx), rtol=1e-2)
+    np.testing.assert_allclose(float(out["e2e_p50_s"]),
+                               prefill + first + 198 * decode(1, ctx), rtol=1e-2)
+    assert int(out["status"]) == 0 and float(out["utilization"]) < 1e-4
+
+
 # --- sweep-grid's p99 part (sweep.latency.p99) ---------------------------------
 
 P99_RATE, P99_REQUESTS = 8.0, 200
@@ -466,8 +495,8 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
     float32 as users run it. The simulator: each point's p99s are its own
     deployment's, against the Python reference (float64) on the same stream
     (the aggregated engine's, and 1 prefill + 2 decode instances'). The
-    surrogate models one aggregated engine: a disaggregated point is NaN
-    with status ``unmodelled`` and never meets the SLO."""
+    surrogate: a disaggregated point is its pools' (by hand in
+    ``test_pools_surrogate_at_zero_load_by_hand``)."""
     from helpers import h100, itl_bound_s, qwen3_8b
     from reference_scheduler import simulate_disaggregated_reference, simulate_reference
 
@@ -489,9 +518,12 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
     assert ds.ttft_p99_s.dims == ("disaggregated",)
     agg, dis = ds.sel(disaggregated=0), ds.sel(disaggregated=1)
     if method == "surrogate":
-        assert int(agg.latency_status) == 0 and bool(agg.slo_met)
-        assert int(dis.latency_status) == status.UNMODELLED and not bool(dis.slo_met)
-        assert np.isnan(float(dis.ttft_p99_s)) and np.isnan(float(dis.itl_p99_s))
+        for point in (agg, dis):
+            assert int(point.latency_status) == status.OK and bool(point.slo_met)
+        # the decode pool's steps carry no prefill chunk; its prompt's KV
+        # arrives after a transfer (4.4 ms here)
+        assert float(dis.itl_p99_s) < float(agg.itl_p99_s)
+        assert float(dis.ttft_p50_s) > PROMPT * KVB / LINK
         return
     app = compose_app("grid", overrides)
     key = jax.random.split(jax.random.key(app.seed), 1)[0]

@@ -3,9 +3,9 @@
 A status is an int32 bit mask: 0 is ok, and each set bit says one thing
 about how the figures were obtained (the CF convention for independent flags,
 ``flag_masks`` with ``flag_meanings``, CF Conventions 1.11, sec. 3.5). The
-simulator sets ``RAN_OUT``, ``OVERSIZE`` and ``SLOTS_SHORT``; the surrogate
-sets ``SATURATED`` and ``KV_INFEASIBLE``; either sets ``UNMODELLED`` on a point
-it does not model. The cube's ``latency_status``
+simulator sets ``RAN_OUT``, ``OVERSIZE``, ``SLOTS_SHORT`` and ``UNMODELLED``
+(a point it does not model); the surrogate sets ``SATURATED`` and
+``KV_INFEASIBLE``. The cube's ``latency_status``
 variable carries ``cf_attrs()``.
 """
 
@@ -31,10 +31,9 @@ FLAGS: dict[int, tuple[str, str]] = {
                 "surrogate's utilisation >= 1): waits grow without bound"),
     KV_INFEASIBLE: ("kv_infeasible", "not one average request's KV fits beside the "
                     "weights"),
-    UNMODELLED: ("unmodelled", "this latency model does not cover the point (the "
-                 "surrogate: disaggregated prefill/decode; the simulator: "
-                 "disaggregated pools without continuous batching); metrics are "
-                 "NaN"),
+    UNMODELLED: ("unmodelled", "this latency model does not cover the point "
+                 "(the simulator: disaggregated pools without continuous "
+                 "batching); metrics are NaN"),
 }
 """bit -> (name, message)."""
 

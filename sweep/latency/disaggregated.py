@@ -33,12 +33,20 @@ received KV again (as prefix caching's blocks), which is kinder than a real
 KV consumer, which recomputes it; a request whose prompt does not fit a
 decode instance's KV is admitted alone and flagged, as in one engine.
 Prefill and decode instances share the point's tensor parallelism.
+
+``pools`` gives the same deployment's figures from the surrogate
+(``sweep.latency.surrogate``), one aggregated-engine surrogate per pool on
+the pool's share of the rate (module ``pools``' docstring).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sweep.latency.arrivals import Requests
 from sweep.latency.simulate import (
@@ -49,7 +57,8 @@ from sweep.latency.simulate import (
     simulate_requests,
     summarize,
 )
-from sweep.latency.workload import context_limit
+from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
+from sweep.latency.workload import WorkloadTables, context_limit
 from sweep.model import roofline
 from sweep.model.batching import CONTINUOUS
 from sweep.model.params import REJECT, TRUNCATE
@@ -193,3 +202,91 @@ def simulate_disaggregated(hw, model, tp, concurrency, token_budget,
         hw, model, tp, concurrency, token_budget, requests, prefill_instances,
         decode_instances, ttft_slo_s, itl_slo_s, overlong, spec_tokens,
         spec_acceptance, prefix_hit_fraction, **static))
+
+
+# --- the surrogate's two pools -------------------------------------------------
+
+RECEIVED_FRACTION = 0.999
+"""The share of a prompt a decode instance holds on arrival, as the
+surrogate's prefix hit fraction: all of it but the last block's remainder
+(``roofline.cached_prefix_tokens`` keeps whole 16-token blocks), which the
+instance computes in place of the simulator's one last token."""
+
+
+class PoolWorkloads(NamedTuple):
+    """The surrogate's summaries of what each pool serves."""
+
+    prefill: LatencyWorkload  # every prompt, one output token
+    decode: LatencyWorkload  # every prompt in KV, output - 1 tokens to make
+
+
+def pool_workloads(served: WorkloadTables, joint: bool) -> PoolWorkloads:
+    """``PoolWorkloads`` of the requests a model serves (``served_tables``);
+    ``joint``: from the recorded (prompt, output) pairs. A request of one
+    output token counts as a one-token decode (the simulator sends it no
+    further): the decode pool's load errs high."""
+    def outputs(values):
+        return np.maximum(values, 1.0)
+
+    pairs = served.pairs if joint else None
+    one = replace(served, output_values=np.ones(1), output_probs=np.ones(1))
+    rest = replace(served, output_values=outputs(served.output_values - 1.0))
+    return PoolWorkloads(
+        latency_workload(one, pairs=None if pairs is None else np.stack(
+            [pairs[:, 0], np.ones(len(pairs))], axis=1)),
+        latency_workload(rest, pairs=None if pairs is None else np.stack(
+            [pairs[:, 0], outputs(pairs[:, 1] - 1.0)], axis=1)))
+
+
+def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
+          mean_output_tokens, arrival_rate_per_s, prefill_instances,
+          decode_instances, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, spec_tokens=0.0,
+          spec_acceptance=0.0, prefix_hit_fraction=0.0) -> dict:
+    """A disaggregated deployment's figures from the surrogate, per pool.
+
+    * the prefill pool: ``p`` engines each offered ``lam / p`` (a Poisson
+      split; the simulator deals the stream round-robin, whose arrivals are
+      more regular, so queueing, and the TTFT, err high beyond one
+      instance), every request one output token; its TTFT per prompt band
+      plus that band's KV transfer (``roofline.kv_transfer_s``) is the TTFT;
+    * the decode pool: ``d`` engines each offered ``lam / d``, each prompt
+      held in KV on arrival (``RECEIVED_FRACTION`` as a prefix hit) and
+      ``output - 1`` tokens to make; its ITL is the deployment's. Its own
+      first token (the wait for a slot: a gap in the simulator's ITL) is
+      held to the ITL SLO in the goodput, as in the simulator, but is not in
+      the ITL percentiles, and links are not shared (no wait for a link).
+
+    E2E percentiles add the pools' (an upper bound at p99), the achieved
+    rate is the smaller pool's and goodput counts the requests that meet
+    the TTFT SLO in the first pool and the ITL SLO in the second, taken as
+    independent. Returns the keys of ``surrogate``'s dict.
+    """
+    p = jnp.maximum(jnp.floor(prefill_instances), 1.0)
+    d = jnp.maximum(jnp.floor(decode_instances), 1.0)
+    transfer = roofline.kv_transfer_s(hw, model, tp, wl.prefill.prompt_tokens)
+    pre = surrogate(hw, model, wl.prefill, tp, concurrency, token_budget,
+                    arrival_rate_per_s / p, ttft_slo_s, jnp.inf,
+                    prefix_hit_fraction=prefix_hit_fraction, ttft_delay_s=transfer)
+    dec = surrogate(hw, model, wl.decode, tp, concurrency, token_budget,
+                    arrival_rate_per_s / d, itl_slo_s, itl_slo_s, spec_tokens,
+                    spec_acceptance, RECEIVED_FRACTION)
+
+    def share(r):  # of the requests offered to the pool
+        return r["goodput_req_per_s"] / jnp.maximum(r["achieved_req_per_s"], 1e-30)
+
+    rate = jnp.minimum(pre["achieved_req_per_s"] * p, dec["achieved_req_per_s"] * d)
+    return {
+        "ttft_p50_s": pre["ttft_p50_s"], "ttft_p99_s": pre["ttft_p99_s"],
+        "itl_p50_s": dec["itl_p50_s"], "itl_p99_s": dec["itl_p99_s"],
+        "e2e_p50_s": pre["ttft_p50_s"] + dec["e2e_p50_s"],
+        "e2e_p99_s": pre["ttft_p99_s"] + dec["e2e_p99_s"],
+        "output_tokens_per_s": rate * mean_output_tokens,
+        "achieved_req_per_s": rate,
+        "goodput_req_per_s": rate * share(pre) * share(dec),
+        "utilization": jnp.maximum(pre["utilization"], dec["utilization"]),
+        "slot_utilization": dec["slot_utilization"],
+        "prefill_utilization": pre["prefill_utilization"],
+        "mean_itl_s": dec["mean_itl_s"],
+        "mean_running": p * pre["mean_running"] + d * dec["mean_running"],
+        "status": pre["status"] | dec["status"],
+    }

@@ -18,9 +18,9 @@ roofline-only axes (context, long prompt, traffic): its variables live on
   (``sweep.latency.disaggregated``) over the same stream; continuous batching
   only (other batching modes are ``UNMODELLED`` there).
 * ``latency=surrogate``: ``sweep.latency.surrogate.surrogate``, closed forms for
-  continuous batching; static and request-at-a-time points are NaN there, and
-  so are disaggregated points (``latency_status`` ``UNMODELLED``: the
-  surrogate models one aggregated engine).
+  continuous batching; static and request-at-a-time points are NaN there.
+  A disaggregated point is the surrogate of each of its pools
+  (``sweep.latency.disaggregated.pools``).
   With ``grid.sensitivity=true`` each point also carries the elasticities of
   its p99 TTFT and ITL to the hardware and calibration constants.
 
@@ -58,7 +58,11 @@ from sweep.cube import contract
 from sweep.cube import status as flags
 from sweep.grid.evaluate import Part, blocking, write_blocking
 from sweep.latency.arrivals import workload_requests
-from sweep.latency.disaggregated import simulate_disaggregated
+from sweep.latency.disaggregated import (
+    pool_workloads,
+    pools,
+    simulate_disaggregated,
+)
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables, served_tables
@@ -139,29 +143,45 @@ class SurrogatePoint:
     """One configuration through the surrogate (continuous batching only).
 
     ``served`` describes the requests this model serves of the workload,
-    ``rejected`` the share it rejects; the served ones arrive at
-    ``arrival_rate_per_s * (1 - rejected)``. The ``workload`` axis's own
-    input is unused (the tables carry the workload). With ``sensitivity``
-    the p99s' elasticities too (``sweep.model.sensitivity.differences``),
-    NaN where the surrogate's status is not ok (saturated, infeasible).
+    ``pooled`` the same requests as a disaggregated deployment's pools see
+    them (``sweep.latency.disaggregated.pool_workloads``), ``rejected`` the
+    share it rejects; the served ones arrive at ``arrival_rate_per_s * (1 -
+    rejected)``. The ``workload`` axis's own input is unused (the tables
+    carry the workload). Which surrogates are compiled is static:
+    ``aggregated`` when the grid lists aggregated points, ``pools`` when it
+    lists disaggregated ones. With ``sensitivity`` the p99s' elasticities
+    too (``sweep.model.sensitivity.differences``), NaN where the
+    surrogate's status is not ok (saturated, infeasible).
     """
 
     sensitivity: bool = False
+    aggregated: bool = True
+    pools: bool = False
 
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
                  prefill_instances, decode_instances, arrival_rate_per_s, served,
-                 rejected, prefix_hit, slo):
-        del workload, prefill_instances, decode_instances
+                 pooled, rejected, prefix_hit, slo):
+        del workload
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
                                        spec_proposer, spec_tokens)
         hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
+        rate = arrival_rate_per_s * (1.0 - rejected)
+        split = disaggregated > 0
 
         def figures(hw):
-            r = dict(surrogate(hw, model, served, tensor_parallel, concurrency,
-                               token_budget, arrival_rate_per_s * (1.0 - rejected),
-                               slo[0], slo[1], spec_tokens, spec_acceptance, hit))
+            if self.aggregated:
+                r = dict(surrogate(hw, model, served, tensor_parallel, concurrency,
+                                   token_budget, rate, slo[0], slo[1], spec_tokens,
+                                   spec_acceptance, hit))
+            if self.pools:
+                d = pools(hw, model, tensor_parallel, concurrency, token_budget,
+                          pooled, served.mean_output_tokens, rate, prefill_instances,
+                          decode_instances, slo[0], slo[1], spec_tokens,
+                          spec_acceptance, hit)
+                r = (jax.tree.map(lambda a, b: jnp.where(split, b, a), r, d)
+                     if self.aggregated else d)
             return {f: r[f] for f in _P99S}, r
 
         if self.sensitivity:
@@ -169,30 +189,40 @@ class SurrogatePoint:
         else:
             r, elasticity = figures(hardware)[1], {}
         r["rejected_fraction"] = rejected
-        # one aggregated engine: a disaggregated point is not modelled
-        split = disaggregated > 0
-        r["status"] = jnp.where(split, flags.UNMODELLED, r["status"])
         ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
-              & is_continuous(batching) & (rejected < 1.0) & ~split)
+              & is_continuous(batching) & (rejected < 1.0))
         # a saturated point's p99 grows without bound: no elasticity
         steady = ok & (r["status"] == flags.OK)
         return (_summary(r, slo, ok, r["status"])
                 | {k: jnp.where(steady, v, jnp.nan) for k, v in elasticity.items()})
 
 
-def served_workload(tables: WorkloadTables, workload: Workload,
-                    model: Model) -> tuple[LatencyWorkload, float]:
-    """The surrogate's summary of the requests ``model`` serves, and the share
-    it rejects (``sweep.latency.workload.served_tables``).
-
-    Under exact replay the summary takes the trace's recorded (prompt, output)
-    pairs (their joint law); sampled streams draw the lengths independently.
-    """
+def served_requests(tables: WorkloadTables, workload: Workload,
+                    model: Model) -> tuple[WorkloadTables, bool, float]:
+    """The length tables of the requests ``model`` serves, whether they pair
+    prompts with outputs as recorded (exact replay), and the share rejected
+    (``sweep.latency.workload.served_tables``)."""
     exact = workload.replay == Replay.exact
     served, rejected = served_tables(
         tables, float(model.max_context_tokens),
         workload.overlong == Overlong.truncate, exact)
-    return latency_workload(served, pairs=served.pairs if exact else None), rejected
+    return served, exact, rejected
+
+
+def served_workload(tables: WorkloadTables, workload: Workload,
+                    model: Model) -> tuple[LatencyWorkload, float]:
+    """The surrogate's summary of the requests ``model`` serves, and the share
+    it rejects (``served_requests``).
+
+    Under exact replay the summary takes the trace's recorded (prompt, output)
+    pairs (their joint law); sampled streams draw the lengths independently.
+    """
+    served, joint, rejected = served_requests(tables, workload, model)
+    return _summary_of(served, joint), rejected
+
+
+def _summary_of(served: WorkloadTables, joint: bool) -> LatencyWorkload:
+    return latency_workload(served, pairs=served.pairs if joint else None)
 
 
 def _rates(app: GridApp, workloads) -> np.ndarray:
@@ -245,13 +275,21 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
         # resumed run restarts) one compiled block at a time
         plan, batch_points = blocking(shape, batch), None
     else:
-        served = [[served_workload(t, w, m) for w, t in zip(workloads, tables)]
+        split = app.grid.axes["disaggregated"]
+        fn = SurrogatePoint(app.grid.sensitivity, aggregated=min(split) == 0,
+                            pools=max(split) > 0)
+        served = [[served_requests(t, w, m) for w, t in zip(workloads, tables)]
                   for m in models]
-        fn = SurrogatePoint(app.grid.sensitivity)
+
+        def by_model_workload(summary):
+            return (stack([stack([summary(*s) for s in row]) for row in served]),
+                    ("model", "workload"))
+
         lookups = {
-            "served": (stack([stack([lw for lw, _ in row]) for row in served]),
-                       ("model", "workload")),
-            "rejected": (np.array([[r for _, r in row] for row in served], np.float32),
+            "served": by_model_workload(lambda t, joint, _: _summary_of(t, joint)),
+            # the pools' summaries, read only where the grid has such points
+            "pooled": by_model_workload(lambda t, joint, _: pool_workloads(t, joint)),
+            "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
             "prefix_hit": prefix_hit, "slo": (slo, ())}
         workload_input = np.zeros(len(workloads), np.float32)

@@ -906,7 +906,8 @@ def cached_workload(wl: LatencyWorkload, hit_fraction):
 
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
-              spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0):
+              spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
+              ttft_delay_s=0.0):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -926,6 +927,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       prefix_hit_fraction: prefix caching (``cached_workload``): each
         prompt's prefill computes only what follows its cached prefix, as
         chunks that read the prefix. 0: off.
+      ttft_delay_s: added to every TTFT after the engine's first token, per
+        prompt band (``(J,)``) or one for all: a disaggregated prefill
+        instance's KV transfer (``sweep.latency.disaggregated.pools``). 0: none.
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
@@ -966,7 +970,13 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
     wait = _wait(st, wl, slots, queue, gap_s, per_token)
-    ttft_band, ttft_lo, ttft_hi = _ttft(st, wait, wl, n, lam, per_token)
+    engine_ttft_band, ttft_lo, ttft_hi = _ttft(st, wait, wl, n, lam, per_token)
+    delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)
+
+    def ttft_band(t):  # as engine_ttft_band: t of shape (..., 1) -> (..., J)
+        return engine_ttft_band(t - delay.reshape((1,) * (t.ndim - 1) + (-1,)))
+
+    ttft_hi = ttft_hi + jnp.max(delay)
     ttft_p50, ttft_p99 = quantile(lambda t: ttft_band(t[:, None]) @ w, _LEVELS,
                                   ttft_lo, ttft_hi)
 
