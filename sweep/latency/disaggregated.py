@@ -206,6 +206,10 @@ def simulate_disaggregated(hw, model, tp, concurrency, token_budget,
 
 # --- the surrogate's two pools -------------------------------------------------
 
+
+def _unstack(out: dict) -> tuple[dict, dict]:
+    return tuple({k: v[i] for k, v in out.items()} for i in range(2))
+
 RECEIVED_FRACTION = 0.999
 """The share of a prompt a decode instance holds on arrival, as the
 surrogate's prefix hit fraction: all of it but the last block's remainder
@@ -225,17 +229,16 @@ def pool_workloads(served: WorkloadTables, joint: bool) -> PoolWorkloads:
     ``joint``: from the recorded (prompt, output) pairs. A request of one
     output token counts as a one-token decode (the simulator sends it no
     further): the decode pool's load errs high."""
-    def outputs(values):
-        return np.maximum(values, 1.0)
+    def summary(pool_output):
+        """The summary with each request's output ``pool_output(output)``."""
+        pairs = (np.stack([served.pairs[:, 0], pool_output(served.pairs[:, 1])],
+                          axis=1) if joint else None)
+        return latency_workload(
+            replace(served, output_values=pool_output(served.output_values)),
+            pairs=pairs)
 
-    pairs = served.pairs if joint else None
-    one = replace(served, output_values=np.ones(1), output_probs=np.ones(1))
-    rest = replace(served, output_values=outputs(served.output_values - 1.0))
-    return PoolWorkloads(
-        latency_workload(one, pairs=None if pairs is None else np.stack(
-            [pairs[:, 0], np.ones(len(pairs))], axis=1)),
-        latency_workload(rest, pairs=None if pairs is None else np.stack(
-            [pairs[:, 0], outputs(pairs[:, 1] - 1.0)], axis=1)))
+    return PoolWorkloads(summary(np.ones_like),
+                         summary(lambda o: np.maximum(o - 1.0, 1.0)))
 
 
 def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
@@ -264,12 +267,20 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     p = jnp.maximum(jnp.floor(prefill_instances), 1.0)
     d = jnp.maximum(jnp.floor(decode_instances), 1.0)
     transfer = roofline.kv_transfer_s(hw, model, tp, wl.prefill.prompt_tokens)
-    pre = surrogate(hw, model, wl.prefill, tp, concurrency, token_budget,
-                    arrival_rate_per_s / p, ttft_slo_s, jnp.inf,
-                    prefix_hit_fraction=prefix_hit_fraction, ttft_delay_s=transfer)
-    dec = surrogate(hw, model, wl.decode, tp, concurrency, token_budget,
-                    arrival_rate_per_s / d, itl_slo_s, itl_slo_s, spec_tokens,
-                    spec_acceptance, RECEIVED_FRACTION)
+
+    def pair(prefill, decode):
+        return jnp.stack(jnp.broadcast_arrays(prefill, decode))
+
+    # one surrogate batched over the two pools: two calls traced (and
+    # compiled) it twice
+    pre, dec = _unstack(jax.vmap(
+        lambda w, *a: surrogate(hw, model, w, tp, concurrency, token_budget, *a))(
+            jax.tree.map(pair, wl.prefill, wl.decode),
+            pair(arrival_rate_per_s / p, arrival_rate_per_s / d),
+            pair(ttft_slo_s, itl_slo_s), pair(jnp.inf, itl_slo_s),
+            pair(0.0, spec_tokens), pair(0.0, spec_acceptance),
+            pair(prefix_hit_fraction, RECEIVED_FRACTION),
+            pair(transfer, jnp.zeros_like(transfer))))
 
     def share(r):  # of the requests offered to the pool
         return r["goodput_req_per_s"] / jnp.maximum(r["achieved_req_per_s"], 1e-30)
