@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 
 # --- hand calculations --------------------------------------------------------
@@ -348,3 +350,26 @@ def shared_data_dir() -> Path | None:
 
 
 SHARED_DATA = shared_data_dir()
+
+
+def conversation_stream(rng, num, block=16):
+    """Multi-turn sessions: each turn's prompt extends its session's last
+    prompt, so its hashes extend the last turn's (prefix-chained); a few
+    requests share a system prompt's blocks."""
+    sessions, next_hash = [], 1000
+    hashes, prompts, outputs = [], [], []
+    system = list(range(1, 4))
+    for _ in range(num):
+        if sessions and rng.random() < 0.6:
+            s = sessions[rng.integers(len(sessions))]
+        else:
+            s = {"hashes": list(system) if rng.random() < 0.5 else []}
+            sessions.append(s)
+        grow = int(rng.integers(1, 6))
+        s["hashes"] = s["hashes"] + list(range(next_hash, next_hash + grow))
+        next_hash += grow
+        prompt = len(s["hashes"]) * block - int(rng.integers(0, block))
+        hashes.append(np.array(s["hashes"]))
+        prompts.append(prompt)
+        outputs.append(int(rng.integers(1, 40)))
+    return hashes, np.array(prompts, float), np.array(outputs, float)

@@ -43,6 +43,14 @@ of steps, no histograms), plus the simulator's documented choices:
   cache whenever it is admitted (readmissions too): they are held in KV and
   count as prefilled, so its chunks start after them and read them.
 
+* a prefix cache of the trace's block hashes (``prefix_cache`` = (hashes,
+  block tokens)): at a request's first admission its cached prefix is its
+  leading hashed blocks found in an LRU cache (an ``OrderedDict`` of
+  blocks and their tokens, at most the KV capacity), at most its prompt less
+  one token; then its blocks, and one block of the rest of its KV (prompt
+  tail and output), become the most recent and the least recent are evicted
+  while the cache holds more than the capacity. A truncated prompt shares
+  no block; a readmission keeps the hit.
 * per-request cached tokens (``cached_tokens``, overriding the hit fraction):
   a request's first ``cached_tokens[i]`` prompt tokens are in KV whenever it
   is admitted, as above (a disaggregated decode instance receives the
@@ -68,6 +76,7 @@ Step times come from a small float64 copy of the roofline formulas
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -166,6 +175,7 @@ class _Req:
     generated: int = 0  # tokens in the KV cache beyond the prompt (padding too)
     need: int = 0  # tokens this prefill holds (prompt + emitted)
     hit: int = 0  # of them, the cached prefix (never computed)
+    truncated: bool = False  # the prompt was cut to the context
     prefilled: int = 0
     decoding: bool = False
     finished: bool = False
@@ -173,6 +183,36 @@ class _Req:
     e2e_s: float = math.nan
     last_token_s: float = math.nan
     gaps: list = field(default_factory=list)
+
+
+class LRUCache:
+    """Blocks by hash (tokens each), least recently used first."""
+
+    def __init__(self, hashes, block_tokens, capacity):
+        self.hashes, self.block, self.capacity = hashes, block_tokens, capacity
+        self.blocks: OrderedDict = OrderedDict()
+        self.tokens = 0
+
+    def _use(self, key, size):
+        self.tokens -= self.blocks.pop(key, 0)
+        self.blocks[key] = size
+        self.tokens += size
+
+    def admit(self, r) -> int:
+        """The request's cached prefix; then its blocks are the most recent."""
+        own = [] if r.truncated else list(self.hashes[r.index])
+        sizes = [min(self.block, r.prompt - j * self.block) for j in range(len(own))]
+        found = 0
+        for h, size in zip(own, sizes):
+            if h not in self.blocks:
+                break
+            found += size
+        for h, size in zip(own, sizes):
+            self._use(h, size)
+        self._use(("rest", r.index), r.prompt - sum(sizes) + r.tokens)
+        while self.tokens > self.capacity:
+            self.tokens -= self.blocks.popitem(last=False)[1]
+        return min(found, r.prompt - 1)
 
 
 @dataclass
@@ -194,9 +234,11 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                        prompt_tokens, output_tokens, batching=CONTINUOUS,
                        max_context_tokens=math.inf, truncate=False,
                        spec_tokens=0, spec_acceptance=0.0,
-                       prefix_hit_fraction=0.0, cached_tokens=None) -> ReferenceResult:
+                       prefix_hit_fraction=0.0, cached_tokens=None,
+                       prefix_cache=None) -> ReferenceResult:
     """Runs the scheduler one step at a time until every request has finished."""
     cap = kv_capacity_tokens(hw, model, tp)
+    lru = None if prefix_cache is None else LRUCache(*prefix_cache, capacity=cap)
     k = int(spec_tokens)
     gain = sum(float(spec_acceptance) ** j for j in range(k + 1))
     conc = 1 if batching == REQUEST else int(concurrency)
@@ -214,6 +256,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
                 continue
             r.prompt = max(int(max_context_tokens) - r.output, 1)
             r.output = min(r.output, int(max_context_tokens) - r.prompt)
+            r.truncated = True
         r.tokens = r.output  # static batches reserve KV for their tokens
         if k > 0:
             r.output = 1 + math.ceil((r.output - 1) / gain)  # deliveries
@@ -270,7 +313,12 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
             if not fits and running:
                 break
             oversize |= not fits
-            (preempted.pop() if preempted else waiting.pop(0))
+            if preempted:
+                preempted.pop()
+            else:
+                waiting.pop(0)
+                if lru is not None:
+                    head.hit = head.prefilled = lru.admit(head)
             running.append(head)
             if not continuous:
                 batch_prompt += head.prompt

@@ -18,6 +18,7 @@ import pytest
 from helpers import (
     assert_itl_percentiles,
     assert_matches_reference,
+    conversation_stream,
     grid_inputs,
     h100,
     qwen3_8b,
@@ -26,6 +27,7 @@ from reference_scheduler import simulate_reference, step_time_s
 
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import ArrivalKind
+from sweep.latency import prefix_cache
 from sweep.latency import simulate as sim
 from sweep.latency.arrivals import Requests, sample_requests
 from sweep.latency.simulate import (
@@ -64,24 +66,26 @@ def sim64():
     run's percentiles are checked against the physical floor."""
     @jax.jit
     def run(hw, model, conc, budget, arrival, prompt, output, batching, ttft_slo,
-            itl_slo, overlong, mine, spec_tokens, spec_acceptance, hit):
+            itl_slo, overlong, mine, spec_tokens, spec_acceptance, hit, cached):
         return simulate_requests(hw, model, 1.0, conc, budget,
                                  Requests(arrival, prompt, output), batching,
                                  ttft_slo, itl_slo, overlong, mine, spec_tokens,
-                                 spec_acceptance, hit, max_slots=SLOTS)
+                                 spec_acceptance, hit, cached, max_slots=SLOTS)
 
     def call(arrival, prompt, output, conc=8, budget=512, batching=CONTINUOUS,
              memory_bytes=80e9, ttft_slo=np.inf, itl_slo=np.inf,
              max_context_tokens=np.inf, overlong=REJECT, mine=None, spec_tokens=0,
-             spec_acceptance=0.0, prefix_hit_fraction=0.0):
+             spec_acceptance=0.0, prefix_hit_fraction=0.0, cached_tokens=None):
         mine = np.ones(len(arrival), bool) if mine is None else mine
+        cached = np.zeros(len(arrival)) if cached_tokens is None else cached_tokens
         with jax.enable_x64(True):
             out = run(h100(np.float64, memory_bytes),
                       qwen3_8b(np.float64, max_context_tokens),
                       np.float64(conc), np.float64(budget), arrival, prompt, output,
                       np.int32(batching), np.float64(ttft_slo), np.float64(itl_slo),
                       np.int32(overlong), mine, np.float64(spec_tokens),
-                      np.float64(spec_acceptance), np.float64(prefix_hit_fraction))
+                      np.float64(spec_acceptance), np.float64(prefix_hit_fraction),
+                      np.asarray(cached, np.float64))
             out = jax.tree.map(np.asarray, out)
         assert_above_floor(out, h100(np.float64, memory_bytes),
                            qwen3_8b(np.float64, max_context_tokens), 1.0, prompt,
@@ -202,6 +206,47 @@ def test_prefix_caching_matches_reference(sim64, seed, batching, conc, budget, m
     off = simulate_reference(h100(np.float64, memory), qwen3_8b(np.float64), 1.0,
                              conc, budget, arrival, prompt, output, batching)
     assert np.percentile(ref.ttft_s, 99) < np.percentile(off.ttft_s, 99)
+
+
+LRU_CASES = [
+    # (seed, concurrency, budget, KV tokens, context limit, overlong): caches
+    # of 500-900 tokens evict blocks a larger one would find (not seed 42);
+    # a 150-token context rejects or truncates
+    (40, 8, 512, 500, np.inf, REJECT),
+    (41, 4, 128, 900, np.inf, REJECT),
+    (42, 8, 256, 700, 150.0, REJECT),
+    (43, 8, 256, 700, 150.0, TRUNCATE),
+]
+
+
+@pytest.mark.parametrize("seed,conc,budget,kv_tokens,context,overlong", LRU_CASES)
+def test_lru_prefix_cache_matches_reference(sim64, seed, conc, budget, kv_tokens,
+                                            context, overlong):
+    """A trace's block hashes through an LRU cache of the KV capacity: the
+    one-pass table's hits fed to the simulator, against the reference, whose
+    ``OrderedDict`` cache finds them at each admission."""
+    rng = np.random.default_rng(seed)
+    hashes, prompt, output = conversation_stream(rng, R)
+    arrival = np.cumsum(rng.exponential(1.0 / 20.0, R))
+    memory = WEIGHTS + KV_BYTES * kv_tokens
+    p, o, served = context_limit(prompt, output, context, overlong == TRUNCATE)
+    table = prefix_cache.lru_table(hashes, p, o, served, p == prompt, 16)
+    with jax.enable_x64(True):
+        capacity = float(roofline.kv_capacity_tokens(
+            h100(np.float64, memory), qwen3_8b(np.float64), 1.0))
+    assert capacity == kv_tokens
+    cached = prefix_cache.cached_tokens(table, capacity, xp=np)
+    ttft_slo, itl_slo = 1.0, 0.05
+    got = sim64(arrival, prompt, output, conc, budget, CONTINUOUS, memory, ttft_slo,
+                itl_slo, context, overlong, cached_tokens=cached)
+    ref = simulate_reference(h100(np.float64, memory), qwen3_8b(np.float64, context),
+                             1.0, conc, budget, arrival, prompt, output, CONTINUOUS,
+                             context, overlong == TRUNCATE,
+                             prefix_cache=(hashes, 16))
+    assert_matches_reference(got, ref, ttft_slo, itl_slo, budget)
+    unbounded = prefix_cache.cached_tokens(table, np.inf, xp=np)
+    assert 0 < cached.sum() <= unbounded.sum()
+    assert (cached.sum() < unbounded.sum()) == (seed != 42)
 
 
 def test_prefix_caching_by_hand(sim64):

@@ -271,6 +271,15 @@ class Trace:
     )
     prompt_column: str = ""
     output_column: str = ""
+    hash_column: str = field(
+        default="",
+        metadata={"help": "a list column: one hash per block of hash_block_tokens "
+                  "prompt tokens (equal hashes, equal prefixes), e.g. hash_ids; with "
+                  "prefix caching on, the hits come from an LRU cache of them"},
+    )
+    hash_block_tokens: int = field(
+        default=0, metadata={"help": "prompt tokens per hashed block (needed with "
+                             "hash_column; the trace's publisher gives it)"})
 
 
 @dataclass
@@ -314,6 +323,20 @@ class Workload:
         _check(isinstance(h, (int, float)) and not isinstance(h, bool)
                and math.isfinite(h) and 0 <= h < 1, f"{p}.prefix_hit_fraction", h,
                "must be a finite number in [0, 1)")
+        if self.trace is not None and self.trace.hash_column:
+            t = self.trace
+            _check(isinstance(t.hash_block_tokens, int)
+                   and not isinstance(t.hash_block_tokens, bool)
+                   and 1 <= t.hash_block_tokens <= MAX_TOKENS,
+                   f"{p}.trace.hash_block_tokens", t.hash_block_tokens,
+                   f"hash_column needs the tokens per hashed block, an integer in "
+                   f"[1, {MAX_TOKENS}]")
+            _check(self.replay == Replay.exact, f"{p}.replay", self.replay.value,
+                   "block hashes belong to their rows: hash_column needs "
+                   "replay=exact")
+            _check(h == 0, f"{p}.prefix_hit_fraction", h,
+                   "the hits come from the trace's block hashes (hash_column); "
+                   "leave prefix_hit_fraction at 0")
         if self.replay == Replay.exact:
             _check(self.prompt.kind == LengthKind.trace
                    and self.output.kind == LengthKind.trace, f"{p}.replay", "exact",

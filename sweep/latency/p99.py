@@ -24,6 +24,12 @@ roofline-only axes (context, long prompt, traffic): its variables live on
   With ``grid.sensitivity=true`` each point also carries the elasticities of
   its p99 TTFT and ITL to the hardware and calibration constants.
 
+Prefix caching from a trace's block hashes (``workload.trace.hash_column``):
+the simulator takes each request's hits from an LRU cache the size of the
+configuration's KV capacity, the surrogate the share of prompt tokens it
+finds (``sweep.latency.prefix_cache``, over the replayed stream as each model
+serves it).
+
 Context limit: a request whose prompt + output exceeds the model's
 ``max_context_tokens`` is rejected (``workload.overlong=reject``) or has its
 prompt cut (``truncate``), per model (``sweep.latency.workload.context_limit``). The
@@ -63,6 +69,12 @@ from sweep.latency.disaggregated import (
     pools,
     simulate_disaggregated,
 )
+from sweep.latency.prefix_cache import (
+    CacheTable,
+    padded_curves,
+    stream_table,
+)
+from sweep.latency.prefix_cache import cached_tokens as prefix_cache_hits
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables, served_tables
@@ -106,16 +118,20 @@ class SimulatePoint:
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
                  prefill_instances, decode_instances, arrival_rate_per_s, requests,
-                 prefix_hit, slo):
+                 prefix_hit, prefix_cache, slo):
         del arrival_rate_per_s  # the requests arrive at it already
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
                                        spec_proposer, spec_tokens)
         hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
         engine = (hardware, model, tensor_parallel, concurrency, token_budget, requests)
-        ok = roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0
+        capacity = roofline.kv_capacity_tokens(hardware, model, tensor_parallel)
+        ok = capacity >= 1.0
+        # an LRU cache of the trace's block hashes, where the workload has them
+        cached = jnp.where(prefix_caching > 0,
+                           prefix_cache_hits(prefix_cache, capacity), 0.0)
         if self.aggregated:
             r = simulate(*engine, batching, slo[0], slo[1], workload, None,
-                         spec_tokens, spec_acceptance, hit,
+                         spec_tokens, spec_acceptance, hit, cached,
                          max_slots=self.max_slots)._asdict()
         if self.max_prefill_instances:
             d = simulate_disaggregated(
@@ -162,11 +178,14 @@ class SurrogatePoint:
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
                  prefill_instances, decode_instances, arrival_rate_per_s, served,
-                 pooled, rejected, prefix_hit, slo):
+                 pooled, rejected, prefix_hit, prefix_curve, slo):
         del workload
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
                                        spec_proposer, spec_tokens)
-        hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
+        # or the share an LRU cache of the trace's block hashes finds
+        capacity = roofline.kv_capacity_tokens(hardware, model, tensor_parallel)
+        lru = roofline.lru_hit_fraction(capacity, *prefix_curve)
+        hit = jnp.where(prefix_caching > 0, jnp.maximum(prefix_hit, lru), 0.0)
         rate = arrival_rate_per_s * (1.0 - rejected)
         split = disaggregated > 0
 
@@ -225,6 +244,34 @@ def _summary_of(served: WorkloadTables, joint: bool) -> LatencyWorkload:
     return latency_workload(served, pairs=served.pairs if joint else None)
 
 
+def lru_cache(tables: WorkloadTables, workload: Workload, model: Model,
+              num_requests: int):
+    """``prefix_cache.stream_table`` of a workload with block hashes as
+    ``model`` serves it; ``None`` for one without."""
+    if tables.pair_hashes is None:
+        return None
+    return stream_table(tables, num_requests, float(model.max_context_tokens),
+                        workload.overlong == Overlong.truncate)
+
+
+def _padded_tables(caches, num_requests: int) -> CacheTable:
+    """Rows of ``lru_cache`` results as one ``(M, W, R, K)`` table: no hit
+    where a workload has no hashes (its hit fraction rules) or no more blocks."""
+    width = max([c[0].need_tokens.shape[1] for row in caches for c in row
+                 if c is not None], default=1)
+    need = np.full((len(caches), len(caches[0]), num_requests, width), np.inf,
+                   np.float32)
+    cached = np.zeros(need.shape, np.float32)
+    for i, row in enumerate(caches):
+        for j, c in enumerate(row):
+            if c is not None:
+                k = c[0].need_tokens.shape[1]
+                need[i, j, :, :k] = c[0].need_tokens
+                cached[i, j, :, :k] = c[0].cached_tokens
+                cached[i, j, :, k:] = c[0].cached_tokens[:, -1:]
+    return CacheTable(need, cached)
+
+
 def _rates(app: GridApp, workloads) -> np.ndarray:
     if "arrival_rate_per_s" in app.grid.axes:
         return np.asarray(app.grid.axes["arrival_rate_per_s"])
@@ -251,6 +298,9 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
     # each workload's prefix hit fraction, used where prefix_caching is on
     prefix_hit = (np.array([w.prefix_hit_fraction for w in workloads], np.float32),
                   ("workload",))
+    # an LRU cache of a trace's block hashes (workload.trace.hash_column)
+    caches = [[lru_cache(t, w, m, app.latency.num_requests) for w, t in
+               zip(workloads, tables)] for m in models]
     if method == LatencyMethod.simulate:
         keys = jax.random.split(jax.random.key(app.seed), len(workloads))
         streams = [[workload_requests(k, w, t, app.latency.num_requests, r)
@@ -269,7 +319,10 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
         overlong = np.array([OVERLONG.index(w.overlong.value) for w in workloads],
                             np.int32)
         lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
-                   "prefix_hit": prefix_hit, "slo": (slo, ())}
+                   "prefix_hit": prefix_hit,
+                   "prefix_cache": (_padded_tables(caches, app.latency.num_requests),
+                                    ("model", "workload")),
+                   "slo": (slo, ())}
         workload_input = overlong
         # a simulated block takes seconds or more: its chunk is written (and a
         # resumed run restarts) one compiled block at a time
@@ -291,7 +344,12 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
             "pooled": by_model_workload(lambda t, joint, _: pool_workloads(t, joint)),
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
-            "prefix_hit": prefix_hit, "slo": (slo, ())}
+            "prefix_hit": prefix_hit,
+            "prefix_curve": (tuple(x.reshape(len(models), len(workloads), -1)
+                                   for x in padded_curves([c and c[1] for row in caches
+                                                           for c in row])),
+                             ("model", "workload")),
+            "slo": (slo, ())}
         workload_input = np.zeros(len(workloads), np.float32)
         plan, batch_points = write_blocking(shape, batch), batch
     # the simulator's percentiles are order statistics and histogram bins:

@@ -47,7 +47,8 @@ step-by-step reference):
   they count in the KV the request holds, but its prefill computes only the
   rest, as chunks whose cached prefix starts at them (their KV is read and
   attended to, not recomputed). A readmitted (preempted) request finds them
-  again.
+  again. Per-request cached prefixes (``cached_tokens``: an LRU cache of a
+  trace's block hashes, ``sweep.latency.prefix_cache``) count the same way.
 * static batching (``transformers.generate`` style): a batch of up to
   ``concurrency`` arrived requests is admitted only when nothing runs,
   reserving ``sum(prompt) + size * max(output)`` KV tokens, so it never
@@ -1102,7 +1103,7 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
 def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Requests,
                       batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
                       overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
-                      prefix_hit_fraction=0.0, cached_tokens=None, *, max_slots: int,
+                      prefix_hit_fraction=0.0, cached_tokens=0.0, *, max_slots: int,
                       max_iterations: int | None = None,
                       turns_per_check: int = 64) -> SimOutcome:
     """Simulates one configuration and keeps per-request results.
@@ -1138,11 +1139,12 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         whole 16-token blocks (``roofline.cached_prefix_tokens``) are held
         in KV and read, not computed; the prompt's chunks start after them.
         A preempted request finds them again when readmitted. 0: off.
-      cached_tokens: optional ``(R,)``: each prompt's tokens already in KV at
-        admission, in place of the hit fraction's (at most the prompt less
-        one: the last prompt token is computed and emits the first token);
-        a disaggregated decode instance receives ``P - 1`` of them
-        (``sweep.latency.disaggregated``).
+      cached_tokens: ``(R,)`` or a scalar: each prompt's tokens already in KV
+        at admission, where more than the hit fraction's (at most the prompt
+        less one: the last prompt token is computed and emits the first
+        token); a disaggregated decode instance receives ``P - 1`` of them
+        (``sweep.latency.disaggregated``), an LRU prefix cache of a trace's
+        block hashes finds its hits (``sweep.latency.prefix_cache``).
       max_slots: static size of the slot arrays: the largest concurrency of a
         grid is always exact. A smaller size is faster under light load; if
         the slots ever fill up below the configuration's concurrency, status
@@ -1188,10 +1190,10 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         output_tokens=output[order].astype(jnp.int32),
         num_served=served.sum(dtype=jnp.int32),
         spec_tokens=spec_k.astype(jnp.int32), spec_gain=gain.astype(dt),
-        hit=(roofline.cached_prefix_tokens(prompt, jnp.asarray(prefix_hit_fraction, dt))
-             if cached_tokens is None else
-             jnp.clip(jnp.round(jnp.asarray(cached_tokens, dt)), 0.0, prompt - 1.0)
-             )[order].astype(jnp.int32),
+        hit=jnp.maximum(
+            roofline.cached_prefix_tokens(prompt, jnp.asarray(prefix_hit_fraction, dt)),
+            jnp.clip(jnp.round(jnp.asarray(cached_tokens, dt)), 0.0, prompt - 1.0)
+        )[order].astype(jnp.int32),
     )
     init = _initial(num_req, max_slots, dt)
 
@@ -1336,7 +1338,7 @@ def pool(outcomes: SimOutcome, rows) -> SimOutcome:
 def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
              batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
              overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
-             prefix_hit_fraction=0.0, *, max_slots: int,
+             prefix_hit_fraction=0.0, cached_tokens=0.0, *, max_slots: int,
              max_iterations: int | None = None,
              turns_per_check: int = 64) -> SimResult:
     """Simulates one configuration; see ``simulate_requests`` for the arguments.
@@ -1347,6 +1349,6 @@ def simulate(hw, model, tp, concurrency, token_budget, requests: Requests,
     outcome = simulate_requests(
         hw, model, tp, concurrency, token_budget, requests, batching, ttft_slo_s,
         itl_slo_s, overlong, mine, spec_tokens, spec_acceptance, prefix_hit_fraction,
-        max_slots=max_slots,
+        cached_tokens, max_slots=max_slots,
         max_iterations=max_iterations, turns_per_check=turns_per_check)
     return summarize(outcome)

@@ -54,6 +54,8 @@ class TraceData:
 
     arrival_s: np.ndarray | None
     columns: dict[str, np.ndarray]
+    # each row's block hashes (``Trace.hash_column``), None without that column
+    hashes: list[np.ndarray] | None = None
 
 
 def resolve_trace_path(path: str, data_dir: str | None = None) -> Path:
@@ -185,7 +187,7 @@ def load_trace(trace: Trace, data_dir: str | None = None) -> TraceData:
     df, lines = _frame(path, trace.format)
     header = list(df.columns)
     wanted = [c for c in (trace.timestamp_column, trace.prompt_column,
-                          trace.output_column) if c]
+                          trace.output_column, trace.hash_column) if c]
     missing = [c for c in wanted if c not in header]
     if missing:
         raise ConfigError(
@@ -209,7 +211,33 @@ def load_trace(trace: Trace, data_dir: str | None = None) -> TraceData:
                 raise ConfigError(f"{col.key}: every length is 0; a trace needs rows "
                                   "of >= 1 token (0 marks a failed request)")
             lengths[c] = v
-    return TraceData(arrival_s=arrival, columns=lengths)
+    hashes = None
+    if trace.hash_column:
+        col = _Column(df, lines, trace.hash_column, path)
+        hashes = _hash_lists(col)
+        if trace.prompt_column:
+            blocks = np.ceil(lengths[trace.prompt_column] / trace.hash_block_tokens)
+            col.refuse(np.array([len(h) for h in hashes]) > blocks,
+                       f"more hashes than the prompt's blocks of "
+                       f"{trace.hash_block_tokens} tokens ({trace.prompt_column})")
+    return TraceData(arrival_s=arrival, columns=lengths, hashes=hashes)
+
+
+def _hash_lists(col: _Column) -> list[np.ndarray]:
+    """A list column (JSON arrays; a CSV cell holds one as text) as int arrays."""
+    out, bad = [], np.zeros(len(col.raw), bool)
+    for i, v in enumerate(col.raw):
+        if isinstance(v, str):
+            try:
+                v = json.loads(v) if v.strip() else []
+            except json.JSONDecodeError:
+                v = None
+        ok = isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in v)
+        bad[i] = not ok
+        out.append(np.asarray(v if ok else [], np.int64))
+    col.refuse(bad, "not a list of integer hashes")
+    return out
 
 
 def lognormal_mu(mean_tokens: float, sigma: float) -> float:
@@ -266,6 +294,9 @@ class WorkloadTables:
     pair_arrival_s: np.ndarray | None = None
     # share of each prompt in the prefix cache when caching is on
     prefix_hit_fraction: float = 0.0
+    # each pair's block hashes (``Trace.hash_column``), aligned with ``pairs``
+    pair_hashes: tuple[np.ndarray, ...] | None = None
+    hash_block_tokens: int = 0
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -297,7 +328,7 @@ def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
     pv, pp = length_table(w.prompt, prompt)
     ov, op = length_table(w.output, output)
     arrival = trace.arrival_s if trace is not None else None
-    pairs = pair_arrival = None
+    pairs = pair_arrival = pair_hashes = None
     if w.prompt.kind == LengthKind.trace and w.output.kind == LengthKind.trace:
         kept = (prompt >= 1) & (output >= 1)
         if not kept.any():
@@ -306,6 +337,8 @@ def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
                 f"{w.trace.prompt_column} and a {w.trace.output_column} of >= 1 "
                 "token (0 marks a failed request)")
         pairs = np.stack([prompt[kept], output[kept]], axis=1)
+        if trace.hashes is not None:
+            pair_hashes = tuple(h for h, k in zip(trace.hashes, kept) if k)
         if arrival is not None:
             pair_arrival = arrival[kept] - arrival[kept][0]
     if w.arrival == ArrivalKind.trace:
@@ -313,7 +346,8 @@ def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
         if w.replay == Replay.exact:
             _check_span(pair_arrival, w, "the rows with both lengths >= 1 are")
     return WorkloadTables(w.name, pv, pp, ov, op, arrival, pairs, pair_arrival,
-                          float(w.prefix_hit_fraction))
+                          float(w.prefix_hit_fraction), pair_hashes,
+                          w.trace.hash_block_tokens if pair_hashes else 0)
 
 
 def context_limit(prompt, output, max_context_tokens, truncate, xp=np):
@@ -384,4 +418,5 @@ def served_tables(tables: WorkloadTables, max_context_tokens: float, truncate: b
     pv, pp_ = _table(p[served], w[served])
     ov, op = _table(o[served], w[served])
     return replace(tables, prompt_values=pv, prompt_probs=pp_, output_values=ov,
-                   output_probs=op, pairs=pairs, pair_arrival_s=pair_arrival), rejected
+                   output_probs=op, pairs=pairs, pair_arrival_s=pair_arrival,
+                   pair_hashes=None), rejected  # hashes no longer align

@@ -90,13 +90,24 @@ def disaggregated_figures(hw, model, wl: WorkloadParams, pt: GridPoint,
         output_tokens_per_s=requests_per_s * wl.mean_output_tokens)
 
 
+def _hit(hw, model, wl: WorkloadParams, pt: GridPoint):
+    """The share of each prompt in the prefix cache: the workload's hit
+    fraction, or what an LRU cache of its trace's block hashes finds in this
+    configuration's KV capacity; 0 with caching off."""
+    lru = roofline.lru_hit_fraction(
+        roofline.kv_capacity_tokens(hw, model, pt.tensor_parallel),
+        wl.lru_capacity_tokens, wl.lru_share)
+    return jnp.where(pt.prefix_caching > 0,
+                     jnp.maximum(wl.prefix_hit_fraction, lru), 0.0)
+
+
 def _deployment(hw, model, wl, pt: GridPoint, static_utilization):
     """``(decode figures, disaggregated figures, deployment output rate, its
     GPUs)``: the aggregated engine's rate and ``tp`` GPUs, exactly, unless
     the point is disaggregated."""
     decode = _decode(hw, model, pt, static_utilization)
-    hit = jnp.where(pt.prefix_caching > 0, wl.prefix_hit_fraction, 0.0)
-    cached = roofline.cached_prefix_tokens(wl.mean_prompt_tokens, hit)
+    cached = roofline.cached_prefix_tokens(wl.mean_prompt_tokens,
+                                           _hit(hw, model, wl, pt))
     dis = disaggregated_figures(hw, model, wl, pt, decode[-1], cached)
     split = jnp.asarray(pt.disaggregated) > 0
     return (decode, dis, jnp.where(split, dis.output_tokens_per_s, decode[-1]),
@@ -138,7 +149,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     split = jnp.asarray(pt.disaggregated) > 0
     # with prefix caching each prompt's first h P tokens (whole blocks) are
     # read from the cache, not computed; input tokens count the cached ones
-    hit = jnp.where(pt.prefix_caching > 0, wl.prefix_hit_fraction, 0.0)
+    hit = _hit(hw, model, wl, pt)
     cached = roofline.cached_prefix_tokens(wl.mean_prompt_tokens, hit)
     prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens, cached,
                                      pt.spec_tokens)

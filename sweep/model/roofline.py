@@ -390,6 +390,15 @@ def cached_prefix_tokens(prompt_tokens, hit_fraction):
     return blocks * PREFIX_BLOCK_TOKENS
 
 
+def lru_hit_fraction(capacity_tokens, curve_capacity_tokens, curve_share):
+    """The share of prompt tokens an LRU prefix cache of ``capacity_tokens``
+    finds: the step function ``(curve_capacity_tokens, curve_share)``
+    (``sweep.latency.prefix_cache.hit_curve``) at it."""
+    k = jnp.searchsorted(jnp.asarray(curve_capacity_tokens), capacity_tokens,
+                         side="right")
+    return jnp.asarray(curve_share)[jnp.maximum(k - 1, 0)]
+
+
 def chunk_attention_keys(chunk_tokens, cached_tokens):
     """Keys a causal chunk of ``m`` new tokens after ``p`` cached ones attends to."""
     return chunk_tokens * cached_tokens + chunk_tokens * (chunk_tokens + 1.0) / 2.0

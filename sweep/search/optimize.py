@@ -143,6 +143,13 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"{dict(s.optimizer_options)}: not an optax optimizer alias with these "
             f"options ({e})") from None
     check_tensor_parallel("search.tensor_parallel", s.tp_values, hardware, models)
+    trace = app.workload.trace
+    if trace is not None and trace.hash_column:
+        raise ConfigError(
+            f"workload.trace.hash_column = {trace.hash_column!r}: sweep-optimize has "
+            "no LRU prefix cache of block hashes yet (sweep-grid has); allowed: "
+            "workload.trace.hash_column='' with workload.prefix_hit_fraction, the "
+            "share sweep-grid reports")
     tables = workload_tables(app.workload, app.data_dir)
     served = {m.name: served_workload(tables, app.workload, m) for m in models}
     limit = app.slo.max_rejected_fraction

@@ -1,0 +1,228 @@
+"""A prefix cache that emerges from a trace's block hashes (``hash_ids``):
+the one-pass LRU table against a plain ``OrderedDict`` LRU, request by request."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from helpers import (
+    conversation_stream,
+    grid_inputs,
+    h100,
+    optimize_inputs,
+    qwen3_8b,
+    run_script,
+    squeeze_except,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_scheduler import LRUCache, kv_capacity_tokens, simulate_reference
+
+import sweep
+from sweep.latency import prefix_cache
+from sweep.model import roofline
+
+BLOCK = 16
+
+
+def online(hashes, prompts, outputs, served, shared, capacity, block=BLOCK):
+    """The reference's LRU, admitting the requests in order."""
+    lru = LRUCache(hashes, block, capacity)
+    hits = np.zeros(len(hashes))
+    for i in range(len(hashes)):
+        if served[i]:
+            hits[i] = lru.admit(SimpleNamespace(
+                index=i, truncated=not shared[i], prompt=int(prompts[i]),
+                tokens=int(outputs[i])))
+    return hits
+
+
+def check_stream(hashes, prompts, outputs, served, shared, capacities):
+    table = prefix_cache.lru_table(hashes, prompts, outputs, served, shared, BLOCK)
+    curve = prefix_cache.hit_curve(table, prompts, served)
+    for c in capacities:
+        want = online(hashes, prompts, outputs, served, shared, c)
+        got = prefix_cache.cached_tokens(table, c, xp=np)
+        np.testing.assert_array_equal(got, want, err_msg=f"capacity {c}")
+        share = roofline.lru_hit_fraction(c, *curve)
+        assert np.isclose(share, want[served].sum() / prompts[served].sum(),
+                          rtol=1e-6, atol=0), c
+    return table
+
+
+def test_lru_table_is_the_lru_cache_on_conversations():
+    rng = np.random.default_rng(7)
+    hashes, prompts, outputs = conversation_stream(rng, 300)
+    served = rng.random(300) > 0.05
+    shared = rng.random(300) > 0.05
+    capacities = [0, 15, 16, 100, 400, 1000, 3000, 10_000, 1e9]
+    table = check_stream(hashes, prompts, outputs, served, shared, capacities)
+    hits = [prefix_cache.cached_tokens(table, c, xp=np).sum() for c in capacities]
+    # a larger cache never finds less, and these capacities span none to all
+    assert np.all(np.diff(hits) >= 0) and hits[0] == 0 and hits[-1] > 0
+    everything = online(hashes, prompts, outputs, served, shared, 1e9)
+    assert everything.sum() == hits[-1] > 0.5 * prompts[served].sum()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 6), max_size=5),
+                          st.integers(1, 90), st.integers(1, 30), st.booleans(),
+                          st.booleans()), min_size=1, max_size=25),
+       st.lists(st.integers(0, 300), min_size=1, max_size=4))
+def test_lru_table_is_the_lru_cache(rows, capacities):
+    """Any hashes (repeats and shared blocks of other sizes included)."""
+    hashes = [np.array(h[: -(-p // BLOCK)], np.int64) for h, p, *_ in rows]
+    prompts = np.array([r[1] for r in rows], float)
+    outputs = np.array([r[2] for r in rows], float)
+    served = np.array([r[3] or i == 0 for i, r in enumerate(rows)])
+    shared = np.array([r[4] for r in rows])
+    check_stream(hashes, prompts, outputs, served, shared, capacities)
+
+
+# --- through the console script ----------------------------------------------
+
+ROWS, TRACE_BLOCK, UTILIZATION = 200, 512, 0.25
+"""A conversation trace of 200 requests hashed in 512-token blocks, on an
+H100 using a quarter of its memory: TP 1 holds ~24.5k KV tokens, TP 2 ~160k."""
+
+
+def write_trace(path, seed=5):
+    """A JSON-lines trace as some public traces publish one: millisecond
+    timestamps, lengths, and each prompt's block hashes (``hash_ids``)."""
+    rng = np.random.default_rng(seed)
+    hashes, prompts, outputs = conversation_stream(rng, ROWS, TRACE_BLOCK)
+    t = np.cumsum(rng.exponential(400.0, ROWS)).astype(int)
+    with path.open("w") as f:
+        for row in zip(t, prompts, outputs, hashes):
+            f.write(json.dumps({"timestamp": int(row[0]), "input_length": int(row[1]),
+                                "output_length": int(row[2]),
+                                "hash_ids": [int(h) for h in row[3]]}) + "\n")
+    return hashes, prompts, outputs
+
+
+TRACE_WORKLOAD = [
+    "workload=azure_conv_2023", "workload.name=conversations",
+    "workload.trace.format=jsonl", "workload.trace.timestamp_column=timestamp",
+    "workload.trace.timestamp_unit=ms", "workload.trace.prompt_column=input_length",
+    "workload.trace.output_column=output_length",
+    "workload.trace.hash_column=hash_ids",
+    f"workload.trace.hash_block_tokens={TRACE_BLOCK}", "workload.replay=exact",
+    "workload.arrival=trace"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["simulate", "surrogate"])
+def test_sweep_grid_hit_rate_emerges_from_the_trace_and_the_cache(tmp_path, method):
+    """``sweep-grid`` on a trace with block hashes: the hit fraction is the
+    reference LRU cache's at each TP's KV capacity (more memory, more
+    hits), the simulated p99s with caching are the reference scheduler's
+    run of the same stream with its own LRU cache, and the surrogate's p99
+    TTFT falls with caching, the more where the cache finds more."""
+    trace = tmp_path / "conversations.jsonl"
+    hashes, prompts, outputs = write_trace(trace)
+    out = tmp_path / "lru.zarr"
+    proc = run_script("sweep-grid", [
+        "experiment=seed", *TRACE_WORKLOAD, f"workload.trace.path={trace}",
+        f"grid.gpu_memory_utilization={UTILIZATION}", "grid.tensor_parallel=[1,2]",
+        "grid.prefix_caching=[false,true]", "grid.concurrency=[8]",
+        "grid.token_budget=[2048]", "grid.batching=[continuous]",
+        "grid.context_tokens=[1500]", "grid.traffic_tokens_per_day=[1e8]",
+        f"latency={method}", f"latency.num_requests={ROWS}",
+        "grid.arrival_rate_per_s=[2]", f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = squeeze_except(sweep.open_cube(out).load(), "tensor_parallel",
+                        "prefix_caching")
+    mean_prompt = prompts.mean()
+    shares, drops = [], []
+    for tp in (1, 2):
+        hw = h100(memory_bytes=80e9 * UTILIZATION)
+        capacity = kv_capacity_tokens(hw, qwen3_8b(np.float64), tp)
+        hits = online(hashes, prompts, outputs, np.ones(ROWS, bool),
+                      np.ones(ROWS, bool), capacity, TRACE_BLOCK)
+        share = hits.sum() / prompts.sum()
+        shares.append(share)
+        at = ds.sel(tensor_parallel=tp)
+        # the roofline's share is the mean prompt's, in whole 16-token blocks
+        got = float(at.prefix_hit_fraction.sel(prefix_caching=1))
+        assert share - 16 / mean_prompt <= got <= share, (tp, got, share)
+        assert float(at.prefix_hit_fraction.sel(prefix_caching=0)) == 0.0
+        assert int(at.latency_status.sel(prefix_caching=1)) == 0
+        ttft = at.ttft_p99_s.sel(prefix_caching=1) / at.ttft_p99_s.sel(prefix_caching=0)
+        drops.append(float(ttft))
+        if method == "surrogate":
+            continue
+        ref = simulate_reference(
+            hw, qwen3_8b(np.float64), tp, 8, 2048, replayed_arrivals(trace),
+            prompts, outputs, prefix_cache=(hashes, TRACE_BLOCK))
+        np.testing.assert_allclose(
+            [float(at[f"ttft_p{q}_s"].sel(prefix_caching=1)) for q in (50, 99)],
+            np.percentile(ref.ttft_s, [50, 99]), rtol=1e-3)
+        assert float(at.itl_p99_s.sel(prefix_caching=1)) == pytest.approx(
+            np.percentile(ref.itl_s, 99), rel=5e-3)
+    # TP 1's 24.5k tokens evict blocks TP 2's 160k keep
+    assert 0.2 < shares[0] < shares[1] - 0.05
+    assert drops[1] < drops[0] < 1.0
+
+
+def replayed_arrivals(trace):
+    """The stream's arrival times as ``replay_requests`` builds them (the
+    trace's offsets at 2 req/s), float32 as the simulator takes them."""
+    rows = trace.read_text().splitlines()
+    t = np.array([json.loads(line)["timestamp"] for line in rows]) / 1e3
+    t -= t[0]
+    return (t * ((len(t) - 1) / t[-1]) / 2.0).astype(np.float32).astype(np.float64)
+
+
+BAD = [
+    # (override(s), the trace's hash_ids of row 2, the start of the one line)
+    ([], None, None),
+    (["workload.trace.hash_block_tokens=0"], None,
+     "workload[conversations].trace.hash_block_tokens = 0: hash_column needs"),
+    (["workload.replay=sampled"], None,
+     "workload[conversations].replay = 'sampled': block hashes belong"),
+    (["workload.prefix_hit_fraction=0.5"], None,
+     "workload[conversations].prefix_hit_fraction = 0.5: the hits come from"),
+    ([], "[1, 2.5]", "workload.trace[t.jsonl].hash_ids: not a list of integer "
+     "hashes at line 2"),
+    ([], list(range(40)), "workload.trace[t.jsonl].hash_ids: more hashes than the "
+     "prompt's blocks of 512 tokens (input_length) at line 2"),
+    (["grid.disaggregated=[false,true]", "grid.prefix_caching=[true]"], None,
+     "grid.disaggregated = [false, true]: an LRU prefix cache of block hashes"),
+]
+
+
+@pytest.mark.parametrize("overrides,row2,line", BAD)
+def test_bad_hash_input_is_one_line(tmp_path, overrides, row2, line):
+    from sweep.config.schema import ConfigError
+    from sweep.grid import job as grid
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace)
+    if row2 is not None:
+        rows = trace.read_text().splitlines()
+        rows[1] = rows[1].split('"hash_ids"')[0] + f'"hash_ids": {row2}}}'
+        trace.write_text("\n".join(rows) + "\n")
+    args = ["experiment=seed", *TRACE_WORKLOAD, f"workload.trace.path={trace}",
+            "grid.concurrency=[8]", *overrides]
+    if line is None:
+        assert grid.check(*grid_inputs(args))[0].pair_hashes is not None
+        return
+    with pytest.raises(ConfigError) as e:
+        grid.check(*grid_inputs(args))
+    assert str(e.value).startswith(line), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_sweep_optimize_refuses_block_hashes_with_one_line(tmp_path):
+    from sweep.config.schema import ConfigError
+    from sweep.search import optimize
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace)
+    with pytest.raises(ConfigError, match=r"^workload.trace.hash_column = 'hash_ids': "
+                       r"sweep-optimize has no LRU prefix cache"):
+        optimize.prepare(*optimize_inputs([*TRACE_WORKLOAD,
+                                           f"workload.trace.path={trace}"]))
