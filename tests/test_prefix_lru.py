@@ -216,13 +216,75 @@ def test_bad_hash_input_is_one_line(tmp_path, overrides, row2, line):
     assert "\n" not in str(e.value)
 
 
-def test_sweep_optimize_refuses_block_hashes_with_one_line(tmp_path):
+def test_sweep_optimize_refuses_block_hashes_for_pools_with_one_line(tmp_path):
     from sweep.config.schema import ConfigError
     from sweep.search import optimize
 
     trace = tmp_path / "t.jsonl"
     write_trace(trace)
     with pytest.raises(ConfigError, match=r"^workload.trace.hash_column = 'hash_ids': "
-                       r"sweep-optimize has no LRU prefix cache"):
-        optimize.prepare(*optimize_inputs([*TRACE_WORKLOAD,
-                                           f"workload.trace.path={trace}"]))
+                       r"an LRU prefix cache of block hashes is modelled for "
+                       r"aggregated engines only; allowed: search.disaggregated="):
+        optimize.prepare(*optimize_inputs([
+            *TRACE_WORKLOAD, f"workload.trace.path={trace}",
+            "search.disaggregated=[false,true]"]))
+
+
+@pytest.mark.slow
+def test_sweep_optimize_gives_each_replica_its_own_cache(tmp_path):
+    """``sweep-optimize`` on a trace with block hashes: each candidate's
+    searched hit fraction is the reference cache's at its KV capacity over
+    one replica's verification stream; the verification gives every replica
+    an LRU cache of the requests routed to it (two replicas find fewer hits
+    than one cache of the same requests would), and its p99s are the
+    reference scheduler's, replica by replica, pooled."""
+    import jax
+
+    from sweep.search import optimize
+
+    trace = tmp_path / "conversations.jsonl"
+    hashes, prompts, outputs = write_trace(trace)
+    half = ROWS // 2
+    job = optimize.prepare(*optimize_inputs([
+        "hardware=h100_sxm", "model=qwen3_8b", "calibration=roofline",
+        *TRACE_WORKLOAD, f"workload.trace.path={trace}",
+        "workload.arrival_rate_per_s=2", "search.tensor_parallel=[1,2]",
+        f"search.gpu_memory_utilization={UTILIZATION}",
+        f"search.verify_requests={half}"]))
+    assert [c.tp for c in job.candidates] == [1, 2]
+    hw = h100(memory_bytes=80e9 * UTILIZATION)
+    capacity = [kv_capacity_tokens(hw, qwen3_8b(np.float64), tp) for tp in (1, 2)]
+    every = np.ones(ROWS, bool)
+    shares = [online(hashes[:half], prompts[:half], outputs[:half], every, every, c,
+                     TRACE_BLOCK).sum() / prompts[:half].sum() for c in capacity]
+    searched = optimize._candidates(job, 1.0, 0.05).prefix_hit_fraction
+    np.testing.assert_allclose(np.asarray(searched)[:2], shares, rtol=1e-6)
+    assert 0 < shares[0] < shares[1]
+
+    key = jax.random.key(0)
+    configs = [optimize.Config(0, 8, 2048, 1, {}, 0.0, 0.0),
+               optimize.Config(0, 8, 2048, 2, {}, 0.0, 0.0)]
+    got = optimize.simulate_configs(job, configs, key, 2)
+    arrival = np.asarray(optimize.verification_stream(job, key).arrival_s, np.float64)
+    split_hits, one_cache = 0.0, 0.0
+    for cfg, sim in zip(configs, got):
+        n = half * cfg.replicas
+        ttft = []
+        for r in range(cfg.replicas):
+            mine = np.arange(r, n, cfg.replicas)
+            ref = simulate_reference(
+                hw, qwen3_8b(np.float64), 1, 8, 2048, arrival[mine], prompts[mine],
+                outputs[mine], prefix_cache=([hashes[i] for i in mine], TRACE_BLOCK))
+            ttft.append(ref.ttft_s)
+            if cfg.replicas == 2:
+                split_hits += online([hashes[i] for i in mine], prompts[mine],
+                                     outputs[mine], every, every, capacity[0],
+                                     TRACE_BLOCK).sum()
+        np.testing.assert_allclose(
+            [sim["ttft_p50_s"], sim["ttft_p99_s"]],
+            np.percentile(np.concatenate(ttft), [50, 99]), rtol=1e-3)
+        assert sim["status"] == 0 and sim["requests"] == n
+    one_cache = online(hashes, prompts, outputs, every, every, capacity[0],
+                       TRACE_BLOCK).sum()
+    assert split_hits < 0.8 * one_cache
+    assert "--enable-prefix-caching" in optimize.serving_flags(job, configs[0])

@@ -24,7 +24,10 @@
    ``search.routing`` (``sweep.latency.arrivals.route``/``split``); every replica of
    every configuration is one row of one ``jit(vmap)`` call, and the p99s
    are over all of a configuration's requests (``sweep.latency.simulate.pool``),
-   never over one replica fed a stream slowed ``R`` times. A candidate whose
+   never over one replica fed a stream slowed ``R`` times. With a trace's
+   block hashes (``workload.trace.hash_column``) each replica has an LRU
+   prefix cache of the requests routed to it (``sweep.latency.prefix_cache``;
+   the search takes the share one replica's cache finds). A candidate whose
    simulated p99 misses an SLO gets its surrogate target for that metric scaled by
    ``slo / simulated * surrogate / target * tighten_margin`` (the simulator's
    excess, assumed proportional), and the search runs again; rounds stop when
@@ -57,16 +60,18 @@ from sweep.config.schema import (
     Hardware,
     Model,
     OptimizeApp,
+    Overlong,
     check_tensor_parallel,
 )
 from sweep.cube import contract, engines, outputs, status
 from sweep.grid import calibration
 from sweep.grid.plan import optimize_plan
+from sweep.latency import prefix_cache
 from sweep.latency.arrivals import Requests, route, split, workload_requests
 from sweep.latency.p99 import served_workload
 from sweep.latency.simulate import pool, simulate_requests, summarize
 from sweep.latency.surrogate import LatencyWorkload
-from sweep.latency.workload import WorkloadTables, workload_tables
+from sweep.latency.workload import WorkloadTables, context_limit, workload_tables
 from sweep.model import precision, roofline
 from sweep.model.batching import CONTINUOUS
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
@@ -128,6 +133,8 @@ class OptimizeJob:
     settings: descent.Settings
     # the validated configs searched, per axis (provenance of the dataset)
     specs: dict[str, list] = field(default_factory=dict)
+    # LRU prefix-cache tables of the verification stream (``_lru``)
+    lru: dict[tuple, tuple] = field(default_factory=dict)
 
 
 def prepare(app: OptimizeApp, hardware: list[Hardware],
@@ -144,12 +151,11 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"options ({e})") from None
     check_tensor_parallel("search.tensor_parallel", s.tp_values, hardware, models)
     trace = app.workload.trace
-    if trace is not None and trace.hash_column:
+    if trace is not None and trace.hash_column and True in s.disaggregated:
         raise ConfigError(
-            f"workload.trace.hash_column = {trace.hash_column!r}: sweep-optimize has "
-            "no LRU prefix cache of block hashes yet (sweep-grid has); allowed: "
-            "workload.trace.hash_column='' with workload.prefix_hit_fraction, the "
-            "share sweep-grid reports")
+            f"workload.trace.hash_column = {trace.hash_column!r}: an LRU prefix cache "
+            "of block hashes is modelled for aggregated engines only; allowed: "
+            "search.disaggregated=[false]")
     tables = workload_tables(app.workload, app.data_dir)
     served = {m.name: served_workload(tables, app.workload, m) for m in models}
     limit = app.slo.max_rejected_fraction
@@ -256,8 +262,51 @@ def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candid
         itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
         spec_tokens=jnp.asarray([c.spec_tokens for c in cands], f32),
         spec_acceptance=jnp.full(n, job.app.search.spec_acceptance, f32),
-        prefix_hit_fraction=jnp.full(n, job.app.workload.prefix_hit_fraction, f32),
+        prefix_hit_fraction=jnp.asarray(_prefix_hits(job, cands), f32),
     )
+
+
+def caching(job: OptimizeJob) -> bool:
+    """Whether the deployment caches prefixes: a hit fraction, or a trace's
+    block hashes (``sweep.latency.prefix_cache``)."""
+    return (job.app.workload.prefix_hit_fraction > 0
+            or job.tables.pair_hashes is not None)
+
+
+def _capacity_tokens(job: OptimizeJob, cands: list[Candidate]) -> np.ndarray:
+    """Each candidate's KV capacity (tokens), as the simulator computes it."""
+    util = job.app.search.gpu_memory_utilization
+    return np.asarray(jax.vmap(roofline.kv_capacity_tokens)(
+        stack([hardware_params(c.hardware, util) for c in cands]),
+        models_params([c.model for c in cands]),
+        jnp.asarray([c.tp for c in cands], jnp.float32)))
+
+
+def _prefix_hits(job: OptimizeJob, cands: list[Candidate]) -> np.ndarray:
+    """Each candidate's share of prompt tokens in the prefix cache: the
+    workload's hit fraction, or what an LRU cache of the trace's block hashes
+    finds in the candidate's KV capacity over one replica's verification
+    stream (``prefix_cache.hit_curve``; split over replicas, each cache sees
+    fewer of the blocks, which the verification simulates)."""
+    hit = np.full(len(cands), job.app.workload.prefix_hit_fraction)
+    if job.tables.pair_hashes is None:
+        return hit
+    capacity = _capacity_tokens(job, cands)
+    for i, c in enumerate(cands):
+        _, curve = _lru(job, c.model, job.app.search.verify_requests)
+        hit[i] = max(hit[i], float(roofline.lru_hit_fraction(capacity[i], *curve)))
+    return hit
+
+
+def _lru(job: OptimizeJob, model: Model, num_requests: int):
+    """``prefix_cache.stream_table`` of the first ``num_requests`` of the
+    verification stream as ``model`` serves it (cached per model)."""
+    key = (model.name, model.max_context_tokens, num_requests)
+    if key not in job.lru:
+        job.lru[key] = prefix_cache.stream_table(
+            job.tables, num_requests, float(model.max_context_tokens),
+            job.app.workload.overlong == Overlong.truncate)
+    return job.lru[key]
 
 
 @dataclass
@@ -432,22 +481,25 @@ def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: lis
 
 
 @functools.partial(jax.jit, static_argnames=("max_slots",))
-def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, owner, configs,
-                       *, max_slots: int):
+def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, cached, owner,
+                       configs, *, max_slots: int):
     """Every row (one replica's share of a stream), pooled per configuration.
 
     Args:
       rows, requests, mine: per row (leading axis K).
+      cached: per row, each request's cached prefix (tokens) from an LRU cache
+        of the trace's block hashes (0 without them).
       owner: int ``(K,)``, each row's configuration (-1: padding).
       configs: int ``(W,)``, ``arange(W)``.
     """
-    def one(e: Engines, req, mine):
+    def one(e: Engines, req, mine, cached):
         return simulate_requests(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, req, CONTINUOUS,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, mine, e.spec_tokens,
-            shared.spec_acceptance, shared.prefix_hit_fraction, max_slots=max_slots)
+            shared.spec_acceptance, shared.prefix_hit_fraction, cached,
+            max_slots=max_slots)
 
-    pooled = jax.vmap(one)(rows, requests, mine)
+    pooled = jax.vmap(one)(rows, requests, mine, cached)
     return jax.vmap(lambda c: summarize(pool(pooled, owner == c)))(configs)
 
 
@@ -509,13 +561,43 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
     rows, shared = simulation_inputs(
         job, [job.candidates[c.candidate] for c in row_config],
         [c.concurrency for c in row_config], [c.token_budget for c in row_config])
+    cached = np.zeros(mine.shape, np.float32)
+    if job.tables.pair_hashes is not None:
+        capacity = np.asarray(jax.vmap(roofline.kv_capacity_tokens)(
+            rows.hw, rows.model, rows.tp))
+        at = 0
+        for c, r in zip(configs, routes):
+            for replica in range(c.replicas):
+                cached[at] = _replica_hits(job, c, r, replica, capacity[at], length)
+                at += 1
     out = _simulate_replicas(
         rows, shared, jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
-        jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32),
+        jnp.asarray(cached), jnp.asarray(owner, jnp.int32),
+        jnp.arange(width, dtype=jnp.int32),
         max_slots=shapes.slots(max(c.concurrency for c in configs)))
     out = jax.tree.map(np.asarray, out._asdict())
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
             for i, r in enumerate(routes)]
+
+
+def _replica_hits(job: OptimizeJob, c: Config, replicas: np.ndarray, replica: int,
+                  capacity_tokens: float, length: int) -> np.ndarray:
+    """The cached prefixes of one replica's requests (its sub-stream's order,
+    padded to ``length``): its own LRU cache sees only the blocks of the
+    requests routed to it."""
+    t = job.tables
+    mine = np.flatnonzero(replicas == replica)
+    rows = mine % len(t.pairs)
+    model = job.candidates[c.candidate].model
+    prompt, output = t.pairs[rows, 0], t.pairs[rows, 1]
+    limit = float(model.max_context_tokens) or np.inf
+    p, o, served = context_limit(prompt, output, limit,
+                                 job.app.workload.overlong == Overlong.truncate)
+    table = prefix_cache.lru_table([t.pair_hashes[i] for i in rows], p, o, served,
+                                   p == prompt, t.hash_block_tokens)
+    out = np.zeros(length, np.float32)
+    out[:len(mine)] = prefix_cache.cached_tokens(table, capacity_tokens, xp=np)
+    return out
 
 
 def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
@@ -688,8 +770,7 @@ def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
         weight_bytes=_weight_bytes(model_params(cand.model)),
         weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
         spec_tokens=cand.spec_tokens,
-        prefix_caching=job.app.workload.prefix_hit_fraction > 0,
-        draft_model=_draft_hf_id(cand))
+        prefix_caching=caching(job), draft_model=_draft_hf_id(cand))
     return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
 
 
@@ -697,7 +778,7 @@ def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str
     """What ``serving_flags`` cannot say (``sweep.cube.engines.notes``)."""
     cand = job.candidates[c.candidate]
     return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens,
-                         job.app.workload.prefix_hit_fraction > 0, _draft_hf_id(cand))
+                         caching(job), _draft_hf_id(cand))
 
 
 def _weight_bytes(model) -> float:
