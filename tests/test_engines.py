@@ -60,6 +60,14 @@ def test_bench_command():
                  "--goodput ttft:1000 tpot:50", "--metric-percentiles 50,99",
                  "--save-result --save-detailed"):
         assert part in cmd
+    assert "--random-prefix-len" not in cmd
+    # prefix caching: 896 of the 1,500 tokens every prompt shares, 604 random
+    cached = engines.bench_command(hf_id="Qwen/Qwen3-8B", request_rate_per_s=8,
+                                   num_prompts=200, prompt_tokens=1500,
+                                   output_tokens=200, ttft_p99_s=1.0, itl_p99_s=0.05,
+                                   cached_tokens=896.0)
+    assert "--dataset-name random --random-prefix-len 896 --random-input-len 604 " in (
+        cached)
 
 
 def _cli(name: str, weights: str, kv: str) -> str:

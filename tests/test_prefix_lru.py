@@ -288,3 +288,8 @@ def test_sweep_optimize_gives_each_replica_its_own_cache(tmp_path):
                        TRACE_BLOCK).sum()
     assert split_hits < 0.8 * one_cache
     assert "--enable-prefix-caching" in optimize.serving_flags(job, configs[0])
+    # the check command's prompts share TP 1's cached share of the mean prompt
+    shared = int(shares[0] * prompts.mean() // 16 * 16)
+    assert (f"--random-prefix-len {shared} --random-input-len "
+            f"{round(prompts.mean()) - shared} ") in optimize.bench_command(
+                job, configs[0])

@@ -248,15 +248,21 @@ def command_line(values: dict[str, int | float | str]) -> str:
 
 def bench_command(*, hf_id: str, request_rate_per_s: float, num_prompts: int,
                   prompt_tokens: float, output_tokens: float, ttft_p99_s: float,
-                  itl_p99_s: float) -> str:
+                  itl_p99_s: float, cached_tokens: float = 0.0) -> str:
     """A ``vllm bench serve`` run against one replica that checks the
     recommendation: the replica's share of the arrival rate (Poisson, the
     tool's default), prompts and outputs of the workload's mean lengths
     (``random`` dataset), the SLO as ``--goodput`` (milliseconds; vLLM's
     ``tpot``, the mean gap after the first token, stands for the ITL), p50
-    and p99 reported, and a result file ``sweep-calibrate`` reads back."""
+    and p99 reported, and a result file ``sweep-calibrate`` reads back. With
+    ``cached_tokens`` > 0 (prefix caching), each prompt starts with that many
+    tokens every prompt shares (``--random-prefix-len``) and the rest are
+    random, so the server's cache finds that share of each prompt."""
+    shared = round(cached_tokens)
+    prefix = f"--random-prefix-len {shared} " if shared > 0 else ""
     return (f"vllm bench serve --model {hf_id or '<hf-model-id>'} "
-            f"--dataset-name random --random-input-len {round(prompt_tokens)} "
+            f"--dataset-name random {prefix}"
+            f"--random-input-len {round(prompt_tokens) - shared} "
             f"--random-output-len {round(output_tokens)} --num-prompts {num_prompts} "
             f"--request-rate {request_rate_per_s:.4g} "
             f"--goodput ttft:{ttft_p99_s * 1e3:g} tpot:{itl_p99_s * 1e3:g} "

@@ -796,15 +796,20 @@ def _draft_hf_id(cand: Candidate) -> str:
 
 
 def bench_command(job: OptimizeJob, c: Config) -> str:
-    """The ``vllm bench serve`` run that checks ``c`` on one real replica."""
+    """The ``vllm bench serve`` run that checks ``c`` on one real replica; with
+    prefix caching its prompts share the cached prefix of the mean prompt at
+    the candidate's hit fraction (the search's)."""
     w, slo = job.app.workload, job.app.slo
+    cand = job.candidates[c.candidate]
+    prompt = job.tables.mean_prompt_tokens
     return engines.bench_command(
-        hf_id=job.candidates[c.candidate].model.hf_id,
+        hf_id=cand.model.hf_id,
         request_rate_per_s=w.arrival_rate_per_s / c.replicas,
         num_prompts=job.app.search.verify_requests,
-        prompt_tokens=job.tables.mean_prompt_tokens,
-        output_tokens=job.tables.mean_output_tokens,
-        ttft_p99_s=slo.ttft_p99_s, itl_p99_s=slo.itl_p99_s)
+        prompt_tokens=prompt, output_tokens=job.tables.mean_output_tokens,
+        ttft_p99_s=slo.ttft_p99_s, itl_p99_s=slo.itl_p99_s,
+        cached_tokens=float(roofline.cached_prefix_tokens(
+            prompt, _prefix_hits(job, [cand])[0])))
 
 
 def _var(dims, data, name: str, prefix: str = "", source: str = ""):
