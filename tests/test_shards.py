@@ -170,3 +170,29 @@ def test_three_shards_at_once_equal_one_process(reference, tmp_path):
     assert any(p.name.startswith("jit_evaluate_region") for p in cache.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()
                   if p.name not in ("outputs", "jax")) == ["s.zarr"]
+
+
+def test_a_claim_is_whole_when_another_job_reads_it(tmp_path):
+    """A multirun job claims its output with one atomic link of a claim
+    written whole, so the shards of one sweep started together never read
+    an empty claim (which refused them as another job's before); another
+    sweep's job is refused naming the claiming job; no temporary file stays."""
+    out, folder = tmp_path / "s.zarr", tmp_path / "multirun"
+    outputs.claim(out, folder, 0, "out=s.zarr", "sweep-a")
+    outputs.claim(out, folder, 1, "out=s.zarr", "sweep-a")
+    outputs.claim(out, folder, 0, "out=s.zarr")
+    with pytest.raises(outputs.OutputError, match=r"^out=s.zarr: job 0 of this "
+                       r"multirun writes it already"):
+        outputs.claim(out, folder, 2, "out=s.zarr", "sweep-b")
+    (claim,) = folder.iterdir()
+    assert claim.name.startswith(".claim-") and claim.suffix == ".json"
+    # six processes of one sweep claiming at once: every one succeeds
+    code = ("import sys; from pathlib import Path; from sweep.cube import outputs\n"
+            "outputs.claim(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), "
+            "'out', 'sweep-c')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "t.zarr"),
+                               str(folder), str(k)], stderr=subprocess.PIPE,
+                              text=True) for k in range(6)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 6, errors
+    assert len(list(folder.iterdir())) == 2

@@ -397,10 +397,16 @@ def claim(target: Path, folder: Path, job: int, label: str,
     key = hashlib.sha256(str(Path(target).resolve()).encode()).hexdigest()[:16]
     path = Path(folder) / f".claim-{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    # written whole under a name of this process's own, then linked into place:
+    # the link fails if the claim exists, and a job reading a claim never
+    # sees it half written (an empty claim read as another job's refused
+    # shards of one sweep started together)
+    mine = path.with_name(f"{path.name}.{job}.{os.getpid()}")
+    mine.write_text(json.dumps({"job": job, "out": str(target), "sweep": sweep}))
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.link(mine, path)
     except FileExistsError:
-        claimed = json.loads(path.read_text() or "{}")
+        claimed = json.loads(path.read_text())
         other = claimed.get("job")
         if other == job or (sweep is not None and claimed.get("sweep") == sweep):
             return
@@ -409,5 +415,5 @@ def claim(target: Path, folder: Path, job: int, label: str,
             f"{label}: {who} of this multirun writes it already; give each "
             "job its own output, e.g. out='cube_${hydra:job.num}.zarr', or split "
             "one sweep over the jobs with shard=K/N") from None
-    with os.fdopen(fd, "w") as f:
-        json.dump({"job": job, "out": str(target), "sweep": sweep}, f)
+    finally:
+        mine.unlink()
