@@ -175,12 +175,19 @@ def padded_curves(curves) -> tuple[np.ndarray, np.ndarray]:
     return capacity, share
 
 
-def stream_table(tables: WorkloadTables, num_requests: int, max_context_tokens: float,
+def stream_table(tables: WorkloadTables, requests, max_context_tokens: float,
                  truncate: bool) -> tuple[CacheTable, tuple[np.ndarray, np.ndarray]]:
-    """The hit table and curve of a trace replayed exactly (its first
-    ``num_requests`` rows, repeated if shorter, as ``replay_requests`` takes
-    them) through a model's context limit (``context_limit``)."""
-    rows = np.arange(num_requests) % len(tables.pairs)
+    """The hit table and curve of a trace replayed exactly through a model's
+    context limit (``context_limit``).
+
+    Args:
+      requests: the stream's requests, in arrival order: a count (the first
+        rows, repeated if the trace is shorter, as ``replay_requests`` takes
+        them) or the indices into that stream of one cache's requests (a
+        replica's share).
+    """
+    index = np.arange(requests) if np.ndim(requests) == 0 else np.asarray(requests)
+    rows = index % len(tables.pairs)
     prompt, output = tables.pairs[rows, 0], tables.pairs[rows, 1]
     limit = max_context_tokens if max_context_tokens > 0 else np.inf
     served_prompt, served_output, served = context_limit(prompt, output, limit,

@@ -71,7 +71,7 @@ from sweep.latency.arrivals import Requests, route, split, workload_requests
 from sweep.latency.p99 import served_workload
 from sweep.latency.simulate import pool, simulate_requests, summarize
 from sweep.latency.surrogate import LatencyWorkload
-from sweep.latency.workload import WorkloadTables, context_limit, workload_tables
+from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import precision, roofline
 from sweep.model.batching import CONTINUOUS
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
@@ -585,16 +585,11 @@ def _replica_hits(job: OptimizeJob, c: Config, replicas: np.ndarray, replica: in
     """The cached prefixes of one replica's requests (its sub-stream's order,
     padded to ``length``): its own LRU cache sees only the blocks of the
     requests routed to it."""
-    t = job.tables
     mine = np.flatnonzero(replicas == replica)
-    rows = mine % len(t.pairs)
     model = job.candidates[c.candidate].model
-    prompt, output = t.pairs[rows, 0], t.pairs[rows, 1]
-    limit = float(model.max_context_tokens) or np.inf
-    p, o, served = context_limit(prompt, output, limit,
-                                 job.app.workload.overlong == Overlong.truncate)
-    table = prefix_cache.lru_table([t.pair_hashes[i] for i in rows], p, o, served,
-                                   p == prompt, t.hash_block_tokens)
+    table, _ = prefix_cache.stream_table(
+        job.tables, mine, float(model.max_context_tokens),
+        job.app.workload.overlong == Overlong.truncate)
     out = np.zeros(length, np.float32)
     out[:len(mine)] = prefix_cache.cached_tokens(table, capacity_tokens, xp=np)
     return out
