@@ -1,6 +1,6 @@
 """How well three closed forms give the p99 wait of an M/G/1 queue.
 
-The surrogate (``sweep/latency/surrogate.py``, "Waiting") models the prefill server's
+The surrogate (``sweep/latency/surrogate/waiting.py``) models the prefill server's
 wait as: busy with probability ``rho``, then the residual of the prompt in
 service plus an exponential carrying the rest of the Pollaczek-Khinchine
 mean. This script measures that form's p99 against the exact M/G/1 wait

@@ -1,4 +1,4 @@
-"""Agreement of the analytic surrogate (sweep/latency/surrogate.py) with the simulator.
+"""Agreement of the analytic surrogate (sweep/latency/surrogate/) with the simulator.
 
 Runs a validation grid of deployment x workload x concurrency x token budget
 x utilisation through ``sweep.latency.simulate.simulate`` (jit + vmap, Poisson

@@ -22,10 +22,10 @@ from sweep.latency.arrivals import sample_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import (
     BAND_EDGES,
-    _p_wait,
     latency_workload,
     surrogate,
 )
+from sweep.latency.surrogate.waiting import p_wait
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import _numerics as nm
 from sweep.model.params import stack
@@ -303,7 +303,7 @@ def test_wait_probability_is_the_birth_death_chain():
              (200.0, 0.2, 256, 0.85), (0.5, 0.1, 1, 0.5), (3.0, 0.9, 16, 0.4)]
     expected = [_birth_death_p_wait(*x) for x in cases]
     m, theta, c, q = (jnp.asarray(x, jnp.float32) for x in zip(*cases))
-    got = np.asarray(jax.jit(_p_wait)(m, theta, c, q))
+    got = np.asarray(jax.jit(p_wait)(m, theta, c, q))
     # slack(1 - q) is 1 - q + 1e-3 (its floor)
     np.testing.assert_allclose(got, expected, rtol=1e-2)
 
@@ -320,7 +320,7 @@ def test_wait_probability_is_erlang_c_for_constant_holding():
         expected.append(c * b / (c - a * (1.0 - b)))
     with jax.enable_x64(True):  # r = a / theta is 1e6: lgamma needs float64
         c, a = (jnp.asarray(x, jnp.float64) for x in zip(*cases))
-        got = np.asarray(jax.jit(_p_wait)(a, 1e-6, c, a / c))
+        got = np.asarray(jax.jit(p_wait)(a, 1e-6, c, a / c))
     np.testing.assert_allclose(got, expected, rtol=5e-3)
 
 

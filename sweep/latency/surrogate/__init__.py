@@ -1,0 +1,159 @@
+"""Analytic surrogate of the serving simulator: smooth p50/p99 TTFT, ITL and E2E.
+
+One grid point in, scalars out, differentiable in the concurrency, the token
+budget and the arrival rate (the optax search descends it in log space). It
+shares the roofline of ``sweep.model.roofline`` with the simulator and replaces the
+simulation by the approximations of its sections, one module each; their
+agreement with the simulator is measured in ``benchmarks/surrogate_agreement.py``
+(``benchmarks/README.md``). Where an approximation cannot be exact it is
+chosen to err high (a configuration the surrogate accepts should pass the
+simulator).
+
+The sections: ``lengths`` (the band summaries),
+``chunks`` (chunk steps along a prompt), ``state`` (the steady state),
+``waiting`` (the admission and prefill waits) and ``percentiles``
+(TTFT, ITL, E2E and goodput); ``surrogate`` below composes them.
+
+Not modelled: the correlation between consecutive steps' batch sizes; the
+finite horizon of a simulation (past saturation a simulator's p99 TTFT grows
+with the number of requests; here it is a large finite number, growing with
+the overload up to ``rho = 10``); a preempted request's own recompute gap.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sweep.cube import status as flags
+from sweep.latency.surrogate.chunks import prefill_work
+from sweep.latency.surrogate.lengths import (
+    BAND_EDGES,
+    LatencyWorkload,
+    cached_workload,
+    latency_workload,
+    speculative_workload,
+)
+from sweep.latency.surrogate.percentiles import (
+    LEVELS,
+    e2e_quantiles,
+    good_fraction,
+    itl_law,
+    ttft_law,
+)
+from sweep.latency.surrogate.state import (
+    slot_count,
+    solve_decodes,
+    steady_state,
+    tagged_gap_s,
+    throughput,
+)
+from sweep.latency.surrogate.waiting import prefill_wait, slot_queue
+from sweep.model import roofline
+from sweep.model._numerics import quantile
+
+__all__ = ["BAND_EDGES", "LatencyWorkload", "cached_workload", "latency_workload",
+           "speculative_workload", "surrogate"]
+
+
+def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
+              arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
+              spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
+              ttft_delay_s=0.0):
+    """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
+
+    Args:
+      hw, model: ``HardwareParams`` / ``ModelParams`` of the point.
+      wl: the workload's ``LatencyWorkload``.
+      tp: tensor-parallel GPUs.
+      concurrency: most sequences running at once (real-valued: relaxed).
+      token_budget: tokens per step (real-valued: relaxed).
+      arrival_rate_per_s: Poisson arrival rate offered, requests per second.
+      ttft_slo_s, itl_slo_s: the SLOs a good request meets (goodput only;
+        default: none).
+      spec_tokens, spec_acceptance: speculative decoding
+        (``speculative_workload``; every decode step verifies ``k``
+        proposals, ``roofline.verify_step_s``, after the draft model's ``k``
+        steps when ``model`` carries one: ``roofline.with_proposer``); ITL is
+        the gap between deliveries, as in the simulator. 0: off.
+      prefix_hit_fraction: prefix caching (``cached_workload``): each
+        prompt's prefill computes only what follows its cached prefix, as
+        chunks that read the prefix. 0: off.
+      ttft_delay_s: added to every TTFT after the engine's first token, per
+        prompt band (``(J,)``) or one for all: a disaggregated prefill
+        instance's KV transfer (``sweep.latency.disaggregated.pools``). 0: none.
+
+    Returns:
+      A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
+      ``itl_p99_s``, ``e2e_p50_s``, ``e2e_p99_s``, ``output_tokens_per_s``
+      (achieved),
+      ``achieved_req_per_s`` (the offered rate up to the capacity of the
+      slots and of the prefill server), ``goodput_req_per_s`` (achieved
+      requests meeting both SLOs), ``utilization`` (the larger of the slot
+      and prefill-server utilisations; >= 1 is saturated),
+      ``slot_utilization``, ``prefill_utilization``, ``mean_itl_s``,
+      ``mean_running`` and ``status`` (int32 bit mask of ``sweep.cube.status``
+      flags: ``SATURATED``, ``KV_INFEASIBLE``).
+    """
+    dtype = wl.band_probs.dtype
+    tp, conc, budget, lam, ttft_slo_s, itl_slo_s, k, a, h = (
+        jnp.asarray(x, dtype) for x in (tp, concurrency, token_budget,
+                                        arrival_rate_per_s, ttft_slo_s, itl_slo_s,
+                                        spec_tokens, spec_acceptance,
+                                        prefix_hit_fraction))
+    tokens_out = wl.mean_output_tokens
+    wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))
+    wl, cached = cached_workload(wl, h)
+    w = wl.band_probs
+    mean_decodes = wl.mean_output_tokens - 1.0
+    slots, kv_mean_slots = slot_count(hw, model, tp, wl, conc)
+
+    def state(n):
+        return steady_state(hw, model, tp, wl, n, budget, lam, k, cached)
+
+    n, st, d_st = solve_decodes(state, lam, mean_decodes, slots)
+    slot_util, utilization, rate = throughput(st, wl, lam, mean_decodes, slots)
+    gap_s = tagged_gap_s(st, d_st, n, slots)
+    queue = slot_queue(
+        lambda d, rate: steady_state(hw, model, tp, wl, d, budget, rate, k, cached),
+        st, d_st, lam, mean_decodes, slots)
+    _, per_token = jax.jvp(
+        lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
+        (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
+    per_token = jax.lax.stop_gradient(jnp.abs(per_token))
+    wait = prefill_wait(st, wl, slots, queue, gap_s, per_token)
+    engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
+    delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)
+
+    def ttft_band(t):  # as engine_ttft_band: t of shape (..., 1) -> (..., J)
+        return engine_ttft_band(t - delay.reshape((1,) * (t.ndim - 1) + (-1,)))
+
+    ttft_hi = ttft_hi + jnp.max(delay)
+    ttft_p50, ttft_p99 = quantile(lambda t: ttft_band(t[:, None]) @ w, LEVELS,
+                                  ttft_lo, ttft_hi)
+
+    itl_cdf, itl_lo, itl_hi, slow = itl_law(hw, model, tp, wl, st, d_st.pre, n, slots,
+                                            k)
+    itl_p50, itl_p99 = quantile(itl_cdf, LEVELS, itl_lo, itl_hi)
+    e2e_p50, e2e_p99 = e2e_quantiles(ttft_band, wl, gap_s, ttft_lo, ttft_hi)
+    good = good_fraction(ttft_band, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s)
+
+    status = (jnp.where(kv_mean_slots < 1.0, flags.KV_INFEASIBLE, flags.OK)
+              | jnp.where(utilization >= 1.0, flags.SATURATED, flags.OK))
+    return {
+        "ttft_p50_s": ttft_p50,
+        "ttft_p99_s": ttft_p99,
+        "itl_p50_s": itl_p50,
+        "itl_p99_s": itl_p99,
+        "e2e_p50_s": e2e_p50,
+        "e2e_p99_s": e2e_p99,
+        "output_tokens_per_s": rate * tokens_out,
+        "achieved_req_per_s": rate,
+        "goodput_req_per_s": rate * good,
+        "utilization": utilization,
+        "slot_utilization": slot_util,
+        "prefill_utilization": st.prefill_util,
+        "mean_itl_s": gap_s,
+        "mean_running": lam * st.residence_s,
+        "status": status.astype(jnp.int32),
+    }

@@ -1,0 +1,195 @@
+"""The surrogate's length summaries: prompt and output lengths by probability band.
+
+**Lengths** (``latency_workload``). Prompt and output lengths are summarised
+by the conditional means of fixed probability bands (``BAND_EDGES``, finer in
+the upper tail so that p99 is resolved), computed once per workload in NumPy,
+with the joint probability of (prompt band, output band): the product of the
+marginals, or, when a trace's recorded (prompt, output) pairs are given, their
+empirical joint; the decode-context moments follow the same law.
+
+Under speculative decoding (``speculative_workload``) an output is fewer
+deliveries; under prefix caching (``cached_workload``) a prompt's prefill
+computes only what follows its cached prefix.
+"""
+
+from __future__ import annotations
+
+from statistics import NormalDist
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sweep.latency.workload import WorkloadTables
+from sweep.model import roofline
+
+BAND_EDGES = np.array([0.0, 0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85,
+                       0.9, 0.95, 0.97, 0.98, 0.99, 0.995, 0.998, 1.0])
+"""Probability bands of the length summaries: finer where p99 lives."""
+
+Z_EDGES = np.array([NormalDist().inv_cdf(min(max(u, 1e-4), 1 - 1e-4))
+                     for u in BAND_EDGES])
+Z_MID = np.array([NormalDist().inv_cdf(0.5 * (a + b))
+                   for a, b in zip(BAND_EDGES[:-1], BAND_EDGES[1:])])
+
+
+class LatencyWorkload(NamedTuple):
+    """Length statistics the surrogate needs (built by ``latency_workload``)."""
+
+    band_probs: jax.Array  # shape=(J,), probability of each band
+    prompt_tokens: jax.Array  # shape=(J,), mean prompt length in each band
+    prompt_spread_tokens: jax.Array  # shape=(J,), std of the prompt within it
+    output_tokens: jax.Array  # shape=(J,), mean output length in each band
+    joint_probs: jax.Array  # shape=(J, J), P(prompt band, output band)
+    mean_prompt_tokens: jax.Array
+    mean_prompt_sq_tokens: jax.Array  # E[P^2], tokens^2
+    mean_output_tokens: jax.Array
+    output_cv2: jax.Array  # Var(O) / E[O]^2
+    decode_context_tokens: jax.Array  # mean context over all decode steps
+    decode_context_cv: jax.Array  # its coefficient of variation
+    slot_kv_tokens: jax.Array  # mean KV tokens a running request holds
+    slot_kv_cv: jax.Array  # their coefficient of variation (time-weighted)
+
+
+def _membership(values: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """``(V, J)``: the probability of each value that falls in each band."""
+    hi = np.cumsum(probs)
+    lo = hi - probs
+    return np.clip(np.minimum(hi[:, None], BAND_EDGES[None, 1:])
+                   - np.maximum(lo[:, None], BAND_EDGES[None, :-1]), 0.0, None)
+
+
+def _band_stats(values: np.ndarray, member: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Conditional mean and std of each band."""
+    mass = member.sum(axis=0)
+    mean = values @ member / mass
+    var = ((values[:, None] - mean[None]) ** 2 * member).sum(axis=0) / mass
+    return mean, np.sqrt(np.maximum(var, 0.0))
+
+
+def _table(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sorted distinct values of samples, their frequencies, each sample's index."""
+    v, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    return v, counts / counts.sum(), inverse
+
+
+def _sums(d: np.ndarray) -> dict[str, np.ndarray]:
+    """``D`` decode steps and the power sums of their index ``g = 1 .. D``."""
+    return {"D": d, "G1": d * (d + 1) / 2, "G2": d * (d + 1) * (2 * d + 1) / 6}
+
+
+def _context_moments(e: dict[str, float]) -> tuple[float, ...]:
+    """Mean and cv of the decode context and of a running request's KV.
+
+    Decode step ``g = 1 .. D`` of a request runs at context ``P + g``; its
+    slot holds ``P + g`` KV tokens for one step each, ``g = 0 .. D``.
+
+    Args:
+      e: expectations over requests of ``D``, ``G1``, ``G2``, ``P``, ``P2``
+        (``P^2``) and of the products ``PD``, ``PG1``, ``P2D``.
+
+    Returns:
+      ``(context, context_cv, slot_kv, slot_kv_cv)``.
+    """
+    def cv(m1, m2):
+        return float(np.sqrt(max(m2 - m1 * m1, 0.0)) / m1)
+
+    if e["D"] > 0:
+        ctx = (e["PD"] + e["G1"]) / e["D"]
+        ctx2 = (e["P2D"] + 2 * e["PG1"] + e["G2"]) / e["D"]
+    else:  # single-token outputs: no decode step
+        ctx, ctx2 = e["P"], e["P2"]
+    steps = e["D"] + 1.0
+    kv = (e["PD"] + e["P"] + e["G1"]) / steps
+    kv2 = (e["P2D"] + e["P2"] + 2 * e["PG1"] + e["G2"]) / steps
+    return ctx, cv(ctx, ctx2), kv, cv(kv, kv2)
+
+
+def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
+                     pairs: np.ndarray | None = None) -> LatencyWorkload:
+    """Summarises a workload's lengths once, in float64 NumPy.
+
+    Args:
+      tables: the marginal length tables (used when ``pairs`` is None: prompt
+        and output independent).
+      dtype: of the summaries.
+      pairs: optional ``(N, 2)`` recorded (prompt, output) pairs of a trace;
+        when given, every summary comes from them, with the empirical joint
+        of prompt and output bands instead of independence.
+    """
+    if pairs is None:
+        pv, pp = tables.prompt_values, tables.prompt_probs
+        ov, op = tables.output_values, tables.output_probs
+        mp, mo = _membership(pv, pp), _membership(ov, op)
+        joint = np.outer(mp.sum(axis=0), mo.sum(axis=0))
+        e = {k: op @ v for k, v in _sums(np.maximum(ov - 1.0, 0.0)).items()}
+        e["P"], e["P2"] = pv @ pp, pv**2 @ pp
+        e["PD"], e["PG1"] = e["P"] * e["D"], e["P"] * e["G1"]
+        e["P2D"] = e["P2"] * e["D"]
+    else:
+        pairs = np.asarray(pairs, np.float64)
+        pairs = pairs[(pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)]
+        pv, pp, ip = _table(pairs[:, 0])
+        ov, op, io = _table(pairs[:, 1])
+        mp, mo = _membership(pv, pp), _membership(ov, op)
+        # each pair carries its values' band memberships (a value spanning
+        # several bands splits its mass)
+        joint = (mp[ip] / pp[ip, None]).T @ (mo[io] / op[io, None]) / len(pairs)
+        p = pairs[:, 0]
+        sums = _sums(pairs[:, 1] - 1.0)
+        e = {k: v.mean() for k, v in sums.items()}
+        e.update(P=p.mean(), P2=(p * p).mean(), PD=(p * sums["D"]).mean(),
+                 PG1=(p * sums["G1"]).mean(), P2D=(p * p * sums["D"]).mean())
+    ctx, ctx_cv, kv, kv_cv = _context_moments(e)
+    p_mean, p_std = _band_stats(pv, mp)
+    o_mean, _ = _band_stats(ov, mo)
+    ep, ep2, eo = pv @ pp, pv**2 @ pp, ov @ op
+    return LatencyWorkload(
+        *(jnp.asarray(x, dtype) for x in (
+            np.diff(BAND_EDGES), p_mean, p_std, o_mean, joint, ep, ep2, eo,
+            (ov**2 @ op - eo**2) / eo**2, ctx, ctx_cv, kv, kv_cv))
+    )
+
+
+def speculative_workload(wl: LatencyWorkload, spec_tokens, gain) -> LatencyWorkload:
+    """The workload as the scheduler sees it under speculative decoding: an
+    output of ``O`` tokens is ``1 + (O - 1) / gain`` deliveries (a decode
+    step gains ``gain`` tokens, ``roofline.tokens_per_step``; the mean
+    rather than the simulator's ceiling, smooth), and a running request
+    holds ``spec_tokens`` more KV slots. Decode contexts, in tokens, keep
+    their law. Unchanged at ``k = 0``."""
+    spec = spec_tokens > 0
+
+    def deliveries(o):
+        return jnp.where(spec, 1.0 + (o - 1.0) / gain, o)
+
+    kv = wl.slot_kv_tokens + jnp.where(spec, spec_tokens, 0.0)
+    return wl._replace(
+        output_tokens=deliveries(wl.output_tokens),
+        mean_output_tokens=deliveries(wl.mean_output_tokens),
+        slot_kv_tokens=kv,
+        slot_kv_cv=jnp.where(spec, wl.slot_kv_cv * wl.slot_kv_tokens / kv,
+                             wl.slot_kv_cv))
+
+
+def cached_workload(wl: LatencyWorkload, hit_fraction):
+    """The workload's prefill work with prefix caching at hit fraction ``h``:
+    each band's prompt less its cached prefix (``roofline.cached_prefix_tokens``
+    of the band's mean prompt), the spread of the work ``(1 - h)`` times the
+    prompts' and its second moment ``(1 - h)^2`` times theirs. The KV a
+    request holds and the decode contexts keep the whole prompt.
+
+    Returns ``(workload, cached tokens per band)``; exactly ``wl`` at h = 0.
+    """
+    on = hit_fraction > 0
+    cached = roofline.cached_prefix_tokens(wl.prompt_tokens, hit_fraction)
+    work = wl.prompt_tokens - cached
+    keep = 1.0 - hit_fraction
+    return wl._replace(
+        prompt_tokens=jnp.where(on, work, wl.prompt_tokens),
+        prompt_spread_tokens=jnp.where(on, keep * wl.prompt_spread_tokens,
+                                       wl.prompt_spread_tokens),
+        mean_prompt_tokens=jnp.where(on, wl.band_probs @ work, wl.mean_prompt_tokens),
+        mean_prompt_sq_tokens=jnp.where(on, keep**2 * wl.mean_prompt_sq_tokens,
+                                        wl.mean_prompt_sq_tokens)), cached

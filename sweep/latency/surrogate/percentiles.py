@@ -1,0 +1,229 @@
+"""The surrogate's percentiles: TTFT, ITL and E2E laws, and goodput.
+
+**Co-batching.** Prompts that arrive while a prompt waits join its last step
+when they fit in the budget it leaves, lengthening it: a wait ``w`` becomes
+``w + c min(lam E[P] w, room)`` (``c`` the time of one more prefill token in a
+step); the TTFT CDF inverts that map in closed form.
+
+**TTFT** (``ttft_law``) per prompt band = wait + the residual of the decode step
+in progress (uniform over it; Poisson arrivals see time averages, Wolff 1982,
+Oper. Res. 30, 223-231) + the band's exact chunked prefill beside ``n``
+decodes, with a logistic kernel for the within-band spread; p50 and p99 are
+found by bisection on the mixture's CDF with one implicit Newton step for the
+gradient (``_numerics.quantile``).
+
+**ITL** (``itl_law``). Decode-only steps at ``1 + Poisson(n)`` decodes (the
+M/G/infinity occupancy), capped at the slots, taken at band quantiles by the
+Cornish-Fisher expansion; and mixed steps: the ramps of the prompts' chunk
+steps, weighted by their step counts (alone: ``ceil(P / b)`` equal chunks;
+under a prefill queue: ``P / b`` full-budget chunks). The share of gaps that
+fall in mixed steps is prefill steps over all steps times the decoders a chunk
+step carries relative to an average step: the prompts that were ahead of it in
+the prefill queue have just started decoding, ``1 + (1 - rho_p) min(sojourn,
+decode time) / decode time`` (sojourn: the prefill wait and service; decode
+time: a request's ``(O - 1)`` gaps). It is raised by ``MIXED_SHARE_MARGIN``:
+p99 ITL jumps from a decode step to a chunk step where that share crosses 1 %,
+and there the estimate is not that exact (the simulator's share was 6-8 %
+above it in two probes, ``benchmarks/README.md``), so it errs towards the
+jump.
+
+**E2E** per (prompt band, output band), with their joint probabilities: the
+band's TTFT law shifted by ``(O - 1)`` mean gaps of a decoding request
+(``tagged_gap_s``: the steps it is in carry it besides the others, so at zero
+load a gap is one decode of one sequence).
+
+**Goodput** (``good_fraction``): a request is good when its TTFT is within
+the TTFT SLO and none of its gaps exceeds the ITL SLO (the simulator's
+definition). Per band pair, ``P(TTFT <= slo)`` times the probability of no
+slow gap: slow decode steps independent per gap, slow chunk steps counted as
+episodes (a prompt whose chunk ramp exceeds the SLO slows every decoder during
+its prefill), each prompt prefilled during the request's decode being one
+chance of an episode.
+
+Kernel spreads are derivatives taken in forward mode and held constant in
+the gradient; the locations of all kernels carry the full gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sweep.latency.surrogate.chunks import Prefill, ramp_cdf
+from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
+from sweep.latency.surrogate.state import State
+from sweep.latency.surrogate.waiting import WAIT_POINTS, Wait, wait_cdf_beyond_zero
+from sweep.model import roofline
+from sweep.model._numerics import (
+    quantile,
+    safe_div,
+    safe_sqrt,
+    smooth_min,
+    softplus,
+)
+
+MIXED_SHARE_MARGIN = 1.25
+"""Factor on the share of gaps in mixed steps (see "ITL")."""
+
+_LOGISTIC_PER_STD = float(np.sqrt(3.0) / np.pi)  # logistic scale of unit std
+_MIN_REL_SPREAD = 3e-3  # kernel floor, relative: keeps every CDF strictly rising
+LEVELS = (0.5, 0.99)
+
+_MAX_SLO_S = 1e6  # an infinite SLO is taken as this
+
+
+
+def ttft_law(st: State, wait: Wait, wl, n, lam, prefill_band_s):
+    """Per-band TTFT CDF (a function) and the bisection bracket.
+
+    Args:
+      prefill_band_s: ``d alone / d P`` per band (for the within-band kernel).
+    """
+    p0 = wait.cdf[0]  # no wait at all
+    # co-batching: prompts arriving while a prompt waits join its last step
+    per_prefill_token_s = softplus(_full_step(st, wl) - st.decode_s,
+                                   1e-3 * st.decode_s) / st.pre.budget_tokens
+    cobatch = lam * wl.mean_prompt_tokens * per_prefill_token_s
+    room_s = per_prefill_token_s * softplus(
+        st.pre.budget_tokens - wl.prompt_tokens / st.pre.chunks, 1.0)
+
+    def stretch(t, room):
+        """The wait whose co-batched total is ``t``, per prompt band."""
+        return t - smooth_min(t * cobatch / (1.0 + cobatch), room, 1e-2 * room + 1e-9)
+
+    busy = -jnp.expm1(-n)
+    residual = busy * p0 * st.decode_s / 2.0 * (1.0 + cobatch)
+    x = st.pre.alone_s + residual
+    band_s = prefill_band_s * wl.prompt_spread_tokens
+    spread = safe_sqrt(band_s**2 + (2.0 * residual) ** 2 / 12.0) + _MIN_REL_SPREAD * x
+    scale = _LOGISTIC_PER_STD * spread
+
+    def band_cdf(t):
+        """``P(TTFT <= t | prompt band)``; ``t`` of shape ``(..., 1)`` -> (..., J)."""
+        lift = (1,) * (t.ndim - 1) + (-1,)
+        x_, scale_, room_ = (v.reshape(lift) for v in (x, scale, room_s))
+        direct = jax.nn.sigmoid((t - x_) / scale_)
+        return p0 * direct + wait_cdf_beyond_zero(wait, stretch(t - x_, room_))
+
+    lo = 0.25 * jnp.min(x)
+    hi = jnp.max(x + 40.0 * scale) + wait.dt_s * WAIT_POINTS
+    return band_cdf, lo, hi
+
+
+def _full_step(st: State, wl):
+    """A step filled to the budget, averaged over the prompt tokens it carries."""
+    return st.pre.budget_tokens * (wl.band_probs @ st.pre.fluid_s) / (
+        wl.mean_prompt_tokens)
+
+
+def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens):
+    """ITL: the CDF (a function), its bracket and the per-gap slow probabilities.
+
+    Args:
+      d_pre: the slope of ``st.pre`` in the number of decodes (no gradient).
+
+    Returns:
+      ``(cdf, lo, hi, parts)`` where ``parts`` maps an SLO to the decode steps'
+      exceedance and the per-band probability that a prompt's chunk ramp
+      exceeds it (for goodput).
+    """
+    dtype = n.dtype
+    w = wl.band_probs
+    z_mid = jnp.asarray(Z_MID, dtype)
+    z_edges = jnp.asarray(Z_EDGES, dtype)
+    root_n = safe_sqrt(n)
+    skew = -jnp.expm1(-n) / 6.0
+
+    def tagged(z):
+        others = n + z * root_n + (z**2 - 1.0) * skew
+        return 1.0 + smooth_min(softplus(others, 0.05), slots - 1.0, 0.05)
+
+    def decode_s(count):
+        return roofline.verify_step_s(hw, model, tp, count, wl.decode_context_tokens,
+                                      spec_tokens)
+
+    count = tagged(z_mid)
+    dec = decode_s(count)
+    edges_s = decode_s(tagged(z_edges))
+    kv_part = decode_s(count * (1.0 + wl.decode_context_cv / jnp.sqrt(count))) - dec
+    dec_std = safe_sqrt((edges_s[1:] - edges_s[:-1]) ** 2 / 12.0 + kv_part**2)
+    dec_scale = _LOGISTIC_PER_STD * (dec_std + _MIN_REL_SPREAD * dec)
+
+    # mixed steps beside the tagged request and Poisson(n) others: the ramps
+    # at n + 1 decodes, to first order in the decodes (the lines of a chunk
+    # step are linear in them), spread by sqrt(n) decodes
+    def tagged_ramp(ramp, d_ramp):
+        r = jax.tree.map(lambda x, dx: x + dx, ramp, d_ramp)
+        return r._replace(w_low=jnp.clip(r.w_low, 0.0, 1.0))
+
+    # the alone ramps and the fluid ones side by side, shape (2J,)
+    ramps = jax.tree.map(lambda *r: jnp.concatenate(r), tagged_ramp(
+        st.pre.alone_ramp, d_pre.alone_ramp), tagged_ramp(st.pre.fluid_ramp,
+                                                          d_pre.fluid_ramp))
+    d_ramps = root_n * jnp.concatenate([d_pre.alone_ramp.f0, d_pre.fluid_ramp.f0])
+    ramp_scale = _LOGISTIC_PER_STD * (jnp.abs(d_ramps) + _MIN_REL_SPREAD * ramps.f0)
+    queued = smooth_min(st.prefill_util, 1.0, 0.01)
+    # chunk steps per prompt: alone, or under a queue
+    chunk_steps = jnp.concatenate([(1.0 - queued) * st.pre.chunks,
+                                   queued * wl.prompt_tokens / st.pre.budget_tokens])
+    chunk_w = jnp.concatenate([w, w]) * chunk_steps
+    total = jnp.sum(chunk_w)
+    # a share of gaps, not of steps: a chunk step carries the decoders of an
+    # average step and the prompts that were ahead of its own in the prefill
+    # queue, which have all just started decoding: lam x its sojourn (PASTA,
+    # Little's law), less those more than one decode time ahead, which have
+    # finished again; relative to the n = lam x decode time of an average step.
+    # Averaged over all steps, chunk steps (a share rho_p of the time) already
+    # hold them, so they carry (1 - rho_p) of them more than the mean
+    decode_time = jnp.maximum(wl.mean_output_tokens - 1.0, 0.0) * st.step_s
+    sojourn = st.mean_wait_s + w @ st.service_s
+    ahead = safe_div(smooth_min(sojourn, decode_time, 0.01 * decode_time + 1e-12),
+                     decode_time)
+    carried = 1.0 + (1.0 - queued) * ahead
+    mixed = jnp.minimum(
+        MIXED_SHARE_MARGIN * carried * st.prefill_steps_per_s / st.steps_per_s, 1.0)
+
+    def row(v):
+        return jax.tree.map(lambda a: a[None, :], v)
+
+    def cdf(t):
+        tt = t[:, None]
+        decode_part = jax.nn.sigmoid((tt - dec[None, :]) / dec_scale[None, :]) @ w
+        chunk_part = ramp_cdf(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
+        return (1.0 - mixed) * decode_part + mixed * chunk_part / total
+
+    def slow(slo):
+        """Exceedance of one decode gap; per band, P(a prompt slows a decoder)."""
+        t = slo[None]
+        q_dec = 1.0 - jax.nn.sigmoid((t - dec) / dec_scale) @ w
+        over = chunk_steps * (1.0 - ramp_cdf(t, ramps, ramp_scale))
+        steps_over = over[:w.shape[0]] + over[w.shape[0]:]
+        return (1.0 - mixed) * q_dec, smooth_min(steps_over, 1.0, 0.05)
+
+    hi = jnp.maximum(jnp.max(dec + 40.0 * dec_scale),
+                     jnp.max(ramps.f2 + 40.0 * ramp_scale))
+    return cdf, 0.25 * jnp.min(dec), hi, slow
+
+
+def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
+    """Share of requests meeting both SLOs (the simulator's goodput rule)."""
+    dtype = wl.band_probs.dtype
+    ttft_ok = ttft_band_cdf(jnp.minimum(ttft_slo_s, _MAX_SLO_S)[None])  # (J,)
+    q_dec, episode = slow(jnp.minimum(itl_slo_s, _MAX_SLO_S))
+    gaps = jnp.maximum(wl.output_tokens - 1.0, 0.0)  # (J,) output bands
+    # prompts prefilled while the request decodes: lam x its decode time
+    exposure = lam * gaps * gap_s
+    gaps_ok = jnp.exp(-gaps * q_dec - exposure * (wl.band_probs @ episode))
+    return jnp.clip(jnp.asarray(ttft_ok @ wl.joint_probs @ gaps_ok, dtype), 0.0, 1.0)
+
+
+def e2e_quantiles(ttft_band_cdf, wl, gap_s, lo, hi):
+    """p50 and p99 of TTFT + (O - 1) mean gaps over the joint bands."""
+    decode_time = jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s  # (I,)
+
+    def cdf(t):
+        per = ttft_band_cdf(t[:, None, None] - decode_time[None, :, None])  # (L, I, J)
+        return jnp.einsum("lij,ji->l", per, wl.joint_probs)
+
+    return quantile(cdf, LEVELS, lo, hi + jnp.max(decode_time))

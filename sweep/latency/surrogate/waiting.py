@@ -1,0 +1,217 @@
+"""The wait before a prompt's prefill: for a slot, then for the prefill server.
+
+**Waiting** (``slot_queue``, ``_wait_lattice``). Admission waits for one of
+``c`` = slots. The requests holding slots form a birth-death chain whose
+holding time grows with their number (every step carries every running
+request): a negative binomial below ``c`` (Erlang C when the holding time
+does not grow), continued to real ``c`` through the incomplete beta
+function, and beyond ``c`` a queue served at the slots' saturated rate (the
+mean-field utilisation put the waiting probability 8x low in a probe at
+concurrency 16: ``benchmarks/README.md``). Given that it waits, a request
+waits as in M/G/1 with service ``S / c`` (whose mean is the Allen-Cunneen
+one: Whitt 1993, Prod. Oper. Manag. 2, 114-161). The prefill server is M/G/1
+with the band mixture as its service law, and its wait is the exact
+Pollaczek-Khinchine law: a geometric sum of residual service times,
+``P(W <= t) = (1 - rho) sum_k rho^k R^{*k}(t)`` (Kleinrock 1975, *Queueing
+Systems I*, sec. 5.7), computed on a lattice of ``WAIT_POINTS`` points by
+FFT, where the sum is ``(1 - rho) / (1 - rho R(z))`` (exponentially damped
+against wrap-around: Abate & Whitt 1992, Queueing Systems 10, 5-88); the
+residual law is a mixture of uniforms, one per band, whose span keeps the
+band's second moment (its within-band spread included: on heavy tails the
+top bands' spread carries much of ``E[X^2]``), discretised
+mean-preservingly. The admission wait is convolved in on the same lattice.
+This holds at any service variability (``benchmarks/mg1_wait_tail.py``
+measured the previous two-moment tail at 0.67-0.82x the exact p99 at cv 2),
+and it is smooth in every parameter. ``1 - rho`` is kept positive by
+``_numerics.slack``, so past saturation waits are large but finite.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sweep.latency.surrogate.state import State
+from sweep.model._numerics import (
+    betainc,
+    safe_div,
+    safe_max,
+    safe_sqrt,
+    slack,
+)
+
+WAIT_POINTS = 1024
+"""Lattice points of the wait distribution (static)."""
+_DAMPING = 6.0  # e^-6 of the mass beyond the lattice wraps around
+
+
+class Wait(NamedTuple):
+    """The wait before a prompt's own prefill, on a lattice (``WAIT_POINTS``)."""
+
+    dt_s: jax.Array  # lattice spacing
+    cdf: jax.Array  # shape=(WAIT_POINTS,), P(W <= k dt)
+
+
+def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
+    """Damped DFT of the lattice law of the residual of a service time.
+
+    The residual of a band of mean service ``x_j`` (probability ``w_j``) is
+    uniform on ``[0, y_j]`` with weight ``w_j x_j / E[X]``, where ``y_j =
+    E[X_j^2] / x_j`` keeps the band's second moment (so the residual's mean is
+    ``E[X^2] / 2 E[X]``, the band's spread included); each lattice bin's mass
+    is split between its two ends (mean-preserving).
+    """
+    dtype = service_s.dtype
+    k = jnp.arange(WAIT_POINTS + 1, dtype=dtype)
+    v = safe_div(probs * service_s, probs @ service_s)
+    edge_cdf = (v[None, :] * jnp.clip(k[:, None] * dt / jnp.maximum(
+        span_s[None, :], 1e-30), 0.0, 1.0)).sum(-1)
+    mass = jnp.diff(edge_cdf)
+    r = 0.5 * (mass + jnp.concatenate([jnp.zeros((1,), dtype), mass[:-1]]))
+    return jnp.fft.fft((r * damp).astype(cdtype))
+
+
+def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_service_s,
+                  slot_probs) -> Wait:
+    """Admission wait + the exact M/G/1 prefill wait, on one lattice.
+
+    Args:
+      rho: prefill server utilisation (any value; kept below 1 by ``slack``).
+      service_s, probs: the prefill service law, shape ``(J,)``, by band
+        means; spread_s: the service's std within each band.
+      p_slot: probability of waiting for a slot (``slot_queue``).
+      slot_util: the slots' utilisation when all are taken; slot_service_s,
+        slot_probs: the law of a slot's holding time then. Given that it
+        waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
+        heavy-traffic form of M/G/c, whose mean is the Allen-Cunneen one),
+        which keeps the holding time's variability in the tail.
+    """
+    dtype = service_s.dtype
+    cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
+    rho = 1.0 - slack(1.0 - rho)
+    rho_s = 1.0 - slack(1.0 - slot_util)
+    # heavy tails: the top bands' spread carries much of E[X^2]
+    service_span = service_s + safe_div(spread_s**2, service_s)
+    residual_mean = safe_div(probs @ (service_s * service_span),
+                             2.0 * (probs @ service_s))
+    slot_residual = safe_div(slot_probs @ slot_service_s**2,
+                             2.0 * (slot_probs @ slot_service_s))
+    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_span)
+            + p_slot * (16.0 * slot_residual / (1.0 - rho_s)
+                        + 2.0 * safe_max(slot_service_s)) + 1e-9)
+    dt = span / WAIT_POINTS
+    k = jnp.arange(WAIT_POINTS, dtype=dtype)
+    damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)
+
+    def pk(service, service_span, w, util):
+        """Pollaczek-Khinchine: (1 - rho) / (1 - rho R(z))."""
+        u = util.astype(cdtype)
+        return (1.0 - u) / (1.0 - u * _residual_hat(service, service_span, w, dt,
+                                                     damp, cdtype))
+
+    # both laws through one batched transform (one copy of the code to compile)
+    prefill_hat, slot_hat = jax.vmap(pk)(
+        jnp.stack([service_s, slot_service_s]),
+        jnp.stack([service_span, slot_service_s]), jnp.stack([probs, slot_probs]),
+        jnp.stack([rho, rho_s]))
+    p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
+    queued = (slot_hat - (1.0 - rs_c)) / rs_c
+    slot = (1.0 - p_c) + p_c * queued
+    density = jnp.fft.ifft(prefill_hat * slot).real.astype(dtype) / damp
+    cdf = jnp.clip(jnp.cumsum(jnp.maximum(density, 0.0)), 0.0, 1.0)
+    return Wait(dt, cdf)
+
+
+class SlotQueue(NamedTuple):
+    """The admission queue: who waits for a slot, and how busy the slots are then."""
+
+    p_wait: jax.Array  # probability that an arrival finds every slot taken
+    full_util: jax.Array  # offered rate / the rate the slots serve when all taken
+    full_residence_s: jax.Array  # a slot's mean holding time when all are taken
+
+
+def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
+                slots) -> SlotQueue:
+    """Requests holding a slot: a birth-death chain whose holding time grows
+    with the occupancy, and the queue beyond the slots.
+
+    With ``k`` requests holding slots, each holds one for ``R(k)`` (every
+    step carries every running request, so a step, and ``R``, grow with
+    ``k``: linear, ``R(k) = R + R' (k - k*)`` around the mean occupancy
+    ``k* = lam R``). Every running request advances one token per step, so
+    the chain is a symmetric (processor-sharing) queue, insensitive to the
+    holding-time law (Kelly 1979, *Reversibility and Stochastic Networks*,
+    ch. 3): ``pi(k) ~ prod_j lam R(j) / j``, a negative binomial of mean
+    ``k*`` and variance ``k* / (1 - lam R' )`` (Poisson, hence Erlang C, when
+    ``R' = 0``). Once every slot is taken, requests queue and the slots serve
+    at their saturated rate ``lam_sat`` (where ``lam R_full(lam) = slots``,
+    ``R_full`` the holding time with every slot taken, linear in ``lam``), so
+    the queue's states decay by ``q = lam / lam_sat`` each:
+    ``P(wait) = (pi(c) / (1 - q)) / (P(N < c) + pi(c) / (1 - q))``.
+    The mean-field utilisation ``lam R / c`` would put ``q`` lower (the prompts
+    that queue behind a burst slow every running request's steps), and
+    ``q`` multiplies the waiting probability by ``1 / (1 - q)``.
+    """
+    occupancy = lam * st.residence_s
+    # the share of a slot's holding time spent decoding (n / occupancy, by
+    # Little's law; defined at zero load too)
+    decode_share = safe_div(mean_decodes * st.step_s, st.residence_s)
+    # theta = lam R', each request more holding decode_share decodes more; at
+    # least 0.02 (a little above Erlang C: on the high side), at most 0.9
+    theta = jnp.clip(lam * d_st.residence_s * decode_share, 0.02, 0.9)
+    n_full = slots * decode_share
+    full, d_full = jax.jvp(lambda rate: state_at(n_full, rate).residence_s, (lam,),
+                           (jnp.ones_like(lam),))
+    d_full = jnp.maximum(jax.lax.stop_gradient(d_full), 0.0)
+    # lam_sat R_full(lam_sat) = slots, R_full linear in the rate around lam
+    b = full - d_full * lam
+    lam_sat = 2.0 * slots / (b + safe_sqrt(b * b + 4.0 * d_full * slots))
+    full_util = lam / lam_sat
+    return SlotQueue(p_wait(occupancy, theta, slots, full_util), full_util, full)
+
+
+def p_wait(occupancy, theta, slots, full_util):
+    """P(every slot taken): occupancy negative binomial of mean ``occupancy``
+    and variance ``occupancy / (1 - theta)`` below the slots, geometric of
+    ratio ``full_util`` from them on (``slot_queue``); continuous in the slots.
+    """
+    r = jnp.maximum(occupancy * (1.0 - theta) / theta, 1e-6)
+    below = betainc(r, slots, 1.0 - theta)  # P(N <= c - 1)
+    log_at = (jax.scipy.special.gammaln(slots + r) - jax.scipy.special.gammaln(r)
+              - jax.scipy.special.gammaln(slots + 1.0) + r * jnp.log1p(-theta)
+              + slots * jnp.log(theta))
+    queued = jnp.exp(log_at) / slack(1.0 - full_util)
+    # both underflow only when the mean occupancy is far beyond the slots
+    total = below + queued
+    some = total > 1e-30
+    return jnp.where(some, queued / jnp.where(some, total, 1.0), 1.0)
+
+
+def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s) -> Wait:
+    """The wait for a slot and then for the prefill server. Given that it
+    waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
+    heavy-traffic form of M/G/c), ``S`` a slot's holding time when every slot
+    is taken.
+
+    Args:
+      per_token_s: ``d service / d P`` per band (the within-band spread).
+    """
+    w = wl.band_probs
+    holding = (w @ st.service_s + st.mean_wait_s
+               + jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s)  # (J,)
+    holding_full = holding * safe_div(sq.full_residence_s, st.residence_s)
+    return _wait_lattice(st.prefill_util, st.service_s,
+                         per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
+                         sq.full_util, holding_full / slots, w)
+
+
+def wait_cdf_beyond_zero(wait: Wait, s):
+    """``P(0 < W <= s)`` (0 for ``s <= 0``), linear between lattice points."""
+    x = jnp.clip(s / wait.dt_s, 0.0, WAIT_POINTS - 1.0)
+    x0 = jnp.clip(jnp.floor(x), 0.0, WAIT_POINTS - 2.0)
+    i = x0.astype(jnp.int32)
+    frac = x - x0
+    lo, hi = wait.cdf[i], wait.cdf[i + 1]
+    return lo + frac * (hi - lo) - wait.cdf[0]
