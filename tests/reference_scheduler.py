@@ -411,8 +411,11 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
                                      prefill_instances, decode_instances,
                                      max_context_tokens=math.inf, truncate=False,
                                      spec_tokens=0, spec_acceptance=0.0,
-                                     prefix_hit_fraction=0.0) -> ReferenceResult:
-    """``p`` prefill and ``d`` decode instances fed one stream (module docstring)."""
+                                     prefix_hit_fraction=0.0,
+                                     prefix_cache=None) -> ReferenceResult:
+    """``p`` prefill and ``d`` decode instances fed one stream (module
+    docstring); with ``prefix_cache`` (hashes, block tokens) each prefill
+    instance has an LRU cache of the prompts dealt to it."""
     n = len(arrival_s)
     kvb = (2.0 * _f(model.layers) * _f(model.kv_heads) * _f(model.head_dim)
            * _f(model.kv_dtype_bytes))
@@ -423,7 +426,8 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
     prompt = [x[0] for x in limited]
     output = [x[1] for x in limited]
 
-    def run(instances, members, arrive, prompts, outputs, cached=None, **kw):
+    def run(instances, members, arrive, prompts, outputs, cached=None, hashes=None,
+            **kw):
         """Round-robin over ``instances`` schedulers, in ``members``' order:
         per-request (ttft, e2e, largest gap), every gap, and the run totals."""
         got, gaps, steps, preemptions, duration, oversize = {}, [], 0, 0, 0.0, False
@@ -435,7 +439,8 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
                 hw, model, tp, concurrency, token_budget, [arrive[i] for i in mine],
                 [prompts[i] for i in mine], [outputs[i] for i in mine],
                 cached_tokens=None if cached is None else [cached[i] for i in mine],
-                **kw)
+                prefix_cache=None if hashes is None else (
+                    [hashes[i] for i in mine], prefix_cache[1]), **kw)
             for pos, i in enumerate(mine):
                 got[i] = (res.ttft_s[pos], res.e2e_s[pos], res.max_gap_s[pos])
             gaps.extend(res.itl_s)
@@ -445,8 +450,12 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
             oversize |= res.oversize
         return got, gaps, steps, preemptions, duration, oversize
 
+    # a truncated prompt shares no block
+    hashes = None if prefix_cache is None else [
+        prefix_cache[0][i] if limited[i][0] == int(prompt_tokens[i]) else []
+        for i in range(n)]
     first, _, *pre = run(int(prefill_instances), served, arrival, prompt, [1] * n,
-                      prefix_hit_fraction=prefix_hit_fraction)
+                         hashes=hashes, prefix_hit_fraction=prefix_hit_fraction)
     # the KV transfer: over the prefill instance's link and the decode
     # instance's, one transfer at a time on each, in the order prefills end
     sender = {i: k % int(prefill_instances) for k, i in enumerate(served)}

@@ -164,7 +164,7 @@ def test_point_functions_take_every_input_by_name(square_job):
         assert named == set(part.fn.names), part.name
     params = inspect.signature(SimulatePoint.__call__).parameters
     assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == [
-        *P99_DIMS, "requests", "prefix_hit", "prefix_cache", "slo"]
+        *P99_DIMS, "requests", "prefix_hit", "prefix_cache", "pool_cache", "slo"]
 
 
 def test_cube_values_sit_at_their_coordinates(square_job):

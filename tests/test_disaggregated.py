@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 import sweep
 from sweep.config.schema import ConfigError
+from sweep.model.params import REJECT, TRUNCATE
 
 PROMPT, OUT_MEAN, LONG, BUDGET, N = 1500, 360, 8192, 2048, 64
 LINK = 5e10  # conf/hardware/h100_sxm.yaml: InfiniBand NDR 400 Gb/s per GPU
@@ -180,7 +181,8 @@ MAX_P, MAX_D = 2, 3
 @pytest.fixture(scope="module")
 def dis64():
     """The float64 disaggregated simulation's per-request outcome (one
-    compilation: R requests, at most 2 prefill and 3 decode instances)."""
+    compilation: R requests, at most 2 prefill and 3 decode instances; a
+    context limit, its rule and each prompt's cached prefix traced)."""
     import jax
     from test_simulate import SLOTS
 
@@ -188,19 +190,23 @@ def dis64():
     from sweep.latency.disaggregated import simulate_disaggregated_requests
 
     @jax.jit
-    def run(hw, model, conc, budget, arrival, prompt, output, p, d, ttft_slo, itl_slo):
+    def run(hw, model, conc, budget, arrival, prompt, output, p, d, ttft_slo, itl_slo,
+            overlong, cached):
         return simulate_disaggregated_requests(
             hw, model, 1.0, conc, budget, Requests(arrival, prompt, output), p, d,
-            ttft_slo, itl_slo, max_prefill_instances=MAX_P,
-            max_decode_instances=MAX_D, max_slots=SLOTS)
+            ttft_slo, itl_slo, overlong, cached_tokens=cached,
+            max_prefill_instances=MAX_P, max_decode_instances=MAX_D, max_slots=SLOTS)
 
     def call(arrival, prompt, output, p, d, conc=8, budget=512, memory_bytes=80e9,
-             link=LINK, ttft_slo=np.inf, itl_slo=np.inf):
+             link=LINK, ttft_slo=np.inf, itl_slo=np.inf, context=np.inf,
+             overlong=REJECT, cached=None):
         hw = h100(np.float64, memory_bytes)._replace(kv_link_bytes_per_s=link)
+        cached = np.zeros(len(prompt)) if cached is None else cached
         with jax.enable_x64(True):
-            out = run(hw, qwen3_8b(np.float64), np.float64(conc), np.float64(budget),
-                      arrival, prompt, output, np.float64(p), np.float64(d),
-                      np.float64(ttft_slo), np.float64(itl_slo))
+            out = run(hw, qwen3_8b(np.float64, context), np.float64(conc),
+                      np.float64(budget), arrival, prompt, output, np.float64(p),
+                      np.float64(d), np.float64(ttft_slo), np.float64(itl_slo),
+                      np.int32(overlong), np.asarray(cached, np.float64))
             return jax.tree.map(np.asarray, out), hw
 
     return call
@@ -245,6 +251,53 @@ def test_simulator_matches_reference(dis64, stream, seed, p, d, conc, budget, me
         assert ref.preemptions > 0
     # every gap once, the decode pool's wait included
     assert len(ref.itl_s) == (output - 1).sum()
+
+
+LRU_POOL_CASES = [
+    # (seed, p, d, KV tokens per instance, context, overlong)
+    (50, 2, 1, 600, np.inf, REJECT),  # evicting caches
+    (51, 1, 2, 100_000, np.inf, REJECT),  # one instance keeping every block
+    (52, 2, 2, 900, 150.0, REJECT),  # rejected prompts
+    (53, 2, 1, 700, 150.0, TRUNCATE),  # truncated prompts share no block
+]
+
+
+@pytest.mark.parametrize("seed,p,d,kv_tokens,context,overlong", LRU_POOL_CASES)
+def test_prefill_instances_caches_match_reference(dis64, seed, p, d, kv_tokens,
+                                                  context, overlong):
+    """A trace's block hashes in a disaggregated deployment: each prefill
+    instance an LRU cache of the prompts dealt to it (``pool_table``'s hits
+    fed to the simulator), against the reference, whose prefill instances
+    each find them in an ``OrderedDict`` cache of their own; two instances
+    find less than one cache of the same stream."""
+    from types import SimpleNamespace
+
+    from helpers import conversation_stream
+    from reference_scheduler import simulate_disaggregated_reference
+    from test_simulate import KV_BYTES, WEIGHTS, R
+
+    from sweep.latency import prefix_cache
+
+    rng = np.random.default_rng(seed)
+    hashes, prompt, output = conversation_stream(rng, R)
+    arrival = np.cumsum(rng.exponential(1.0 / 20.0, R))
+    memory = WEIGHTS + KV_BYTES * kv_tokens
+    trace = SimpleNamespace(pairs=np.stack([prompt, output], 1),
+                            pair_hashes=tuple(hashes), hash_block_tokens=16)
+    truncate = overlong == TRUNCATE
+    table, _ = prefix_cache.pool_table(trace, R, context, truncate, p)
+    cached = prefix_cache.cached_tokens(table, kv_tokens, xp=np)
+    ttft_slo, itl_slo = 1.0, 0.05
+    got, hw = dis64(arrival, prompt, output, p, d, 8, 512, memory, LINK, ttft_slo,
+                    itl_slo, context, overlong, cached)
+    ref = simulate_disaggregated_reference(
+        hw, qwen3_8b(np.float64, context), 1.0, 8, 512, arrival, prompt, output, p, d,
+        context, truncate, prefix_cache=(hashes, 16))
+    assert_matches_reference(got, ref, ttft_slo, itl_slo, 512)
+    one, _ = prefix_cache.stream_table(trace, R, context, truncate, prefill_only=True)
+    alone = prefix_cache.cached_tokens(one, kv_tokens, xp=np)
+    assert 0 < cached.sum() <= alone.sum()
+    assert (cached.sum() < alone.sum()) == (p > 1)
 
 
 def test_simulated_request_by_hand(dis64):

@@ -82,6 +82,59 @@ def test_lru_table_is_the_lru_cache(rows, capacities):
     check_stream(hashes, prompts, outputs, served, shared, capacities)
 
 
+def test_streams_build_one_table_per_distinct_context_limit():
+    """A model whose limit no request reaches serves the stream as no limit
+    does: one table for both; a limit that rejects (or truncates) builds its
+    own, ``stream_table``'s through that limit."""
+    rng = np.random.default_rng(3)
+    hashes, prompts, outputs = conversation_stream(rng, 120)
+    tables = SimpleNamespace(pairs=np.stack([prompts, outputs], 1).astype(float),
+                             pair_hashes=tuple(hashes), hash_block_tokens=BLOCK)
+    streams = prefix_cache.Streams(tables, 150)  # the trace repeats, as replayed
+    longest = float((prompts + outputs).max())
+    none = streams(0.0, False)
+    assert streams(longest, True) is none and streams(1e9, False) is none
+    limit = float(np.quantile(prompts + outputs, 0.8))
+    for truncate in (False, True):
+        got = streams(limit, truncate)
+        assert got is streams(limit, truncate) and got is not none
+        want = prefix_cache.stream_table(tables, 150, limit, truncate)
+        for a, b in zip((*got[0], *got[1]), (*want[0], *want[1])):
+            np.testing.assert_array_equal(a, b)
+    rejected = streams(limit, False)[0].cached_tokens.sum()
+    assert 0 < rejected < none[0].cached_tokens.sum()
+
+
+def test_padded_tables_and_curves_find_what_each_finds_alone():
+    """Stacked to one width, each table gives its own hits at every capacity
+    and a workload without hashes (None) none."""
+    rng = np.random.default_rng(4)
+    tables, curves = [], []
+    for n in (3, 6):
+        hashes, p, o = conversation_stream(rng, 40, BLOCK * n)
+        served = np.ones(40, bool)
+        t = prefix_cache.lru_table(hashes, p, o, served, served, BLOCK * n)
+        tables.append(t)
+        curves.append(prefix_cache.hit_curve(t, p, served))
+    table = prefix_cache.padded_tables([tables[0], None, tables[1]], 40)
+    capacity, share = prefix_cache.padded_curves([curves[0], None, curves[1]])
+    assert table.need_tokens.shape[:2] == (3, 40) and capacity.shape[0] == 3
+    for c in (0.0, 500.0, 5e3, 5e4, np.inf):
+        for i, j in ((0, 0), (2, 1)):
+            np.testing.assert_allclose(
+                prefix_cache.cached_tokens(workload_row(table, i), c, xp=np),
+                prefix_cache.cached_tokens(tables[j], c, xp=np), rtol=1e-6)
+            assert np.isclose(roofline.lru_hit_fraction(c, capacity[i], share[i]),
+                              roofline.lru_hit_fraction(c, *curves[j]), rtol=1e-6)
+        assert prefix_cache.cached_tokens(workload_row(table, 1), c, xp=np).sum() == 0
+        assert roofline.lru_hit_fraction(c, capacity[1], share[1]) == 0
+
+
+def workload_row(table, i):
+    """Workload ``i`` of a padded table, as one ``CacheTable``."""
+    return prefix_cache.CacheTable(table.need_tokens[i], table.cached_tokens[i])
+
+
 # --- through the console script ----------------------------------------------
 
 ROWS, TRACE_BLOCK, UTILIZATION = 200, 512, 0.25
@@ -167,6 +220,62 @@ def test_sweep_grid_hit_rate_emerges_from_the_trace_and_the_cache(tmp_path, meth
     assert drops[1] < drops[0] < 1.0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["simulate", "surrogate"])
+def test_sweep_grid_prefill_instances_cache_their_own_prompts(tmp_path, method):
+    """Disaggregated points of ``sweep-grid`` on a trace with block hashes:
+    each prefill instance is an LRU cache of the prompts dealt to it, so the
+    hit fraction at 1 and 2 instances is the reference caches' (two find
+    less than one), the simulated p50/p99 TTFT are the reference
+    disaggregated scheduler's with those caches, and caching lowers the
+    p50 TTFT by a fifth or more (at 1 instance the p99 is a long prompt that
+    finds nothing, in the reference too)."""
+    from reference_scheduler import simulate_disaggregated_reference
+
+    trace = tmp_path / "conversations.jsonl"
+    hashes, prompts, outputs = write_trace(trace)
+    out = tmp_path / "pools.zarr"
+    proc = run_script("sweep-grid", [
+        "experiment=seed", *TRACE_WORKLOAD, f"workload.trace.path={trace}",
+        f"grid.gpu_memory_utilization={UTILIZATION}", "grid.tensor_parallel=[1]",
+        "grid.prefix_caching=[false,true]", "grid.disaggregated=[true]",
+        "grid.prefill_instances=[1,2]", "grid.decode_instances=[1]",
+        "grid.concurrency=[8]", "grid.token_budget=[2048]",
+        "grid.batching=[continuous]", "grid.context_tokens=[1500]",
+        "grid.traffic_tokens_per_day=[1e8]", f"latency={method}",
+        f"latency.num_requests={ROWS}", "grid.arrival_rate_per_s=[2]",
+        f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = squeeze_except(sweep.open_cube(out).load(), "prefill_instances",
+                        "prefix_caching")
+    hw = h100(memory_bytes=80e9 * UTILIZATION)._replace(kv_link_bytes_per_s=5e10)
+    capacity = kv_capacity_tokens(hw, qwen3_8b(np.float64), 1)
+    shares = []
+    for p in (1, 2):
+        found = 0.0
+        for r in range(p):  # round-robin in arrival order, one output token each
+            mine = np.arange(r, ROWS, p)
+            found += online([hashes[i] for i in mine], prompts[mine],
+                            np.ones(len(mine)), np.ones(len(mine), bool),
+                            np.ones(len(mine), bool), capacity, TRACE_BLOCK).sum()
+        shares.append(found / prompts.sum())
+        at = ds.sel(prefill_instances=p)
+        got = float(at.prefix_hit_fraction.sel(prefix_caching=1))
+        assert shares[-1] - 16 / prompts.mean() <= got <= shares[-1], (p, got)
+        assert int(at.latency_status.sel(prefix_caching=1)) == 0
+        on, off = (float(at.ttft_p50_s.sel(prefix_caching=c)) for c in (1, 0))
+        assert on < 0.8 * off
+        if method == "surrogate":
+            continue
+        ref = simulate_disaggregated_reference(
+            hw, qwen3_8b(np.float64), 1, 8, 2048, replayed_arrivals(trace), prompts,
+            outputs, p, 1, prefix_cache=(hashes, TRACE_BLOCK))
+        np.testing.assert_allclose(
+            [float(at[f"ttft_p{q}_s"].sel(prefix_caching=1)) for q in (50, 99)],
+            np.percentile(ref.ttft_s, [50, 99]), rtol=1e-3)
+    assert 0.2 < shares[1] < shares[0] - 0.02
+
+
 def replayed_arrivals(trace):
     """The stream's arrival times as ``replay_requests`` builds them (the
     trace's offsets at 2 req/s), float32 as the simulator takes them."""
@@ -189,8 +298,6 @@ BAD = [
      "hashes at line 2"),
     ([], list(range(40)), "workload.trace[t.jsonl].hash_ids: more hashes than the "
      "prompt's blocks of 512 tokens (input_length) at line 2"),
-    (["grid.disaggregated=[false,true]", "grid.prefix_caching=[true]"], None,
-     "grid.disaggregated = [false, true]: an LRU prefix cache of block hashes"),
 ]
 
 
@@ -223,8 +330,10 @@ def test_sweep_optimize_refuses_block_hashes_for_pools_with_one_line(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_trace(trace)
     with pytest.raises(ConfigError, match=r"^workload.trace.hash_column = 'hash_ids': "
-                       r"an LRU prefix cache of block hashes is modelled for "
-                       r"aggregated engines only; allowed: search.disaggregated="):
+                       r"sweep-optimize searches an LRU prefix cache of block "
+                       r"hashes for aggregated engines only \(sweep-grid simulates "
+                       r"it in disaggregated pools too\); allowed: "
+                       r"search.disaggregated="):
         optimize.prepare(*optimize_inputs([
             *TRACE_WORKLOAD, f"workload.trace.path={trace}",
             "search.disaggregated=[false,true]"]))

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import xarray as xr
@@ -173,10 +174,9 @@ def test_three_shards_at_once_equal_one_process(reference, tmp_path):
 
 
 def test_a_claim_is_whole_when_another_job_reads_it(tmp_path):
-    """A multirun job claims its output with one atomic link of a claim
-    written whole, so the shards of one sweep started together never read
-    an empty claim (which refused them as another job's before); another
-    sweep's job is refused naming the claiming job; no temporary file stays."""
+    """A multirun job's claim: shards of one sweep share the output, another
+    sweep's job is refused naming the claiming job, and no temporary file
+    stays (``test_a_claim_is_whole_the_moment_it_appears`` pins the race)."""
     out, folder = tmp_path / "s.zarr", tmp_path / "multirun"
     outputs.claim(out, folder, 0, "out=s.zarr", "sweep-a")
     outputs.claim(out, folder, 1, "out=s.zarr", "sweep-a")
@@ -196,3 +196,32 @@ def test_a_claim_is_whole_when_another_job_reads_it(tmp_path):
     errors = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [0] * 6, errors
     assert len(list(folder.iterdir())) == 2
+
+
+def test_a_claim_is_whole_the_moment_it_appears(tmp_path, monkeypatch):
+    """Another shard of the same sweep claiming the output the instant the
+    first job's claim file appears (before the first job's next statement)
+    reads a whole claim and shares the output; a claim created empty and
+    written after was read as another job's, refusing that shard."""
+    out, folder = tmp_path / "s.zarr", tmp_path / "multirun"
+    real_open, real_link, seen = os.open, os.link, []
+
+    def appears(path):
+        path = Path(path)
+        if path.name.startswith(".claim-") and path.suffix == ".json" and not seen:
+            seen.append(path)
+            outputs.claim(out, folder, 1, "out=s.zarr", "sweep-a")
+
+    def open_now(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        appears(path)
+        return fd
+
+    def link_now(src, dst, **kwargs):
+        real_link(src, dst, **kwargs)
+        appears(dst)
+
+    monkeypatch.setattr(os, "open", open_now)
+    monkeypatch.setattr(os, "link", link_now)
+    outputs.claim(out, folder, 0, "out=s.zarr", "sweep-a")
+    assert len(seen) == 1

@@ -37,7 +37,7 @@ from sweep.grid.evaluate import Part, blocking, iterate_blocks
 from sweep.grid.plan import grid_plan
 from sweep.grid.writer import BlockWriter
 from sweep.latency import p99
-from sweep.latency.prefix_cache import padded_curves, stream_table
+from sweep.latency.prefix_cache import Streams, padded_curves
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import batching, precision
 from sweep.model.cost import static_slot_utilization
@@ -142,22 +142,24 @@ def _static_utilization(tables: list[WorkloadTables], concurrency) -> np.ndarray
     return np.asarray(jnp.stack(rows))
 
 
-def _padded(tables: list[WorkloadTables], num_requests: int) -> list[WorkloadParams]:
+def _padded(tables: list[WorkloadTables], streams,
+            prefill_pools: int) -> list[WorkloadParams]:
     """Output-length tables padded to one length (zero-probability repeats),
-    and the LRU hit curves of traces with block hashes, over the
-    ``num_requests`` rows the p99 part replays (no context limit applied)."""
+    and the LRU hit curves of traces with block hashes (``streams``: the rows
+    the p99 part replays), with no context limit applied: one engine's, then
+    a prefill pool's of 1 .. ``prefill_pools`` instances."""
     k = max(len(t.output_values) for t in tables)
-    curves = padded_curves([
-        stream_table(t, num_requests, 0.0, False)[1]
-        if t.pair_hashes is not None else None for t in tables])
+    sizes = range(prefill_pools + 1)
+    capacity, share = (x.reshape(len(tables), len(sizes), -1) for x in padded_curves(
+        [s and s(0.0, False, p)[1] for s in streams for p in sizes]))
     out = []
-    for t, capacity, share in zip(tables, *curves):
+    for t, c, h in zip(tables, capacity, share):
         pad = k - len(t.output_values)
         out.append(WorkloadParams(
             t.mean_prompt_tokens, t.mean_output_tokens,
             np.concatenate([t.output_values, np.full(pad, t.output_values[-1])]),
             np.concatenate([t.output_probs, np.zeros(pad)]), t.prefix_hit_fraction,
-            capacity, share))
+            c, h))
     return out
 
 
@@ -183,22 +185,8 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
         if len(set(names)) != len(names):
             raise ConfigError(f"grid.{d} = {names}: values must be distinct")
     tables = [workload_tables(w, app.data_dir) for w in options["workload"]]
-    _check_hashes(app, options["workload"])
     grid_plan(app, options).check_memory()
     return tables
-
-
-def _check_hashes(app: GridApp, workloads) -> None:
-    """The pools of a disaggregated deployment have no LRU cache model yet."""
-    hashed = [w.name for w in workloads if w.trace is not None and w.trace.hash_column]
-    axes = app.grid.axes
-    if hashed and max(axes["disaggregated"]) > 0 and max(axes["prefix_caching"]) > 0:
-        flags = ", ".join("true" if x else "false" for x in axes["disaggregated"])
-        raise ConfigError(
-            f"grid.disaggregated = [{flags}]: an LRU prefix cache "
-            f"of block hashes (workload {hashed[0]!r}, trace.hash_column) is modelled "
-            "for aggregated engines only; allowed: grid.disaggregated=[false], or "
-            "grid.prefix_caching=[false]")
 
 
 def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
@@ -207,6 +195,9 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
     models: list[Model] = options["model"]
     workloads = options["workload"]
     tables = check(app, options)
+    # each hashed trace's LRU tables, shared by the roofline and the p99 part
+    streams = [Streams(t, app.latency.num_requests) if t.pair_hashes is not None
+               else None for t in tables]
     axes = app.grid.axes
     policies = [b.value for b in app.grid.batching]
     dtypes = {d: app.grid.precision(d, models) for d in ("weight_dtype", "kv_dtype")}
@@ -225,7 +216,8 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         "hardware": stack([hardware_params(h, app.grid.gpu_memory_utilization)
                            for h in hardware]),
         "model": models_params(models),
-        "workload": stack(_padded(tables, app.latency.num_requests)),
+        "workload": stack(_padded(tables, streams, int(max(axes["prefill_instances"]))
+                                  if max(axes["disaggregated"]) > 0 else 0)),
         "batching": np.array([batching.index(b) for b in policies], np.int32),
         "weight_dtype": np.array([_dtype_index(v, precision.WEIGHT_DTYPES)
                                   for v in dtypes["weight_dtype"]], np.int32),
@@ -243,7 +235,8 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
                   lookups={"static_utilization": (util, ("workload", "concurrency"))},
                   options=app.grid.optional_variables)]
     if app.latency.method != LatencyMethod.none:
-        part, rate_coord = p99.part(app, workloads, tables, models, inputs, coords)
+        part, rate_coord = p99.part(app, workloads, tables, streams, models, inputs,
+                                    coords)
         coords["arrival_rate_per_s"] = rate_coord
         parts.append(part)
     choices = calibration.choose(app.calibration, hardware, models)

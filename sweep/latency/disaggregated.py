@@ -10,7 +10,9 @@ instance (``tests/reference_scheduler.py``'s
 * the prefill pool: ``p`` instances, the stream round-robin over them in
   arrival order, each simulating its requests with one output token: its
   queue and chunked prefill (prefill-only steps at the token budget) give
-  the end of each prefill;
+  the end of each prefill; with a trace's block hashes, each instance's
+  prompts find their prefixes in its own LRU cache
+  (``sweep.latency.prefix_cache.pool_table``);
 * the KV transfer: ``P kv_bytes_per_token / (tp kv_link_bytes_per_s)``
   (``roofline.kv_transfer_s``) after the prefill, over two links: the
   prefill instance's and the decode instance's, each carrying one transfer
@@ -114,17 +116,21 @@ def simulate_disaggregated_requests(
         hw, model, tp, concurrency, token_budget, requests: Requests,
         prefill_instances, decode_instances, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
         overlong=REJECT, spec_tokens=0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-        *, max_prefill_instances: int, max_decode_instances: int, max_slots: int,
-        max_iterations: int | None = None, turns_per_check: int = 64) -> SimOutcome:
+        cached_tokens=0.0, *, max_prefill_instances: int, max_decode_instances: int,
+        max_slots: int, max_iterations: int | None = None,
+        turns_per_check: int = 64) -> SimOutcome:
     """One disaggregated deployment over a stream, per request (module docstring).
 
     Args:
       hw, model, tp, concurrency, token_budget, requests, ttft_slo_s,
         itl_slo_s, overlong, spec_tokens, spec_acceptance,
-        prefix_hit_fraction: as ``simulate_requests`` (continuous batching in
-        both pools; ``max_num_seqs`` and ``max_num_batched_tokens`` the same
-        on both; prefix caching on the prefill pool, speculation on the
-        decode pool). ``hw.kv_link_bytes_per_s`` is the transfer link.
+        prefix_hit_fraction, cached_tokens: as ``simulate_requests``
+        (continuous batching in both pools; ``max_num_seqs`` and
+        ``max_num_batched_tokens`` the same on both; prefix caching on the
+        prefill pool, speculation on the decode pool): ``cached_tokens`` per
+        request, found in the cache of the prefill instance it is dealt to
+        (``sweep.latency.prefix_cache.pool_table``).
+        ``hw.kv_link_bytes_per_s`` is the transfer link.
       prefill_instances, decode_instances: ``p`` and ``d`` (traced; clipped to
         ``[1, max_*_instances]``).
       max_prefill_instances, max_decode_instances: static sizes of the pools'
@@ -152,7 +158,8 @@ def simulate_disaggregated_requests(
     prefill_stream = Requests(arrival, prompt, jnp.ones_like(output))
     pre = jax.vmap(lambda mine: simulate_requests(
         hw, model, tp, concurrency, token_budget, prefill_stream, CONTINUOUS, inf,
-        inf, REJECT, mine, 0, 0.0, prefix_hit_fraction, **kw))(pre_rows)
+        inf, REJECT, mine, 0, 0.0, prefix_hit_fraction, cached_tokens,
+        **kw))(pre_rows)
 
     to_decode = fits & (output > 1)
     ready = arrival + _pick(pre_rows, pre.ttft_s)  # the prefill's end
@@ -195,13 +202,14 @@ def simulate_disaggregated(hw, model, tp, concurrency, token_budget,
                            requests: Requests, prefill_instances, decode_instances,
                            ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, overlong=REJECT,
                            spec_tokens=0, spec_acceptance=0.0,
-                           prefix_hit_fraction=0.0, **static) -> SimResult:
+                           prefix_hit_fraction=0.0, cached_tokens=0.0,
+                           **static) -> SimResult:
     """``summarize`` of ``simulate_disaggregated_requests`` (same arguments;
     the keyword-only ones static)."""
     return summarize(simulate_disaggregated_requests(
         hw, model, tp, concurrency, token_budget, requests, prefill_instances,
         decode_instances, ttft_slo_s, itl_slo_s, overlong, spec_tokens,
-        spec_acceptance, prefix_hit_fraction, **static))
+        spec_acceptance, prefix_hit_fraction, cached_tokens, **static))
 
 
 # --- the surrogate's two pools -------------------------------------------------

@@ -69,12 +69,8 @@ from sweep.latency.disaggregated import (
     pools,
     simulate_disaggregated,
 )
-from sweep.latency.prefix_cache import (
-    CacheTable,
-    padded_curves,
-    stream_table,
-)
 from sweep.latency.prefix_cache import cached_tokens as prefix_cache_hits
+from sweep.latency.prefix_cache import padded_curves, padded_tables
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables, served_tables
@@ -118,7 +114,7 @@ class SimulatePoint:
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
                  prefill_instances, decode_instances, arrival_rate_per_s, requests,
-                 prefix_hit, prefix_cache, slo):
+                 prefix_hit, prefix_cache, pool_cache, slo):
         del arrival_rate_per_s  # the requests arrive at it already
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
                                        spec_proposer, spec_tokens)
@@ -126,9 +122,11 @@ class SimulatePoint:
         engine = (hardware, model, tensor_parallel, concurrency, token_budget, requests)
         capacity = roofline.kv_capacity_tokens(hardware, model, tensor_parallel)
         ok = capacity >= 1.0
-        # an LRU cache of the trace's block hashes, where the workload has them
-        cached = jnp.where(prefix_caching > 0,
-                           prefix_cache_hits(prefix_cache, capacity), 0.0)
+        # an LRU cache of the trace's block hashes, where the workload has
+        # them: the engine's, or each prefill instance's of its own prompts
+        cached, pool_cached = (jnp.where(prefix_caching > 0,
+                                         prefix_cache_hits(t, capacity), 0.0)
+                               for t in (prefix_cache, pool_cache))
         if self.aggregated:
             r = simulate(*engine, batching, slo[0], slo[1], workload, None,
                          spec_tokens, spec_acceptance, hit, cached,
@@ -136,7 +134,7 @@ class SimulatePoint:
         if self.max_prefill_instances:
             d = simulate_disaggregated(
                 *engine, prefill_instances, decode_instances, slo[0], slo[1], workload,
-                spec_tokens, spec_acceptance, hit,
+                spec_tokens, spec_acceptance, hit, pool_cached,
                 max_prefill_instances=self.max_prefill_instances,
                 max_decode_instances=self.max_decode_instances,
                 max_slots=self.max_slots)._asdict()
@@ -178,14 +176,16 @@ class SurrogatePoint:
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
                  prefill_instances, decode_instances, arrival_rate_per_s, served,
-                 pooled, rejected, prefix_hit, prefix_curve, slo):
+                 pooled, rejected, prefix_hit, prefix_curve, pool_curve, slo):
         del workload
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
                                        spec_proposer, spec_tokens)
-        # or the share an LRU cache of the trace's block hashes finds
+        # or the share an LRU cache of the trace's block hashes finds: the
+        # engine's, or the prefill instances' (each of its own prompts)
         capacity = roofline.kv_capacity_tokens(hardware, model, tensor_parallel)
-        lru = roofline.lru_hit_fraction(capacity, *prefix_curve)
-        hit = jnp.where(prefix_caching > 0, jnp.maximum(prefix_hit, lru), 0.0)
+        hit, pool_hit = (jnp.where(prefix_caching > 0, jnp.maximum(
+            prefix_hit, roofline.lru_hit_fraction(capacity, *curve)), 0.0)
+            for curve in (prefix_curve, pool_curve))
         rate = arrival_rate_per_s * (1.0 - rejected)
         split = disaggregated > 0
 
@@ -198,7 +198,7 @@ class SurrogatePoint:
                 d = pools(hw, model, tensor_parallel, concurrency, token_budget,
                           pooled, served.mean_output_tokens, rate, prefill_instances,
                           decode_instances, slo[0], slo[1], spec_tokens,
-                          spec_acceptance, hit)
+                          spec_acceptance, pool_hit)
                 r = (jax.tree.map(lambda a, b: jnp.where(split, b, a), r, d)
                      if self.aggregated else d)
             return {f: r[f] for f in _P99S}, r
@@ -244,44 +244,18 @@ def _summary_of(served: WorkloadTables, joint: bool) -> LatencyWorkload:
     return latency_workload(served, pairs=served.pairs if joint else None)
 
 
-def lru_cache(tables: WorkloadTables, workload: Workload, model: Model,
-              num_requests: int):
-    """``prefix_cache.stream_table`` of a workload with block hashes as
-    ``model`` serves it; ``None`` for one without."""
-    if tables.pair_hashes is None:
-        return None
-    return stream_table(tables, num_requests, float(model.max_context_tokens),
-                        workload.overlong == Overlong.truncate)
-
-
-def _padded_tables(caches, num_requests: int) -> CacheTable:
-    """Rows of ``lru_cache`` results as one ``(M, W, R, K)`` table: no hit
-    where a workload has no hashes (its hit fraction rules) or no more blocks."""
-    width = max([c[0].need_tokens.shape[1] for row in caches for c in row
-                 if c is not None], default=1)
-    need = np.full((len(caches), len(caches[0]), num_requests, width), np.inf,
-                   np.float32)
-    cached = np.zeros(need.shape, np.float32)
-    for i, row in enumerate(caches):
-        for j, c in enumerate(row):
-            if c is not None:
-                k = c[0].need_tokens.shape[1]
-                need[i, j, :, :k] = c[0].need_tokens
-                cached[i, j, :, :k] = c[0].cached_tokens
-                cached[i, j, :, k:] = c[0].cached_tokens[:, -1:]
-    return CacheTable(need, cached)
-
-
 def _rates(app: GridApp, workloads) -> np.ndarray:
     if "arrival_rate_per_s" in app.grid.axes:
         return np.asarray(app.grid.axes["arrival_rate_per_s"])
     return np.unique([w.arrival_rate_per_s for w in workloads])
 
 
-def part(app: GridApp, workloads, tables, models, inputs, coords):
+def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
     """The p99 ``Part`` of a grid job and the arrival-rate coordinate.
 
     Args:
+      streams: per workload, its ``prefix_cache.Streams`` (a trace with block
+        hashes) or None.
       inputs: the roofline part's inputs by axis name (hardware, model and
         the serving settings are shared).
       coords: the roofline axes' coordinates.
@@ -298,16 +272,31 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
     # each workload's prefix hit fraction, used where prefix_caching is on
     prefix_hit = (np.array([w.prefix_hit_fraction for w in workloads], np.float32),
                   ("workload",))
-    # an LRU cache of a trace's block hashes (workload.trace.hash_column)
-    caches = [[lru_cache(t, w, m, app.latency.num_requests) for w, t in
-               zip(workloads, tables)] for m in models]
+    # an LRU cache of a trace's block hashes (workload.trace.hash_column):
+    # one per model and workload, and one per prefill pool size of the
+    # disaggregated points (flat: ``by_model`` and ``by_pool`` shape them)
+    caches = [s and s(float(m.max_context_tokens), w.overlong == Overlong.truncate)
+              for m in models for w, s in zip(workloads, streams)]
+    instances = ([int(p) for p in coords["prefill_instances"]]
+                 if max(app.grid.axes["disaggregated"]) > 0 else [])
+    pool_caches = [s(float(m.max_context_tokens), w.overlong == Overlong.truncate, p)
+                   if s is not None and instances else None
+                   for m in models for w, s in zip(workloads, streams)
+                   for p in instances or coords["prefill_instances"]]
+
+    def by_model(x):
+        return x.reshape(len(models), len(workloads), *x.shape[1:])
+
+    def by_pool(x):
+        return x.reshape(len(models), len(workloads), len(coords["prefill_instances"]),
+                         *x.shape[1:])
     if method == LatencyMethod.simulate:
         keys = jax.random.split(jax.random.key(app.seed), len(workloads))
-        streams = [[workload_requests(k, w, t, app.latency.num_requests, r)
-                    for r in rates] for w, t, k in zip(workloads, tables, keys)]
+        arrivals = [[workload_requests(k, w, t, app.latency.num_requests, r)
+                     for r in rates] for w, t, k in zip(workloads, tables, keys)]
         requests = jax.tree.map(lambda *x: jnp.stack(x),
                                 *[jax.tree.map(lambda *x: jnp.stack(x), *s)
-                                  for s in streams])
+                                  for s in arrivals])
         axes = app.grid.axes
         split = max(axes["disaggregated"]) > 0
         fn = SimulatePoint(
@@ -320,8 +309,12 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
                             np.int32)
         lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
                    "prefix_hit": prefix_hit,
-                   "prefix_cache": (_padded_tables(caches, app.latency.num_requests),
+                   "prefix_cache": (jax.tree.map(by_model, padded_tables(
+                       [c and c[0] for c in caches], app.latency.num_requests)),
                                     ("model", "workload")),
+                   "pool_cache": (jax.tree.map(by_pool, padded_tables(
+                       [c and c[0] for c in pool_caches], app.latency.num_requests)),
+                                  ("model", "workload", "prefill_instances")),
                    "slo": (slo, ())}
         workload_input = overlong
         # a simulated block takes seconds or more: its chunk is written (and a
@@ -345,10 +338,12 @@ def part(app: GridApp, workloads, tables, models, inputs, coords):
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
             "prefix_hit": prefix_hit,
-            "prefix_curve": (tuple(x.reshape(len(models), len(workloads), -1)
-                                   for x in padded_curves([c and c[1] for row in caches
-                                                           for c in row])),
+            "prefix_curve": (tuple(map(by_model,
+                                       padded_curves([c and c[1] for c in caches]))),
                              ("model", "workload")),
+            "pool_curve": (tuple(map(by_pool, padded_curves(
+                [c and c[1] for c in pool_caches]))),
+                           ("model", "workload", "prefill_instances")),
             "slo": (slo, ())}
         workload_input = np.zeros(len(workloads), np.float32)
         plan, batch_points = write_blocking(shape, batch), batch

@@ -162,21 +162,63 @@ def hit_curve(table: CacheTable, prompt_tokens, served) -> tuple[np.ndarray,
     return (np.r_[-np.inf, capacity[last]], np.r_[0.0, share[last]])
 
 
+def _pad(need: np.ndarray, value: np.ndarray, width: int):
+    """Pads the last axis to ``width``: needs with ``inf`` (never found),
+    values with their last (nothing more found)."""
+    extra = [(0, 0)] * (need.ndim - 1) + [(0, width - need.shape[-1])]
+    return (np.pad(need, extra, constant_values=np.inf),
+            np.pad(value, extra, mode="edge"))
+
+
+def _stacked(pairs) -> tuple[np.ndarray, np.ndarray]:
+    width = max(need.shape[-1] for need, _ in pairs)
+    padded = [_pad(np.asarray(n), np.asarray(v), width) for n, v in pairs]
+    return tuple(np.stack(x).astype(np.float32) for x in zip(*padded))
+
+
 def padded_curves(curves) -> tuple[np.ndarray, np.ndarray]:
     """``hit_curve`` results (None: a workload without hashes, share 0) as
     two float32 arrays ``(N, J)``, each padded with its last share at ``inf``."""
-    curves = [c if c is not None else (np.array([-np.inf]), np.array([0.0]))
-              for c in curves]
-    width = max(len(c[0]) for c in curves)
-    capacity = np.full((len(curves), width), np.inf, np.float32)
-    share = np.zeros((len(curves), width), np.float32)
-    for i, (c, h) in enumerate(curves):
-        capacity[i, :len(c)], share[i, :len(h)], share[i, len(h):] = c, h, h[-1]
-    return capacity, share
+    none = (np.array([-np.inf]), np.array([0.0]))
+    return _stacked([c if c is not None else none for c in curves])
+
+
+def padded_tables(tables, num_requests: int) -> CacheTable:
+    """``CacheTable``s of ``num_requests`` rows (None: a workload without
+    hashes, no hit) as one float32 table ``(N, num_requests, K)``."""
+    none = (np.full((num_requests, 1), np.inf), np.zeros((num_requests, 1)))
+    return CacheTable(*_stacked([t if t is not None else none for t in tables]))
+
+
+class Streams:
+    """``stream_table`` (or ``pool_table``) of one workload's first
+    ``requests`` rows, built once per distinct effect of a context limit: a
+    limit no request reaches serves the stream as no limit does, so every
+    such model shares one table."""
+
+    def __init__(self, tables: WorkloadTables, requests: int):
+        self.tables, self.requests = tables, requests
+        rows = np.arange(requests) % len(tables.pairs)
+        self._longest = float(tables.pairs[rows].sum(-1).max())
+        self._built: dict[tuple[float, bool, int], tuple] = {}
+
+    def __call__(self, max_context_tokens: float, truncate: bool,
+                 prefill_instances: int = 0):
+        """``stream_table`` through this limit (0: none); with
+        ``prefill_instances``, ``pool_table``'s over that many."""
+        limit = max_context_tokens if max_context_tokens > 0 else np.inf
+        key = ((np.inf, False) if self._longest <= limit
+               else (limit, bool(truncate))) + (int(prefill_instances),)
+        if key not in self._built:
+            self._built[key] = (
+                pool_table(self.tables, self.requests, *key) if key[2]
+                else stream_table(self.tables, self.requests, *key[:2]))
+        return self._built[key]
 
 
 def stream_table(tables: WorkloadTables, requests, max_context_tokens: float,
-                 truncate: bool) -> tuple[CacheTable, tuple[np.ndarray, np.ndarray]]:
+                 truncate: bool, prefill_only: bool = False,
+                 ) -> tuple[CacheTable, tuple[np.ndarray, np.ndarray]]:
     """The hit table and curve of a trace replayed exactly through a model's
     context limit (``context_limit``).
 
@@ -185,6 +227,8 @@ def stream_table(tables: WorkloadTables, requests, max_context_tokens: float,
         rows, repeated if the trace is shorter, as ``replay_requests`` takes
         them) or the indices into that stream of one cache's requests (a
         replica's share).
+      prefill_only: each request makes one output token (a disaggregated
+        prefill instance's: its KV goes to a decode instance).
     """
     index = np.arange(requests) if np.ndim(requests) == 0 else np.asarray(requests)
     rows = index % len(tables.pairs)
@@ -192,7 +236,37 @@ def stream_table(tables: WorkloadTables, requests, max_context_tokens: float,
     limit = max_context_tokens if max_context_tokens > 0 else np.inf
     served_prompt, served_output, served = context_limit(prompt, output, limit,
                                                          truncate)
+    if prefill_only:
+        served_output = np.ones_like(served_output)
     table = lru_table([tables.pair_hashes[r] for r in rows], served_prompt,
                       served_output, served, served_prompt == prompt,
                       tables.hash_block_tokens)
+    return table, hit_curve(table, served_prompt, served)
+
+
+def pool_table(tables: WorkloadTables, requests: int, max_context_tokens: float,
+               truncate: bool, instances: int,
+               ) -> tuple[CacheTable, tuple[np.ndarray, np.ndarray]]:
+    """A disaggregated prefill pool's hit table and curve over the first
+    ``requests`` of a stream: the served requests dealt round-robin over
+    ``instances`` in arrival order (``sweep.latency.disaggregated``), each
+    instance an LRU cache of its own prompts (``stream_table``'s
+    ``prefill_only``); rows in stream order, a rejected request's finding
+    nothing."""
+    index = np.arange(requests)
+    rows = index % len(tables.pairs)
+    limit = max_context_tokens if max_context_tokens > 0 else np.inf
+    served_prompt, _, served = context_limit(tables.pairs[rows, 0],
+                                             tables.pairs[rows, 1], limit, truncate)
+    rank = np.cumsum(served) - 1
+    parts = [(mine, stream_table(tables, mine, max_context_tokens, truncate,
+                                 prefill_only=True)[0])
+             for mine in (index[served & (rank % instances == r)]
+                          for r in range(instances))]
+    width = max(t.need_tokens.shape[1] for _, t in parts)
+    need = np.full((requests, width), np.inf)
+    cached = np.zeros((requests, width))
+    for mine, t in parts:
+        need[mine], cached[mine] = _pad(t.need_tokens, t.cached_tokens, width)
+    table = CacheTable(need, cached)
     return table, hit_curve(table, served_prompt, served)

@@ -96,11 +96,13 @@ class WorkloadParams(NamedTuple):
     output_probs: jax.Array  # shape=(K,), their probabilities
     # share of each prompt found in the prefix cache when caching is on
     prefix_hit_fraction: jax.Array = 0.0
-    # shape=(J,) each: the share an LRU cache of the trace's block hashes finds
-    # as a step function of its capacity (``roofline.lru_hit_fraction``); a
-    # workload without hashes finds none ((-inf,), (0,))
-    lru_capacity_tokens: jax.Array = (-float("inf"),)
-    lru_share: jax.Array = (0.0,)
+    # shape=(1 + P, J) each: the share an LRU cache of the trace's block
+    # hashes finds as a step function of its capacity
+    # (``roofline.lru_hit_fraction``), row 0 one engine's, row p a
+    # disaggregated prefill pool's of p instances; a workload without hashes
+    # finds none (((-inf,),), ((0,),))
+    lru_capacity_tokens: jax.Array = ((-float("inf"),),)
+    lru_share: jax.Array = ((0.0,),)
 
 
 class GridPoint(NamedTuple):

@@ -93,10 +93,16 @@ def disaggregated_figures(hw, model, wl: WorkloadParams, pt: GridPoint,
 def _hit(hw, model, wl: WorkloadParams, pt: GridPoint):
     """The share of each prompt in the prefix cache: the workload's hit
     fraction, or what an LRU cache of its trace's block hashes finds in this
-    configuration's KV capacity; 0 with caching off."""
+    configuration's KV capacity (one engine's, or where the point is
+    disaggregated, each prefill instance's of its own prompts); 0 with
+    caching off."""
+    pools = jnp.shape(wl.lru_share)[0] - 1
+    row = jnp.where(jnp.asarray(pt.disaggregated) > 0,
+                    jnp.clip(jnp.floor(pt.prefill_instances), 1, pools), 0)
     lru = roofline.lru_hit_fraction(
         roofline.kv_capacity_tokens(hw, model, pt.tensor_parallel),
-        wl.lru_capacity_tokens, wl.lru_share)
+        jnp.asarray(wl.lru_capacity_tokens)[row.astype(jnp.int32)],
+        jnp.asarray(wl.lru_share)[row.astype(jnp.int32)])
     return jnp.where(pt.prefix_caching > 0,
                      jnp.maximum(wl.prefix_hit_fraction, lru), 0.0)
 

@@ -133,8 +133,9 @@ class OptimizeJob:
     settings: descent.Settings
     # the validated configs searched, per axis (provenance of the dataset)
     specs: dict[str, list] = field(default_factory=dict)
-    # LRU prefix-cache tables of the verification stream (``_lru``)
-    lru: dict[tuple, tuple] = field(default_factory=dict)
+    # LRU prefix-cache tables of the verification stream (a trace with block
+    # hashes; ``prefix_cache.Streams``), else None
+    lru: prefix_cache.Streams | None = None
 
 
 def prepare(app: OptimizeApp, hardware: list[Hardware],
@@ -153,8 +154,9 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
     trace = app.workload.trace
     if trace is not None and trace.hash_column and True in s.disaggregated:
         raise ConfigError(
-            f"workload.trace.hash_column = {trace.hash_column!r}: an LRU prefix cache "
-            "of block hashes is modelled for aggregated engines only; allowed: "
+            f"workload.trace.hash_column = {trace.hash_column!r}: sweep-optimize "
+            "searches an LRU prefix cache of block hashes for aggregated engines "
+            "only (sweep-grid simulates it in disaggregated pools too); allowed: "
             "search.disaggregated=[false]")
     tables = workload_tables(app.workload, app.data_dir)
     served = {m.name: served_workload(tables, app.workload, m) for m in models}
@@ -225,7 +227,9 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
     job = OptimizeJob(app, keep, excluded, tables, served, settings,
                       {"hardware": hardware, "model": models,
-                       "workload": [app.workload]})
+                       "workload": [app.workload]},
+                      prefix_cache.Streams(tables, s.verify_requests)
+                      if tables.pair_hashes is not None else None)
     optimize_plan(app, len(keep), job.settings).check_memory()
     return job
 
@@ -246,24 +250,29 @@ def options(app_name: str, overrides: list[str]):
 
 def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candidates:
     cands = job.candidates + [job.candidates[0]] * (-len(job.candidates) % descent.PAD)
-    util = job.app.search.gpu_memory_utilization
     n = len(cands)
     f32 = jnp.float32
     served = [job.served[c.model.name] for c in cands]
     rate = job.app.workload.arrival_rate_per_s
+    hw, model, tp = _stacked(job, cands)
     return descent.Candidates(
-        hw=stack([hardware_params(c.hardware, util) for c in cands]),
-        model=models_params([c.model for c in cands]),
-        workload=stack([lw for lw, _ in served]),
-        tp=jnp.asarray([c.tp for c in cands], f32),
+        hw=hw, model=model, workload=stack([lw for lw, _ in served]), tp=tp,
         # rejected requests never reach the replicas
         arrival_rate_per_s=jnp.asarray([rate * (1.0 - r) for _, r in served], f32),
         ttft_target_s=jnp.asarray(np.resize(ttft_target_s, n), f32),
         itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
         spec_tokens=jnp.asarray([c.spec_tokens for c in cands], f32),
         spec_acceptance=jnp.full(n, job.app.search.spec_acceptance, f32),
-        prefix_hit_fraction=jnp.asarray(_prefix_hits(job, cands), f32),
+        prefix_hit_fraction=jnp.asarray(_prefix_hits(job, cands, hw, model, tp), f32),
     )
+
+
+def _stacked(job: OptimizeJob, cands: list[Candidate]):
+    """The candidates' hardware, model and tensor-parallel size, stacked."""
+    util = job.app.search.gpu_memory_utilization
+    return (stack([hardware_params(c.hardware, util) for c in cands]),
+            models_params([c.model for c in cands]),
+            jnp.asarray([c.tp for c in cands], jnp.float32))
 
 
 def caching(job: OptimizeJob) -> bool:
@@ -273,40 +282,26 @@ def caching(job: OptimizeJob) -> bool:
             or job.tables.pair_hashes is not None)
 
 
-def _capacity_tokens(job: OptimizeJob, cands: list[Candidate]) -> np.ndarray:
-    """Each candidate's KV capacity (tokens), as the simulator computes it."""
-    util = job.app.search.gpu_memory_utilization
-    return np.asarray(jax.vmap(roofline.kv_capacity_tokens)(
-        stack([hardware_params(c.hardware, util) for c in cands]),
-        models_params([c.model for c in cands]),
-        jnp.asarray([c.tp for c in cands], jnp.float32)))
-
-
-def _prefix_hits(job: OptimizeJob, cands: list[Candidate]) -> np.ndarray:
+def _prefix_hits(job: OptimizeJob, cands: list[Candidate], hw, model,
+                 tp) -> np.ndarray:
     """Each candidate's share of prompt tokens in the prefix cache: the
     workload's hit fraction, or what an LRU cache of the trace's block hashes
-    finds in the candidate's KV capacity over one replica's verification
-    stream (``prefix_cache.hit_curve``; split over replicas, each cache sees
-    fewer of the blocks, which the verification simulates)."""
+    finds in the candidate's KV capacity (from its stacked ``hw``, ``model``
+    and ``tp``) over one replica's verification stream
+    (``prefix_cache.hit_curve``; split over replicas, each cache sees fewer of
+    the blocks, which the verification simulates)."""
     hit = np.full(len(cands), job.app.workload.prefix_hit_fraction)
-    if job.tables.pair_hashes is None:
+    if job.lru is None:
         return hit
-    capacity = _capacity_tokens(job, cands)
+    capacity = np.asarray(jax.vmap(roofline.kv_capacity_tokens)(hw, model, tp))
     for i, c in enumerate(cands):
-        _, curve = _lru(job, c.model, job.app.search.verify_requests)
+        _, curve = job.lru(float(c.model.max_context_tokens), _truncates(job))
         hit[i] = max(hit[i], float(roofline.lru_hit_fraction(capacity[i], *curve)))
     return hit
 
 
-def _lru(job: OptimizeJob, model: Model, num_requests: int):
-    """``prefix_cache.stream_table`` of the first ``num_requests`` of the
-    verification stream as ``model`` serves it (cached per model)."""
-    key = (model.name, model.max_context_tokens, num_requests)
-    if key not in job.lru:
-        job.lru[key] = prefix_cache.stream_table(
-            job.tables, num_requests, float(model.max_context_tokens),
-            job.app.workload.overlong == Overlong.truncate)
-    return job.lru[key]
+def _truncates(job: OptimizeJob) -> bool:
+    return job.app.workload.overlong == Overlong.truncate
 
 
 @dataclass
@@ -587,9 +582,9 @@ def _replica_hits(job: OptimizeJob, c: Config, replicas: np.ndarray, replica: in
     requests routed to it."""
     mine = np.flatnonzero(replicas == replica)
     model = job.candidates[c.candidate].model
-    table, _ = prefix_cache.stream_table(
-        job.tables, mine, float(model.max_context_tokens),
-        job.app.workload.overlong == Overlong.truncate)
+    table, _ = prefix_cache.stream_table(job.tables, mine,
+                                         float(model.max_context_tokens),
+                                         _truncates(job))
     out = np.zeros(length, np.float32)
     out[:len(mine)] = prefix_cache.cached_tokens(table, capacity_tokens, xp=np)
     return out
@@ -804,7 +799,7 @@ def bench_command(job: OptimizeJob, c: Config) -> str:
         prompt_tokens=prompt, output_tokens=job.tables.mean_output_tokens,
         ttft_p99_s=slo.ttft_p99_s, itl_p99_s=slo.itl_p99_s,
         cached_tokens=float(roofline.cached_prefix_tokens(
-            prompt, _prefix_hits(job, [cand])[0])))
+            prompt, _prefix_hits(job, [cand], *_stacked(job, [cand]))[0])))
 
 
 def _var(dims, data, name: str, prefix: str = "", source: str = ""):
