@@ -416,7 +416,7 @@ def evaluate_points_python(axes: tuple, flat_indices, shape: tuple[int, ...]
       flat_indices: iterable of ints in ``[0, prod(shape))``.
     """
     leaves = lambda tree, i: {  # noqa: E731
-        k: float(v[i]) if np.ndim(v) == 1 else [float(x) for x in v[i]]
+        k: float(v[i]) if np.ndim(v) == 1 else np.asarray(v[i], float).tolist()
         for k, v in tree._asdict().items() if v is not None  # no draft model
     }
     hw_list = [leaves(axes[0], i) for i in range(shape[0])]

@@ -166,6 +166,22 @@ TRACE_WORKLOAD = [
     "workload.arrival=trace"]
 
 
+def grid_cube(tmp_path, trace, method, *axes):
+    """``sweep-grid`` of the trace at 2 req/s with caching off and on (one
+    serving setting: concurrency 8, budget 2,048) and ``axes``; its cube."""
+    out = tmp_path / "lru.zarr"
+    proc = run_script("sweep-grid", [
+        "experiment=seed", *TRACE_WORKLOAD, f"workload.trace.path={trace}",
+        f"grid.gpu_memory_utilization={UTILIZATION}",
+        "grid.prefix_caching=[false,true]", "grid.concurrency=[8]",
+        "grid.token_budget=[2048]", "grid.batching=[continuous]",
+        "grid.context_tokens=[1500]", "grid.traffic_tokens_per_day=[1e8]",
+        f"latency={method}", f"latency.num_requests={ROWS}",
+        "grid.arrival_rate_per_s=[2]", *axes, f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return sweep.open_cube(out).load()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["simulate", "surrogate"])
 def test_sweep_grid_hit_rate_emerges_from_the_trace_and_the_cache(tmp_path, method):
@@ -176,18 +192,9 @@ def test_sweep_grid_hit_rate_emerges_from_the_trace_and_the_cache(tmp_path, meth
     TTFT falls with caching, the more where the cache finds more."""
     trace = tmp_path / "conversations.jsonl"
     hashes, prompts, outputs = write_trace(trace)
-    out = tmp_path / "lru.zarr"
-    proc = run_script("sweep-grid", [
-        "experiment=seed", *TRACE_WORKLOAD, f"workload.trace.path={trace}",
-        f"grid.gpu_memory_utilization={UTILIZATION}", "grid.tensor_parallel=[1,2]",
-        "grid.prefix_caching=[false,true]", "grid.concurrency=[8]",
-        "grid.token_budget=[2048]", "grid.batching=[continuous]",
-        "grid.context_tokens=[1500]", "grid.traffic_tokens_per_day=[1e8]",
-        f"latency={method}", f"latency.num_requests={ROWS}",
-        "grid.arrival_rate_per_s=[2]", f"out={out}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    ds = squeeze_except(sweep.open_cube(out).load(), "tensor_parallel",
-                        "prefix_caching")
+    ds = squeeze_except(
+        grid_cube(tmp_path, trace, method, "grid.tensor_parallel=[1,2]"),
+        "tensor_parallel", "prefix_caching")
     mean_prompt = prompts.mean()
     shares, drops = [], []
     for tp in (1, 2):
@@ -234,20 +241,11 @@ def test_sweep_grid_prefill_instances_cache_their_own_prompts(tmp_path, method):
 
     trace = tmp_path / "conversations.jsonl"
     hashes, prompts, outputs = write_trace(trace)
-    out = tmp_path / "pools.zarr"
-    proc = run_script("sweep-grid", [
-        "experiment=seed", *TRACE_WORKLOAD, f"workload.trace.path={trace}",
-        f"grid.gpu_memory_utilization={UTILIZATION}", "grid.tensor_parallel=[1]",
-        "grid.prefix_caching=[false,true]", "grid.disaggregated=[true]",
-        "grid.prefill_instances=[1,2]", "grid.decode_instances=[1]",
-        "grid.concurrency=[8]", "grid.token_budget=[2048]",
-        "grid.batching=[continuous]", "grid.context_tokens=[1500]",
-        "grid.traffic_tokens_per_day=[1e8]", f"latency={method}",
-        f"latency.num_requests={ROWS}", "grid.arrival_rate_per_s=[2]",
-        f"out={out}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    ds = squeeze_except(sweep.open_cube(out).load(), "prefill_instances",
-                        "prefix_caching")
+    ds = squeeze_except(grid_cube(tmp_path, trace, method, "grid.tensor_parallel=[1]",
+                                  "grid.disaggregated=[true]",
+                                  "grid.prefill_instances=[1,2]",
+                                  "grid.decode_instances=[1]"),
+                        "prefill_instances", "prefix_caching")
     hw = h100(memory_bytes=80e9 * UTILIZATION)._replace(kv_link_bytes_per_s=5e10)
     capacity = kv_capacity_tokens(hw, qwen3_8b(np.float64), 1)
     shares = []
@@ -323,20 +321,65 @@ def test_bad_hash_input_is_one_line(tmp_path, overrides, row2, line):
     assert "\n" not in str(e.value)
 
 
-def test_sweep_optimize_refuses_block_hashes_for_pools_with_one_line(tmp_path):
-    from sweep.config.schema import ConfigError
-    from sweep.search import optimize
+@pytest.mark.slow
+def test_sweep_optimize_gives_each_prefill_instance_its_own_cache(tmp_path):
+    """``sweep-optimize``'s disaggregated deployments on a trace with block
+    hashes: the enumeration prices a pool of ``p`` prefill instances at the
+    share their caches find (the reference caches' of ``verify_requests``
+    prompts each, fewer with more instances), the verification gives each
+    prefill instance an LRU cache of the prompts dealt to it (p50/p99 TTFT
+    the reference disaggregated scheduler's with those caches), and the
+    prefill pool's flags enable prefix caching."""
+    import jax
+    from reference_scheduler import simulate_disaggregated_reference
 
-    trace = tmp_path / "t.jsonl"
-    write_trace(trace)
-    with pytest.raises(ConfigError, match=r"^workload.trace.hash_column = 'hash_ids': "
-                       r"sweep-optimize searches an LRU prefix cache of block "
-                       r"hashes for aggregated engines only \(sweep-grid simulates "
-                       r"it in disaggregated pools too\); allowed: "
-                       r"search.disaggregated="):
-        optimize.prepare(*optimize_inputs([
-            *TRACE_WORKLOAD, f"workload.trace.path={trace}",
-            "search.disaggregated=[false,true]"]))
+    from sweep.config.convert import hardware_params, model_params
+    from sweep.search import disaggregate, optimize
+
+    trace = tmp_path / "conversations.jsonl"
+    hashes, prompts, outputs = write_trace(trace)
+    each = 60
+    job = optimize.prepare(*optimize_inputs([
+        "hardware=h100_sxm", "model=qwen3_8b", "calibration=roofline",
+        *TRACE_WORKLOAD, f"workload.trace.path={trace}",
+        "workload.arrival_rate_per_s=2", "search.tensor_parallel=[1]",
+        "search.disaggregated=[false,true]",
+        f"search.gpu_memory_utilization={UTILIZATION}",
+        f"search.verify_requests={each}"]))
+    hw = h100(memory_bytes=80e9 * UTILIZATION)._replace(kv_link_bytes_per_s=5e10)
+    capacity = kv_capacity_tokens(hw, qwen3_8b(np.float64), 1)
+    cand = job.candidates[0]
+    cand_hw = hardware_params(cand.hardware, UTILIZATION)
+    shares = []
+    for p in (1, 2):
+        n = each * p
+        found = sum(online([hashes[i] for i in mine], prompts[mine],
+                           np.ones(len(mine)), np.ones(len(mine), bool),
+                           np.ones(len(mine), bool), capacity, TRACE_BLOCK).sum()
+                    for mine in (np.arange(r, n, p) for r in range(p)))
+        shares.append(found / prompts[:n].sum())
+        got = disaggregate.pool_hit(job, cand, cand_hw, model_params(cand.model), 1.0,
+                                    p)
+        assert got == pytest.approx(shares[-1], rel=1e-6)
+    assert 0 < shares[1] < shares[0]
+
+    deps = [disaggregate.Deployment(0, p, 1, 8, 2048, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            for p in (1, 2)]
+    stream = optimize.verification_stream(job, jax.random.key(0))
+    sims = disaggregate.simulate_deployments(job, deps, stream, 2)
+    n = sims[0]["requests"]
+    rows = np.arange(n) % ROWS  # the trace repeats, as replayed
+    arrival = np.asarray(stream.arrival_s[:n], np.float64)
+    for dep, sim in zip(deps, sims):
+        ref = simulate_disaggregated_reference(
+            hw, qwen3_8b(np.float64), 1, 8, 2048, arrival, prompts[rows], outputs[rows],
+            dep.prefill_instances, 1,
+            prefix_cache=([hashes[i] for i in rows], TRACE_BLOCK))
+        np.testing.assert_allclose([sim["ttft_p50_s"], sim["ttft_p99_s"]],
+                                   np.percentile(ref.ttft_s, [50, 99]), rtol=1e-3)
+    flags = disaggregate.pool_flags(job, deps[0])
+    assert "--enable-prefix-caching" in flags["prefill"]
+    assert "--enable-prefix-caching" not in flags["decode"]
 
 
 @pytest.mark.slow

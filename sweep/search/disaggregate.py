@@ -52,11 +52,18 @@ import xarray as xr
 from sweep import shapes
 from sweep.config.convert import hardware_params, model_params
 from sweep.cube import engines
+from sweep.latency import prefix_cache
 from sweep.latency.arrivals import Requests
 from sweep.latency.disaggregated import simulate_disaggregated
 from sweep.model import roofline
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
-from sweep.search.optimize import met, simulation_inputs, verification_stream
+from sweep.search.optimize import (
+    caching,
+    lru,
+    met,
+    simulation_inputs,
+    verification_stream,
+)
 
 UTILIZATION_MAX = 0.95
 """The highest share of a pool's roofline capacity a deployment may load."""
@@ -122,7 +129,7 @@ def enumerate_deployments(job) -> list[Deployment]:
     n_grid = _powers_of_two(s.concurrency_min, s.concurrency_max)
     b_grid = _powers_of_two(s.token_budget_min, s.token_budget_max)
     N, B = (x.ravel() for x in np.meshgrid(n_grid, b_grid, indexing="ij"))
-    hit = app.workload.prefix_hit_fraction
+    hashed = tables.pair_hashes is not None
     best: dict[tuple[int, int, int], Deployment] = {}
     for ci, cand in enumerate(job.candidates):
         rate = app.workload.arrival_rate_per_s * (1.0 - job.served[cand.model.name][1])
@@ -133,30 +140,43 @@ def enumerate_deployments(job) -> list[Deployment]:
                                                  prompt + out_mean / 2, k), float)
         gain = float(roofline.tokens_per_step(k, s.spec_acceptance))
         decode_rps = N * gain / step / after_first
-        prefill = np.asarray(roofline.chunked_prefill(
-            hw, model, tp, 0.0, 0.0, prompt, B, 0.0,
-            roofline.cached_prefix_tokens(prompt, hit))[0], float)
         transfer = float(roofline.kv_transfer_s(hw, model, tp, prompt))
+
+        @functools.cache
+        def pre_busy(p, hw=hw, model=model, tp=tp, cand=cand, transfer=transfer):
+            """Per budget, a prefill instance's time per request among ``p``:
+            computing (after the cached prefix its pool finds) or sending,
+            whichever is longer (an instance's link carries one transfer at
+            a time)."""
+            prefill = np.asarray(roofline.chunked_prefill(
+                hw, model, tp, 0.0, 0.0, prompt, B, 0.0, roofline.cached_prefix_tokens(
+                    prompt, pool_hit(job, cand, hw, model, tp, p)))[0], float)
+            return prefill, np.maximum(prefill, transfer)
+
+        prefill, _ = pre_busy(1)
         ttft0 = prefill + transfer
-        # an instance's link carries one transfer at a time: per request, a
-        # prefill instance is busy computing or sending, whichever is longer,
-        # and a decode instance decoding or receiving
-        pre_busy = np.maximum(prefill, transfer)
+        # likewise a decode instance decoding or receiving
         dec_busy = np.maximum(1.0 / decode_rps, transfer)
         fits = np.asarray(roofline.kv_fits(hw, model, tp, N, prompt + out_mean + k))
         ok = (fits & (step <= app.slo.itl_p99_s) & (ttft0 <= app.slo.ttft_p99_s)
               & (B >= N * (k + 1.0)))
         usd = cand.hardware.usd_per_gpu_hour
         for i in np.flatnonzero(ok):
-            p0 = max(math.ceil(rate * pre_busy[i] / UTILIZATION_MAX), 1)
+            # one instance's cache finds the most: the fewest instances
+            p0 = max(math.ceil(rate * pre_busy(1)[1][i] / UTILIZATION_MAX), 1)
             d0 = max(math.ceil(rate * dec_busy[i] / UTILIZATION_MAX), 1)
             for p in range(p0, p0 + EXTRA_INSTANCES):
+                if p > s.disaggregated_max_instances:
+                    continue
+                busy = pre_busy(p if hashed else 1)[1][i]
+                if hashed and rate * busy / p > UTILIZATION_MAX:
+                    continue  # more instances, each cache finding less
                 for d in range(d0, d0 + EXTRA_INSTANCES):
                     if max(p, d) > s.disaggregated_max_instances:
                         continue
                     gpus = cand.tp * (p + d)
                     dep = Deployment(
-                        ci, p, d, int(N[i]), int(B[i]), rate * pre_busy[i] / p,
+                        ci, p, d, int(N[i]), int(B[i]), rate * busy / p,
                         rate * dec_busy[i] / d, float(ttft0[i]), float(step[i]),
                         float(cost_per_mtok_usd(usd, gpus, rate * out_mean)),
                         usd * gpus * HOURS_PER_MONTH)
@@ -166,23 +186,40 @@ def enumerate_deployments(job) -> list[Deployment]:
     return sorted(best.values(), key=lambda x: (x.cost_per_mtok_out_usd, -_headroom(x)))
 
 
+def pool_hit(job, cand, hw, model, tp, prefill_instances: int) -> float:
+    """The share of prompt tokens a pool of ``prefill_instances`` finds in
+    their caches: the workload's hit fraction, or with a trace's block hashes
+    what each instance's LRU cache of its own prompts finds in its KV
+    capacity over ``verify_requests`` per instance of the verification
+    stream (``prefix_cache.pool_table``)."""
+    hit = job.app.workload.prefix_hit_fraction
+    if job.tables.pair_hashes is None:
+        return hit
+    _, curve = lru(job, job.app.search.verify_requests * prefill_instances,
+                   cand.model, prefill_instances)
+    capacity = roofline.kv_capacity_tokens(hw, model, tp)
+    return max(hit, float(roofline.lru_hit_fraction(capacity, *curve)))
+
+
 def _headroom(d: Deployment) -> float:
     return -max(d.prefill_utilization, d.decode_utilization)
 
 
 @functools.partial(jax.jit, static_argnames=("max_prefill", "max_decode", "max_slots"))
-def _simulate(rows, shared, p, d, requests, *, max_prefill: int, max_decode: int,
-              max_slots: int):
-    """Every deployment (``rows``, ``p``, ``d``: leading axis) over one stream."""
-    def one(e, p, d):
+def _simulate(rows, shared, p, d, requests, cached, *, max_prefill: int,
+              max_decode: int, max_slots: int):
+    """Every deployment (``rows``, ``p``, ``d``, ``cached``: leading axis)
+    over one stream; ``cached``: each request's prefix in its prefill
+    instance's LRU cache (0 without a trace's block hashes)."""
+    def one(e, p, d, cached):
         return simulate_disaggregated(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, requests, p, d,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, e.spec_tokens,
-            shared.spec_acceptance, shared.prefix_hit_fraction,
+            shared.spec_acceptance, shared.prefix_hit_fraction, cached,
             max_prefill_instances=max_prefill, max_decode_instances=max_decode,
             max_slots=max_slots)
 
-    return jax.vmap(one)(rows, p, d)
+    return jax.vmap(one)(rows, p, d, cached)
 
 
 def simulate_deployments(job, deps: list[Deployment], stream: Requests,
@@ -199,10 +236,18 @@ def simulate_deployments(job, deps: list[Deployment], stream: Requests,
         job, [job.candidates[d.candidate] for d in rows],
         [d.concurrency for d in rows], [d.token_budget for d in rows])
     f32 = jnp.float32
+    cached = np.zeros((len(rows), n), np.float32)
+    if job.tables.pair_hashes is not None:
+        capacity = np.asarray(jax.vmap(roofline.kv_capacity_tokens)(
+            engines.hw, engines.model, engines.tp))
+        for i, dep in enumerate(rows):
+            table, _ = lru(job, n, job.candidates[dep.candidate].model,
+                           dep.prefill_instances)
+            cached[i] = prefix_cache.cached_tokens(table, capacity[i], xp=np)
     out = _simulate(
         engines, shared, jnp.asarray([d.prefill_instances for d in rows], f32),
         jnp.asarray([d.decode_instances for d in rows], f32),
-        jax.tree.map(lambda x: jnp.asarray(x[:n]), stream),
+        jax.tree.map(lambda x: jnp.asarray(x[:n]), stream), jnp.asarray(cached),
         max_prefill=shapes.power_of_two(max(d.prefill_instances for d in deps)),
         max_decode=shapes.power_of_two(max(d.decode_instances for d in deps)),
         max_slots=shapes.slots(max(d.concurrency for d in deps)))
@@ -280,8 +325,7 @@ def pool_flags(job, d: Deployment) -> dict[str, str]:
             gpu_memory_utilization=job.app.search.gpu_memory_utilization,
             weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
             spec_tokens=cand.spec_tokens if pool == "decode" else 0,
-            prefix_caching=(pool == "prefill"
-                            and job.app.workload.prefix_hit_fraction > 0))
+            prefix_caching=pool == "prefill" and caching(job))
         n = f"{count} instance{'' if count == 1 else 's'}"
         out[pool] = (f"{engines.command_line(values)} {kv_transfer_config(role)}  "
                      f"(x {n})")

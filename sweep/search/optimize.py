@@ -133,9 +133,9 @@ class OptimizeJob:
     settings: descent.Settings
     # the validated configs searched, per axis (provenance of the dataset)
     specs: dict[str, list] = field(default_factory=dict)
-    # LRU prefix-cache tables of the verification stream (a trace with block
-    # hashes; ``prefix_cache.Streams``), else None
-    lru: prefix_cache.Streams | None = None
+    # LRU prefix-cache tables of the verification stream's first n requests,
+    # by n (a trace with block hashes: ``lru``)
+    streams: dict[int, prefix_cache.Streams] = field(default_factory=dict)
 
 
 def prepare(app: OptimizeApp, hardware: list[Hardware],
@@ -151,13 +151,6 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"{dict(s.optimizer_options)}: not an optax optimizer alias with these "
             f"options ({e})") from None
     check_tensor_parallel("search.tensor_parallel", s.tp_values, hardware, models)
-    trace = app.workload.trace
-    if trace is not None and trace.hash_column and True in s.disaggregated:
-        raise ConfigError(
-            f"workload.trace.hash_column = {trace.hash_column!r}: sweep-optimize "
-            "searches an LRU prefix cache of block hashes for aggregated engines "
-            "only (sweep-grid simulates it in disaggregated pools too); allowed: "
-            "search.disaggregated=[false]")
     tables = workload_tables(app.workload, app.data_dir)
     served = {m.name: served_workload(tables, app.workload, m) for m in models}
     limit = app.slo.max_rejected_fraction
@@ -227,9 +220,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
     job = OptimizeJob(app, keep, excluded, tables, served, settings,
                       {"hardware": hardware, "model": models,
-                       "workload": [app.workload]},
-                      prefix_cache.Streams(tables, s.verify_requests)
-                      if tables.pair_hashes is not None else None)
+                       "workload": [app.workload]})
     optimize_plan(app, len(keep), job.settings).check_memory()
     return job
 
@@ -291,13 +282,23 @@ def _prefix_hits(job: OptimizeJob, cands: list[Candidate], hw, model,
     (``prefix_cache.hit_curve``; split over replicas, each cache sees fewer of
     the blocks, which the verification simulates)."""
     hit = np.full(len(cands), job.app.workload.prefix_hit_fraction)
-    if job.lru is None:
+    if job.tables.pair_hashes is None:
         return hit
     capacity = np.asarray(jax.vmap(roofline.kv_capacity_tokens)(hw, model, tp))
     for i, c in enumerate(cands):
-        _, curve = job.lru(float(c.model.max_context_tokens), _truncates(job))
+        _, curve = lru(job, job.app.search.verify_requests, c.model)
         hit[i] = max(hit[i], float(roofline.lru_hit_fraction(capacity[i], *curve)))
     return hit
+
+
+def lru(job: OptimizeJob, requests: int, model: Model, prefill_instances: int = 0):
+    """``prefix_cache.stream_table`` of the verification stream's first
+    ``requests`` as ``model`` serves them, or with ``prefill_instances``
+    ``pool_table``'s (each built once: ``prefix_cache.Streams``)."""
+    if requests not in job.streams:
+        job.streams[requests] = prefix_cache.Streams(job.tables, requests)
+    return job.streams[requests](float(model.max_context_tokens), _truncates(job),
+                                 prefill_instances)
 
 
 def _truncates(job: OptimizeJob) -> bool:
