@@ -143,13 +143,13 @@ def _static_utilization(tables: list[WorkloadTables], concurrency) -> np.ndarray
 
 
 def _padded(tables: list[WorkloadTables], streams,
-            prefill_pools: int) -> list[WorkloadParams]:
+            prefill_pools: list[int]) -> list[WorkloadParams]:
     """Output-length tables padded to one length (zero-probability repeats),
     and the LRU hit curves of traces with block hashes (``streams``: the rows
     the p99 part replays), with no context limit applied: one engine's, then
-    a prefill pool's of 1 .. ``prefill_pools`` instances."""
+    a prefill pool's of each of ``prefill_pools`` instances."""
     k = max(len(t.output_values) for t in tables)
-    sizes = range(prefill_pools + 1)
+    sizes = [0, *prefill_pools]
     capacity, share = (x.reshape(len(tables), len(sizes), -1) for x in padded_curves(
         [s and s(0.0, False, p)[1] for s in streams for p in sizes]))
     out = []
@@ -159,7 +159,7 @@ def _padded(tables: list[WorkloadTables], streams,
             t.mean_prompt_tokens, t.mean_output_tokens,
             np.concatenate([t.output_values, np.full(pad, t.output_values[-1])]),
             np.concatenate([t.output_probs, np.zeros(pad)]), t.prefix_hit_fraction,
-            c, h))
+            c, h, np.asarray(sizes, np.float64)))
     return out
 
 
@@ -216,8 +216,9 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         "hardware": stack([hardware_params(h, app.grid.gpu_memory_utilization)
                            for h in hardware]),
         "model": models_params(models),
-        "workload": stack(_padded(tables, streams, int(max(axes["prefill_instances"]))
-                                  if max(axes["disaggregated"]) > 0 else 0)),
+        "workload": stack(_padded(tables, streams, sorted(
+            {int(p) for p in axes["prefill_instances"]})
+            if max(axes["disaggregated"]) > 0 else [])),
         "batching": np.array([batching.index(b) for b in policies], np.int32),
         "weight_dtype": np.array([_dtype_index(v, precision.WEIGHT_DTYPES)
                                   for v in dtypes["weight_dtype"]], np.int32),

@@ -98,11 +98,13 @@ class WorkloadParams(NamedTuple):
     prefix_hit_fraction: jax.Array = 0.0
     # shape=(1 + P, J) each: the share an LRU cache of the trace's block
     # hashes finds as a step function of its capacity
-    # (``roofline.lru_hit_fraction``), row 0 one engine's, row p a
-    # disaggregated prefill pool's of p instances; a workload without hashes
-    # finds none (((-inf,),), ((0,),))
+    # (``roofline.lru_hit_fraction``), row 0 one engine's, the others a
+    # disaggregated prefill pool's of ``lru_pools`` instances; a workload
+    # without hashes finds none (((-inf,),), ((0,),))
     lru_capacity_tokens: jax.Array = ((-float("inf"),),)
     lru_share: jax.Array = ((0.0,),)
+    # shape=(1 + P,): each row's prefill instances (0: one engine)
+    lru_pools: jax.Array = (0.0,)
 
 
 class GridPoint(NamedTuple):

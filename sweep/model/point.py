@@ -96,13 +96,12 @@ def _hit(hw, model, wl: WorkloadParams, pt: GridPoint):
     configuration's KV capacity (one engine's, or where the point is
     disaggregated, each prefill instance's of its own prompts); 0 with
     caching off."""
-    pools = jnp.shape(wl.lru_share)[0] - 1
-    row = jnp.where(jnp.asarray(pt.disaggregated) > 0,
-                    jnp.clip(jnp.floor(pt.prefill_instances), 1, pools), 0)
+    instances = jnp.where(jnp.asarray(pt.disaggregated) > 0,
+                          jnp.floor(pt.prefill_instances), 0.0)
+    row = jnp.argmax(jnp.asarray(wl.lru_pools) == instances)
     lru = roofline.lru_hit_fraction(
         roofline.kv_capacity_tokens(hw, model, pt.tensor_parallel),
-        jnp.asarray(wl.lru_capacity_tokens)[row.astype(jnp.int32)],
-        jnp.asarray(wl.lru_share)[row.astype(jnp.int32)])
+        jnp.asarray(wl.lru_capacity_tokens)[row], jnp.asarray(wl.lru_share)[row])
     return jnp.where(pt.prefix_caching > 0,
                      jnp.maximum(wl.prefix_hit_fraction, lru), 0.0)
 
