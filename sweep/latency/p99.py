@@ -277,12 +277,11 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
     # disaggregated points (flat: ``by_model`` and ``by_pool`` shape them)
     caches = [s and s(float(m.max_context_tokens), w.overlong == Overlong.truncate)
               for m in models for w, s in zip(workloads, streams)]
-    instances = ([int(p) for p in coords["prefill_instances"]]
-                 if max(app.grid.axes["disaggregated"]) > 0 else [])
-    pool_caches = [s(float(m.max_context_tokens), w.overlong == Overlong.truncate, p)
-                   if s is not None and instances else None
+    split_points = max(app.grid.axes["disaggregated"]) > 0
+    pool_caches = [s(float(m.max_context_tokens), w.overlong == Overlong.truncate,
+                     int(p)) if s is not None and split_points else None
                    for m in models for w, s in zip(workloads, streams)
-                   for p in instances or coords["prefill_instances"]]
+                   for p in coords["prefill_instances"]]
 
     def by_model(x):
         return x.reshape(len(models), len(workloads), *x.shape[1:])

@@ -136,6 +136,9 @@ class OptimizeJob:
     # LRU prefix-cache tables of the verification stream's first n requests,
     # by n (a trace with block hashes: ``lru``)
     streams: dict[int, prefix_cache.Streams] = field(default_factory=dict)
+    # one replica's LRU table, by (context limit, its requests' indices):
+    # configurations with as many replicas share the routing (``_replica_hits``)
+    replica_tables: dict[tuple, prefix_cache.CacheTable] = field(default_factory=dict)
 
 
 def prepare(app: OptimizeApp, hardware: list[Hardware],
@@ -582,10 +585,12 @@ def _replica_hits(job: OptimizeJob, c: Config, replicas: np.ndarray, replica: in
     padded to ``length``): its own LRU cache sees only the blocks of the
     requests routed to it."""
     mine = np.flatnonzero(replicas == replica)
-    model = job.candidates[c.candidate].model
-    table, _ = prefix_cache.stream_table(job.tables, mine,
-                                         float(model.max_context_tokens),
-                                         _truncates(job))
+    limit = float(job.candidates[c.candidate].model.max_context_tokens)
+    key = (limit, mine.tobytes())
+    if key not in job.replica_tables:
+        job.replica_tables[key], _ = prefix_cache.stream_table(
+            job.tables, mine, limit, _truncates(job))
+    table = job.replica_tables[key]
     out = np.zeros(length, np.float32)
     out[:len(mine)] = prefix_cache.cached_tokens(table, capacity_tokens, xp=np)
     return out
