@@ -107,6 +107,11 @@ def test_serving_flags_name_both_pools(cube):
     assert any("2 prefill and 3 decode instances" in n and "kv_producer" in n
                for n in dis.notes)
     assert not any("disaggregated" in n for n in agg.notes)
+    sglang = cube.sweep.to_serving_flags("sglang", disaggregated=1, **at)
+    assert any("plus prefill: --disaggregation-mode prefill" in n
+               and "one --decode per decode instance (3)" in n for n in sglang.notes)
+    trt = cube.sweep.to_serving_flags("trtllm", disaggregated=1, **at)
+    assert any("context_servers: {num_instances: 2" in n for n in trt.notes)
 
 
 def test_cube_without_disaggregation_has_no_extra_variables():
@@ -440,7 +445,16 @@ def test_optimizer_compares_aggregated_and_disaggregated(tmp_path):
     assert " wins: disaggregated " in proc.stdout
     assert "kv_role\":\"kv_producer" in proc.stdout
     assert "kv_role\":\"kv_consumer" in proc.stdout
+    # every engine's flags for both pools, and what routes requests to them
+    for line in ("SGLang prefill pool flags: --tp-size ",
+                 "--disaggregation-mode decode --disaggregation-transfer-backend nixl",
+                 "TensorRT-LLM decode pool flags: --tp_size ",
+                 "note: a router in front: python -m sglang_router.launch_router",
+                 "trtllm-serve disaggregated -c disagg_config.yaml"):
+        assert line in proc.stdout
     ds = xr.open_zarr(out)
+    assert ds.attrs["disaggregated_prefill_sglang_flags"] in proc.stdout
+    assert "max_tokens_in_buffer: " in ds.attrs["disaggregated_trtllm_notes"]
     assert ds.attrs["deployment"] in ("aggregated", "disaggregated")
     met = ds.disaggregated_slo_met.values
     assert met.any()
@@ -489,6 +503,8 @@ def test_disaggregated_deployment_when_no_aggregated_one_meets_the_slo(tmp_path)
     assert ds.attrs["deployment_verdict"] in md
     assert f"| {ds.attrs['disaggregated_prefill_instances']} |" in md
     assert "vLLM prefill pool flags" in md and "vLLM decode pool flags" in md
+    assert "SGLang decode pool flags" in md and "TensorRT-LLM prefill pool flags" in md
+    assert "  * a router in front: python -m sglang_router.launch_router" in md
 
 
 @pytest.mark.slow

@@ -168,3 +168,39 @@ def test_prefix_caching_flags():
         assert len(engines.notes(name, prefix_caching=True)) == 1
         assert engines.notes(name) == []
     assert engines.notes("vllm", prefix_caching=True) == []
+
+
+def test_disaggregated_pool_flags_by_engine():
+    """Each engine's pool flags and front, written from its docs: vLLM's
+    KVTransferConfig roles, SGLang's ``--disaggregation-mode`` and router,
+    TensorRT-LLM's cache transceiver YAML and ``trtllm-serve disaggregated``."""
+    line = {(e, pool): engines.command_line(engines.pool_flags(e, pool))
+            for e in engines.ENGINES for pool in ("prefill", "decode")}
+    assert line["vllm", "prefill"] == (
+        """--kv-transfer-config '{"kv_connector":"NixlConnector","""
+        """"kv_role":"kv_producer"}'""")
+    assert line["vllm", "decode"].endswith(""""kv_role":"kv_consumer"}'""")
+    assert line["sglang", "prefill"] == (
+        "--disaggregation-mode prefill --disaggregation-transfer-backend nixl")
+    assert line["sglang", "decode"] == (
+        "--disaggregation-mode decode --disaggregation-transfer-backend nixl")
+    assert line["trtllm", "prefill"] == line["trtllm", "decode"] == ""
+    vllm = engines.pool_note("vllm", 1, 3)
+    assert "to a prefill instance (1 here) with max_tokens 1, then to a decode " \
+        "instance (3 here)" in vllm
+    sglang = engines.pool_note("sglang", 2, 3)
+    assert sglang.startswith("a router in front: python -m "
+                             "sglang_router.launch_router --pd-disaggregation")
+    assert "one --prefill per prefill instance (2)" in sglang
+    assert "one --decode per decode instance (3)" in sglang
+    trt = engines.pool_note("trtllm", 2, 3, 40960)
+    for part in ("cache_transceiver_config: {backend: UCX, "
+                 "max_tokens_in_buffer: 40960}",
+                 "disable_overlap_scheduler: true",
+                 "trtllm-serve disaggregated -c disagg_config.yaml",
+                 "context_servers: {num_instances: 2, urls: [...]}",
+                 "generation_servers: {num_instances: 3, urls: [...]}"):
+        assert part in trt
+    assert "max_tokens_in_buffer: N}" in engines.pool_note("trtllm", 2, 3)
+    with pytest.raises(ValueError, match="pool='both': allowed: prefill, decode"):
+        engines.pool_flags("vllm", "both")

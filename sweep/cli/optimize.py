@@ -174,11 +174,13 @@ def _optimize_app(cfg: DictConfig) -> None:
         console.print(disaggregate.verdict(job, chosen, split), markup=False,
                       soft_wrap=True)
         if split.chosen is not None:
-            for pool, flags in disaggregate.pool_flags(job, split.chosen).items():
-                console.print(f"vLLM {pool} pool flags: {flags}", markup=False,
-                              soft_wrap=True)
-            console.print(f"  note: {disaggregate.FLAGS_NOTE}", markup=False,
-                          soft_wrap=True)
+            for name, engine in engines.ENGINES.items():
+                for pool, flags in disaggregate.pool_flags(job, split.chosen,
+                                                           name).items():
+                    console.print(f"{engine.label} {pool} pool flags: {flags}",
+                                  markup=False, soft_wrap=True)
+                for note in disaggregate.pool_notes(job, split.chosen, name):
+                    console.print(f"  note: {note}", markup=False, soft_wrap=True)
     console.print(f"{outcome.rounds} round(s), {outcome.evaluations:,} surrogate "
                   f"evaluations ({outcome.search_s:.1f} s), {outcome.simulations} "
                   f"simulated configurations ({outcome.simulate_s:.1f} s)")

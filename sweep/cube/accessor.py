@@ -377,8 +377,9 @@ class SweepAccessor:
           at a ``spec_tokens`` k > 0, the engine's n-gram speculation flags
           (TensorRT-LLM's, in ``notes``); at ``prefix_caching`` 1, vLLM's
           ``--enable-prefix-caching`` (SGLang's and TensorRT-LLM's caches are
-          on by default: ``notes``); at ``disaggregated`` 1, the instance
-          counts of both pools and the KV-transfer setting in ``notes``.
+          on by default: ``notes``); at ``disaggregated`` 1, in ``notes``
+          the instance counts of both pools, the engine's pool flags and the
+          front that routes requests to them (``engines.pool_note``).
         """
         engines.engine(engine)  # an unknown name fails before any reading
         ds = self._ds
@@ -436,12 +437,13 @@ class SweepAccessor:
                 "config's draft_model); sweep-optimize "
                 "'search.spec_proposer=[draft]' prints them")
         if value("disaggregated"):
-            notes.append(
-                f"disaggregated: {int(value('prefill_instances'))} prefill and "
-                f"{int(value('decode_instances'))} decode instances with these "
-                "flags, plus the engine's KV-transfer settings (vLLM: "
-                "--kv-transfer-config with kv_role kv_producer on prefill, "
-                "kv_consumer on decode; sweep-optimize prints both pools')")
+            p, d = int(value("prefill_instances")), int(value("decode_instances"))
+            pools = "; ".join(
+                f"{pool}: {engines.command_line(engines.pool_flags(engine, pool))}"
+                for pool in ("prefill", "decode") if engines.pool_flags(engine, pool))
+            notes.append(f"disaggregated: {p} prefill and {d} decode instances with "
+                         f"these flags" + (f", plus {pools}" if pools else "") + "; "
+                         + engines.pool_note(engine, p, d))
         return ServingFlags(engine, flags, engines.command_line(flags),
                             None if replicas is None else int(replicas),
                             tuple(notes))

@@ -51,6 +51,22 @@ SGLang; TensorRT-LLM):
   ``kv_cache_config: {enable_block_reuse: false}`` in the
   ``--extra_llm_api_options`` YAML (``KvCacheConfig``); said in ``notes``
 
+* disaggregated prefill/decode pools (``pool_flags``, ``pool_note``): vLLM's
+  ``--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role":
+  "kv_producer"}'`` on prefill, ``kv_consumer`` on decode (our reading of
+  vLLM's ``KVTransferConfig``; its NixlConnector guide starts both pools
+  with ``kv_both``), a proxy in front; SGLang's ``--disaggregation-mode
+  prefill`` / ``decode`` with ``--disaggregation-transfer-backend nixl``
+  (the default is Mooncake), ``sglang_router.launch_router
+  --pd-disaggregation`` in front (SGLang's docs, "PD Disaggregation");
+  TensorRT-LLM has no flags for it: ``cache_transceiver_config: {backend:
+  UCX, max_tokens_in_buffer: N}`` in both pools' ``--extra_llm_api_options``
+  YAML (``N`` at least the longest prompt), ``disable_overlap_scheduler:
+  true`` in the prefill (context) pool's, and ``trtllm-serve disaggregated
+  -c disagg_config.yaml`` in front, whose ``context_servers`` and
+  ``generation_servers`` give each pool's ``num_instances`` and ``urls``
+  (TensorRT-LLM's docs, "Disaggregated Serving"), said in ``notes``
+
 A weight dtype an engine cannot quantise to at load needs a checkpoint
 quantised beforehand, whose config the engine reads (no flag): GPTQ or AWQ
 for int4 in vLLM, NVFP4 (NVIDIA ModelOpt) for fp4 in vLLM and SGLang, a
@@ -108,6 +124,47 @@ class Engine(NamedTuple):
     # draft-model speculation with k proposals from the draft's Hugging Face
     # id -> its flags (None: no flag; notes)
     draft_speculation: Callable[[int, str], dict[str, int | str]] | None = None
+    # a disaggregated pool ("prefill" or "decode") -> the flags that make an
+    # instance one of it
+    pools: Callable[[str], dict[str, str]] = lambda pool: {}
+    # (prefill instances, decode instances, longest prompt or None) -> what
+    # the pools' flags leave out: the front that routes requests to them
+    pool_note: Callable[[int, int, int | None], str] = lambda p, d, n: ""
+
+
+KV_CONNECTOR = "NixlConnector"
+"""The connector in vLLM's pools' flags (``KVTransferConfig.kv_connector``)."""
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+"""vLLM's ``kv_role`` of each disaggregated pool."""
+
+
+def _vllm_pool_note(p: int, d: int, longest: int | None) -> str:
+    return ("--kv-transfer-config is our reading of vLLM's KVTransferConfig "
+            "(kv_connector; kv_role kv_producer on prefill, kv_consumer on decode, "
+            "kv_both also allowed; vLLM's NixlConnector guide starts both pools with "
+            "kv_both); a proxy (vLLM's disaggregated-serving examples) sends each "
+            f"request to a prefill instance ({p} here) with max_tokens 1, then to a "
+            f"decode instance ({d} here)")
+
+
+def _sglang_pool_note(p: int, d: int, longest: int | None) -> str:
+    return ("a router in front: python -m sglang_router.launch_router "
+            "--pd-disaggregation --prefill http://<host:port> --decode "
+            f"http://<host:port>, one --prefill per prefill instance ({p}) and one "
+            f"--decode per decode instance ({d}); without "
+            "--disaggregation-transfer-backend nixl, SGLang moves the KV cache "
+            "with Mooncake")
+
+
+def _trtllm_pool_note(p: int, d: int, longest: int | None) -> str:
+    n = "N" if longest is None else str(int(longest))
+    return ("disaggregated pools: no flags; both pools' --extra_llm_api_options "
+            f"YAML takes cache_transceiver_config: {{backend: UCX, "
+            f"max_tokens_in_buffer: {n}}} (at least the longest prompt), the "
+            "prefill (context) pool's also disable_overlap_scheduler: true; in "
+            "front, trtllm-serve disaggregated -c disagg_config.yaml with "
+            f"context_servers: {{num_instances: {p}, urls: [...]}} and "
+            f"generation_servers: {{num_instances: {d}, urls: [...]}}")
 
 
 ENGINES = {
@@ -122,7 +179,10 @@ ENGINES = {
         {"--enable-prefix-caching": ""},
         lambda k, d: {"--speculative-config":
                       f'\'{{"method": "draft_model", "model": "{d}", '
-                      f'"num_speculative_tokens": {k}}}\''}),
+                      f'"num_speculative_tokens": {k}}}\''},
+        pools=lambda pool: {"--kv-transfer-config": (
+            f'\'{{"kv_connector":"{KV_CONNECTOR}","kv_role":"{KV_ROLES[pool]}"}}\'')},
+        pool_note=_vllm_pool_note),
     "sglang": Engine(
         "SGLang", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
         "--mem-fraction-static", False,
@@ -136,7 +196,10 @@ ENGINES = {
         lambda k, d: {"--speculative-algorithm": "STANDALONE",
                       "--speculative-draft-model-path": d,
                       "--speculative-num-steps": k, "--speculative-eagle-topk": 1,
-                      "--speculative-num-draft-tokens": k + 1}),
+                      "--speculative-num-draft-tokens": k + 1},
+        pools=lambda pool: {"--disaggregation-mode": pool,
+                            "--disaggregation-transfer-backend": "nixl"},
+        pool_note=_sglang_pool_note),
     "trtllm": Engine(
         "TensorRT-LLM", "--tp_size", "--max_batch_size", "--max_num_tokens",
         "--kv_cache_free_gpu_memory_fraction", True,
@@ -146,7 +209,7 @@ ENGINES = {
          "fp4": "an NVFP4 checkpoint of NVIDIA ModelOpt"},
         None, "prefix caching: TensorRT-LLM reuses KV blocks by default (no flag; "
         "kv_cache_config: {enable_block_reuse: true} in the --extra_llm_api_options "
-        "YAML)"),
+        "YAML)", pool_note=_trtllm_pool_note),
 }
 """Engine name (what ``engine=`` takes) -> its argument names."""
 
@@ -211,6 +274,21 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
         out[e.memory] = round(kv_free_fraction(
             gpu_memory_utilization, memory_bytes, weight_bytes / tensor_parallel), 4)
     return out
+
+
+def pool_flags(name: str, pool: str) -> dict[str, str]:
+    """The flags that make an instance of engine ``name`` one of a
+    disaggregated deployment's pools (``pool``: ``prefill`` or ``decode``)."""
+    if pool not in KV_ROLES:
+        raise ValueError(f"pool={pool!r}: allowed: " + ", ".join(KV_ROLES))
+    return engine(name).pools(pool)
+
+
+def pool_note(name: str, prefill_instances: int, decode_instances: int,
+              longest_prompt_tokens: int | None = None) -> str:
+    """What engine ``name``'s pool flags leave out (module docstring)."""
+    return engine(name).pool_note(prefill_instances, decode_instances,
+                                  longest_prompt_tokens)
 
 
 def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0,

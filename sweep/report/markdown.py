@@ -487,10 +487,19 @@ def disaggregated_section(a: dict) -> list[str]:
     lines = ["## Disaggregated prefill/decode", "", a["deployment_verdict"] + ".", ""]
     if "disaggregated_hardware" in a:
         lines += [*attrs_table(a, DISAGGREGATED_COLUMNS),
-                  "", *(f"* vLLM {pool} pool flags: `{a[key]}`"
-                        for pool in ("prefill", "decode")
-                        if (key := f"disaggregated_{pool}_vllm_flags") in a), ""]
+                  "", *(line for name, engine in engines.ENGINES.items()
+                        for line in _pool_lines(a, name, engine.label)), ""]
     return lines
+
+
+def _pool_lines(a: dict, name: str, label: str) -> list[str]:
+    """One engine's flags for both pools and what they leave out (datasets
+    written before the other engines' pool flags existed show vLLM's only)."""
+    notes = [n for n in a.get(f"disaggregated_{name}_notes", "").split("\n") if n]
+    return [*(f"* {label} {pool} pool flags: `{a[key]}`"
+              for pool in ("prefill", "decode")
+              if (key := f"disaggregated_{pool}_{name}_flags") in a),
+            *(f"  * {note}" for note in notes)]
 
 
 def _cells(ds: xr.Dataset, cols, i: int) -> list[str]:

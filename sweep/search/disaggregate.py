@@ -58,7 +58,8 @@ from sweep.latency.disaggregated import simulate_disaggregated
 from sweep.model import roofline
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.search.optimize import (
-    caching,
+    engine_flags,
+    engine_notes,
     lru,
     met,
     simulation_inputs,
@@ -69,10 +70,6 @@ UTILIZATION_MAX = 0.95
 """The highest share of a pool's roofline capacity a deployment may load."""
 EXTRA_INSTANCES = 3
 """Instance counts per pool tried from the fewest up (p0, p0 + 1, p0 + 2)."""
-
-KV_CONNECTOR = "NixlConnector"
-"""The connector in the flags printed (vLLM's ``KVTransferConfig.kv_connector``)."""
-
 
 @dataclass
 class Deployment:
@@ -305,31 +302,33 @@ def describe(job, d: Deployment) -> str:
             f"max_num_batched_tokens {d.token_budget}")
 
 
-def kv_transfer_config(role: str) -> str:
-    """vLLM's ``--kv-transfer-config`` for a pool (``kv_producer`` or
-    ``kv_consumer``): our reading of vLLM's ``KVTransferConfig`` (``kv_role``
-    one of ``kv_producer``, ``kv_consumer``, ``kv_both``)."""
-    config = f'{{"kv_connector":"{KV_CONNECTOR}","kv_role":"{role}"}}'
-    return f"--kv-transfer-config '{config}'"
-
-
-def pool_flags(job, d: Deployment) -> dict[str, str]:
-    """vLLM's arguments for each pool: ``{"prefill": ..., "decode": ...}``."""
+def pool_flags(job, d: Deployment, engine: str = "vllm") -> dict[str, str]:
+    """``engine``'s arguments for each pool, ``{"prefill": ..., "decode": ...}``:
+    the candidate's (prefix caching on prefill, speculation on decode) and
+    the pool's own (``sweep.cube.engines.pool_flags``)."""
     cand = job.candidates[d.candidate]
     out = {}
-    for pool, role, count in (("prefill", "kv_producer", d.prefill_instances),
-                              ("decode", "kv_consumer", d.decode_instances)):
-        values = engines.flags(
-            "vllm", tensor_parallel=cand.tp, concurrency=d.concurrency,
-            token_budget=d.token_budget,
-            gpu_memory_utilization=job.app.search.gpu_memory_utilization,
-            weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
-            spec_tokens=cand.spec_tokens if pool == "decode" else 0,
-            prefix_caching=pool == "prefill" and caching(job))
+    for pool, count in (("prefill", d.prefill_instances),
+                        ("decode", d.decode_instances)):
+        values = {**engine_flags(job, cand, engine, d.concurrency, d.token_budget,
+                                 prefill=pool == "prefill", decode=pool == "decode"),
+                  **engines.pool_flags(engine, pool)}
         n = f"{count} instance{'' if count == 1 else 's'}"
-        out[pool] = (f"{engines.command_line(values)} {kv_transfer_config(role)}  "
-                     f"(x {n})")
+        out[pool] = f"{engines.command_line(values)}  (x {n})"
     return out
+
+
+def pool_notes(job, d: Deployment, engine: str = "vllm") -> list[str]:
+    """What ``pool_flags`` cannot say: the candidate's notes and the front
+    that routes requests to the pools, the longest prompt it serves sizing
+    TensorRT-LLM's transfer buffer."""
+    cand = job.candidates[d.candidate]
+    longest = int(job.tables.prompt_values.max())
+    if cand.model.max_context_tokens:
+        longest = min(longest, int(cand.model.max_context_tokens))
+    return [*engine_notes(job, cand, engine),
+            engines.pool_note(engine, d.prefill_instances, d.decode_instances,
+                              longest)]
 
 
 def winner(aggregated, result: Result) -> str | None:
@@ -370,7 +369,9 @@ def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
     """The optimizer's dataset with the disaggregated search: every simulated
     deployment over ``disaggregated_verification``, and the choice in the
     attributes (``deployment``: which wins; ``disaggregated_*``: the
-    cheapest verified disaggregated deployment and each pool's vLLM flags)."""
+    cheapest verified disaggregated deployment, and each pool's flags for
+    each engine with what they leave out, ``disaggregated_<pool>_<engine>_flags``
+    and ``disaggregated_<engine>_notes``)."""
     from sweep.cube import contract
 
     dim = ("disaggregated_verification",)
@@ -410,16 +411,11 @@ def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
             "disaggregated_token_budget": d.token_budget,
             "disaggregated_cost_per_mtok_out_usd": d.cost_per_mtok_out_usd,
             "disaggregated_cost_per_month_usd": d.cost_per_month_usd,
-            **{f"disaggregated_{pool}_vllm_flags": flags
-               for pool, flags in pool_flags(job, d).items()},
+            **{f"disaggregated_{pool}_{engine}_flags": flags
+               for engine in engines.ENGINES
+               for pool, flags in pool_flags(job, d, engine).items()},
+            **{f"disaggregated_{engine}_notes": "\n".join(pool_notes(job, d, engine))
+               for engine in engines.ENGINES},
         })
     return ds.assign(data).assign_attrs(attrs)
 
-
-FLAGS_NOTE = (
-    "--kv-transfer-config is our reading of vLLM's KVTransferConfig (kv_connector; "
-    "kv_role kv_producer on prefill, kv_consumer on decode, kv_both also allowed; "
-    "vLLM's NixlConnector guide starts both pools with kv_both); a proxy (vLLM's "
-    "disaggregated-serving examples) sends each request to a prefill instance with "
-    "max_tokens 1, then to a decode instance")
-"""What the pools' flags leave out."""

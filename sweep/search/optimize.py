@@ -754,27 +754,41 @@ def replicas_text(n: int) -> str:
     return f"{n} replica{'' if n == 1 else 's'}"
 
 
-def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
-    """A configuration's arguments for ``engine`` (``sweep.cube.engines``),
-    its model's quantisation and KV-cache dtype included, and its replicas."""
-    cand = job.candidates[c.candidate]
-    values = engines.flags(
-        engine, tensor_parallel=cand.tp, concurrency=c.concurrency,
-        token_budget=c.token_budget,
+def engine_flags(job: OptimizeJob, cand: Candidate, engine: str, concurrency,
+                 token_budget, *, prefill: bool = True,
+                 decode: bool = True) -> dict[str, int | float | str]:
+    """A candidate's arguments for ``engine`` (``sweep.cube.engines``) at these
+    settings, its model's quantisation and KV-cache dtype included: prefix
+    caching where it prefills, speculation where it decodes (a
+    disaggregated pool does one of the two)."""
+    return engines.flags(
+        engine, tensor_parallel=cand.tp, concurrency=concurrency,
+        token_budget=token_budget,
         gpu_memory_utilization=job.app.search.gpu_memory_utilization,
         memory_bytes=cand.hardware.memory_bytes,
         weight_bytes=_weight_bytes(model_params(cand.model)),
         weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
-        spec_tokens=cand.spec_tokens,
-        prefix_caching=caching(job), draft_model=_draft_hf_id(cand))
+        spec_tokens=cand.spec_tokens if decode else 0,
+        prefix_caching=prefill and caching(job),
+        draft_model=_draft_hf_id(cand) if decode else "")
+
+
+def engine_notes(job: OptimizeJob, cand: Candidate, engine: str) -> list[str]:
+    """What ``engine_flags`` cannot say (``sweep.cube.engines.notes``)."""
+    return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens,
+                         caching(job), _draft_hf_id(cand))
+
+
+def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
+    """A configuration's arguments for ``engine`` and its replicas."""
+    values = engine_flags(job, job.candidates[c.candidate], engine, c.concurrency,
+                          c.token_budget)
     return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
 
 
 def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str]:
-    """What ``serving_flags`` cannot say (``sweep.cube.engines.notes``)."""
-    cand = job.candidates[c.candidate]
-    return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens,
-                         caching(job), _draft_hf_id(cand))
+    """What ``serving_flags`` cannot say."""
+    return engine_notes(job, job.candidates[c.candidate], engine)
 
 
 def _weight_bytes(model) -> float:
