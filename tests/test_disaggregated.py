@@ -18,6 +18,7 @@ from helpers import (
     cost_per_mtok,
     decode,
     h100,
+    optimize_inputs,
     qwen3_8b,
     run_script,
     step,
@@ -370,7 +371,6 @@ def test_enumerated_deployments_by_hand(link):
     float64, the cheapest first. Over 20 Gb/s a transfer (88 ms) outlasts a
     decode instance's time per request at most settings: its link bounds
     the pool."""
-    from helpers import optimize_inputs
 
     from sweep.search import disaggregate, optimize
 
@@ -617,3 +617,33 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
         assert lo - bound <= float(point.itl_p99_s) <= hi + bound
     # the pools' decode steps see no prefill chunk: a lower p99 ITL
     assert float(dis.itl_p99_s) < float(agg.itl_p99_s)
+
+
+def test_pools_flags_keep_the_draft_model_on_decode_only():
+    """A draft-model candidate's decode pool carries the draft model's
+    speculation flags (not n-gram's), its prefill pool none; each engine's
+    pool flags close the line."""
+    from sweep.search import disaggregate, optimize
+
+    job = optimize.prepare(*optimize_inputs([
+        "hardware=h100_sxm", "model=qwen3_8b", "search.tensor_parallel=[1]",
+        "search.spec_proposer=[draft]", "search.spec_tokens=[3]",
+        "search.disaggregated=[false,true]"]))
+    d = disaggregate.Deployment(0, 1, 2, 64, 2048, 0.5, 0.5, 0.1, 0.01, 1.0, 1.0)
+    vllm = disaggregate.pool_flags(job, d, "vllm")
+    assert vllm["decode"] == (
+        "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
+        """--speculative-config '{"method": "draft_model", """
+        """"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 3}' """
+        "--gpu-memory-utilization 0.9 "
+        """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"""
+        """"kv_consumer"}'  (x 2 instances)""")
+    assert "speculative" not in vllm["prefill"]
+    sglang = disaggregate.pool_flags(job, d, "sglang")
+    assert "--speculative-draft-model-path Qwen/Qwen3-0.6B" in sglang["decode"]
+    assert sglang["prefill"].endswith(
+        "--disaggregation-mode prefill --disaggregation-transfer-backend nixl  "
+        "(x 1 instance)")
+    notes = disaggregate.pool_notes(job, d, "trtllm")
+    assert any("DraftTarget" in n for n in notes)
+    assert "generation_servers: {num_instances: 2" in notes[-1]
