@@ -8,6 +8,7 @@ concurrency, log budget and rate, so the module compiles the model once.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import helpers as h
 import jax
@@ -25,7 +26,7 @@ from sweep.latency.surrogate import (
     latency_workload,
     surrogate,
 )
-from sweep.latency.surrogate.waiting import p_wait
+from sweep.latency.surrogate.waiting import _wait_lattice, p_wait
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import _numerics as nm
 from sweep.model.params import stack
@@ -519,3 +520,24 @@ def test_status_flags_are_one_cf_enumeration():
 
     assert (sim.STATUS_RAN_OUT, sim.STATUS_OVERSIZE, sim.STATUS_SLOTS) == (
         status.RAN_OUT, status.OVERSIZE, status.SLOTS_SHORT)
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.6, 0.85])
+@pytest.mark.parametrize("arrival_scv", [1.0, 0.5, 1 / 3])
+@pytest.mark.parametrize("service_scv", [0.0, 1.0])
+def test_round_robin_prefill_wait_is_kingman_scaled(rho, arrival_scv, service_scv):
+    """The prefill wait's mean on the lattice against Pollaczek-Khinchine by
+    hand, ``rho E[S^2] / (2 (1 - rho) E[S])``, times Kingman's ``(c_a^2 +
+    c_s^2) / (1 + c_s^2)`` where arrivals are dealt round-robin (``c_a^2 =
+    1 / n``): deterministic service (``c_s^2 = 0``) and one of the same mean
+    and second moment as an exponential (``c_s^2 = 1``)."""
+    s = 0.1
+    one = partial(jnp.full, (1,), dtype=jnp.float32)
+    w = _wait_lattice(jnp.float32(rho), one(s), one(s * math.sqrt(service_scv)),
+                      one(1.0), jnp.float32(0.0), jnp.float32(0.5), one(1.0), one(1.0),
+                      jnp.float32(arrival_scv))
+    mean = float(jnp.sum(1.0 - w.cdf) * w.dt_s)
+    pk = rho * s * s * (1.0 + service_scv) / (2.0 * (1.0 - rho) * s)
+    kingman = (arrival_scv + service_scv) / (1.0 + service_scv)
+    assert mean == pytest.approx(pk * kingman, rel=1.5e-2)
+    assert float(w.cdf[0]) == pytest.approx(1.0 - rho, abs=1.5e-2)  # P(W = 0) kept

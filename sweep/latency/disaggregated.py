@@ -255,12 +255,13 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
           spec_acceptance=0.0, prefix_hit_fraction=0.0) -> dict:
     """A disaggregated deployment's figures from the surrogate, per pool.
 
-    * the prefill pool: ``p`` engines each offered ``lam / p`` (a Poisson
-      split; the simulator deals the stream round-robin, whose arrivals are
-      more regular, so queueing, and the TTFT, err high beyond one
-      instance), every request one output token; its TTFT per prompt band
-      plus that band's KV transfer (``roofline.kv_transfer_s``) is the TTFT;
-    * the decode pool: ``d`` engines each offered ``lam / d``, each prompt
+    * the prefill pool: ``p`` engines each offered ``lam / p``, dealt
+      round-robin as the simulator deals them (Erlang-``p`` gaps: the
+      surrogate's ``arrival_scv`` ``1 / p``), every request one output
+      token; its TTFT per prompt band plus that band's KV transfer
+      (``roofline.kv_transfer_s``) is the TTFT;
+    * the decode pool: ``d`` engines each offered ``lam / d`` (round-robin
+      too), each prompt
       held in KV on arrival (``RECEIVED_FRACTION`` as a prefix hit) and
       ``output - 1`` tokens to make; its ITL is the deployment's. Its own
       first token (the wait for a slot: a gap in the simulator's ITL) is
@@ -288,7 +289,7 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
             pair(ttft_slo_s, itl_slo_s), pair(jnp.inf, itl_slo_s),
             pair(0.0, spec_tokens), pair(0.0, spec_acceptance),
             pair(prefix_hit_fraction, RECEIVED_FRACTION),
-            pair(transfer, jnp.zeros_like(transfer))))
+            pair(transfer, jnp.zeros_like(transfer)), pair(1.0 / p, 1.0 / d)))
 
     def share(r):  # of the requests offered to the pool
         return r["goodput_req_per_s"] / jnp.maximum(r["achieved_req_per_s"], 1e-30)

@@ -59,7 +59,7 @@ __all__ = ["BAND_EDGES", "LatencyWorkload", "cached_workload", "latency_workload
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
               spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-              ttft_delay_s=0.0):
+              ttft_delay_s=0.0, arrival_scv=1.0):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -82,6 +82,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       ttft_delay_s: added to every TTFT after the engine's first token, per
         prompt band (``(J,)``) or one for all: a disaggregated prefill
         instance's KV transfer (``sweep.latency.disaggregated.pools``). 0: none.
+      arrival_scv: squared coefficient of variation of the times between
+        arrivals: 1 for Poisson (default), ``1 / n`` for a Poisson stream
+        dealt round-robin over ``n`` engines (``waiting``: the prefill wait).
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
@@ -121,7 +124,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
-    wait = prefill_wait(st, wl, slots, queue, gap_s, per_token)
+    wait = prefill_wait(st, wl, slots, queue, gap_s, per_token,
+                        jnp.asarray(arrival_scv, dtype))
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
     delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)
 

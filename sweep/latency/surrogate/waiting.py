@@ -74,7 +74,7 @@ def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
 
 
 def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_service_s,
-                  slot_probs) -> Wait:
+                  slot_probs, arrival_scv=1.0) -> Wait:
     """Admission wait + the exact M/G/1 prefill wait, on one lattice.
 
     Args:
@@ -87,6 +87,13 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
         heavy-traffic form of M/G/c, whose mean is the Allen-Cunneen one),
         which keeps the holding time's variability in the tail.
+      arrival_scv: squared coefficient of variation of the times between
+        arrivals (1: Poisson). Below 1 (a stream dealt round-robin over
+        ``n`` servers: ``1 / n``, Erlang-n gaps) the prefill wait is the
+        M/G/1 wait scaled by ``(c_a^2 + c_s^2) / (1 + c_s^2)`` (Kingman's
+        heavy-traffic law, whose tail is the mean's; Kingman 1961, Proc.
+        Camb. Phil. Soc. 57, 902-904), keeping its probability of waiting
+        (``rho``, above the GI/G/1's: on the high side).
     """
     dtype = service_s.dtype
     cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
@@ -96,6 +103,9 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
     service_span = service_s + safe_div(spread_s**2, service_s)
     residual_mean = safe_div(probs @ (service_s * service_span),
                              2.0 * (probs @ service_s))
+    # E[X^2] / E[X]^2 = 1 + c_s^2; exactly 1 at Poisson arrivals
+    kingman = 1.0 + (arrival_scv - 1.0) * safe_div(
+        (probs @ service_s) ** 2, probs @ (service_s * service_span))
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
     span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_span)
@@ -113,8 +123,9 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
 
     # both laws through one batched transform (one copy of the code to compile)
     prefill_hat, slot_hat = jax.vmap(pk)(
-        jnp.stack([service_s, slot_service_s]),
-        jnp.stack([service_span, slot_service_s]), jnp.stack([probs, slot_probs]),
+        jnp.stack([service_s * kingman, slot_service_s]),
+        jnp.stack([service_span * kingman, slot_service_s]),
+        jnp.stack([probs, slot_probs]),
         jnp.stack([rho, rho_s]))
     p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
     queued = (slot_hat - (1.0 - rs_c)) / rs_c
@@ -189,7 +200,8 @@ def p_wait(occupancy, theta, slots, full_util):
     return jnp.where(some, queued / jnp.where(some, total, 1.0), 1.0)
 
 
-def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s) -> Wait:
+def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s,
+                 arrival_scv=1.0) -> Wait:
     """The wait for a slot and then for the prefill server. Given that it
     waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
     heavy-traffic form of M/G/c), ``S`` a slot's holding time when every slot
@@ -197,6 +209,8 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s) -> Wai
 
     Args:
       per_token_s: ``d service / d P`` per band (the within-band spread).
+      arrival_scv: the arrivals' squared coefficient of variation
+        (``_wait_lattice``).
     """
     w = wl.band_probs
     holding = (w @ st.service_s + st.mean_wait_s
@@ -204,7 +218,7 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s) -> Wai
     holding_full = holding * safe_div(sq.full_residence_s, st.residence_s)
     return _wait_lattice(st.prefill_util, st.service_s,
                          per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
-                         sq.full_util, holding_full / slots, w)
+                         sq.full_util, holding_full / slots, w, arrival_scv)
 
 
 def wait_cdf_beyond_zero(wait: Wait, s):
