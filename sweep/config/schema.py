@@ -543,6 +543,14 @@ class Grid:
         _in_range(self, "grid", "chunk_points", 1, 2**31 - 1)
 
     @property
+    def prefill_pools(self) -> list[int]:
+        """The prefill instance counts of the grid's disaggregated points, in
+        ascending order (none without disaggregated points)."""
+        if max(self.axes["disaggregated"]) == 0:
+            return []
+        return [int(p) for p in self.axes["prefill_instances"]]
+
+    @property
     def optional_variables(self) -> frozenset[str]:
         """The cube's optional variables asked for (``contract.Metric.option``)."""
         return frozenset(

@@ -438,9 +438,9 @@ class SweepAccessor:
                 "'search.spec_proposer=[draft]' prints them")
         if value("disaggregated"):
             p, d = int(value("prefill_instances")), int(value("decode_instances"))
-            pools = "; ".join(
-                f"{pool}: {engines.command_line(engines.pool_flags(engine, pool))}"
-                for pool in ("prefill", "decode") if engines.pool_flags(engine, pool))
+            pools = "; ".join(f"{pool}: {engines.command_line(f)}"
+                              for pool in ("prefill", "decode")
+                              if (f := engines.pool_flags(engine, pool)))
             notes.append(f"disaggregated: {p} prefill and {d} decode instances with "
                          f"these flags" + (f", plus {pools}" if pools else "") + "; "
                          + engines.pool_note(engine, p, d))

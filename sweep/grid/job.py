@@ -216,9 +216,7 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         "hardware": stack([hardware_params(h, app.grid.gpu_memory_utilization)
                            for h in hardware]),
         "model": models_params(models),
-        "workload": stack(_padded(tables, streams, sorted(
-            {int(p) for p in axes["prefill_instances"]})
-            if max(axes["disaggregated"]) > 0 else [])),
+        "workload": stack(_padded(tables, streams, app.grid.prefill_pools)),
         "batching": np.array([batching.index(b) for b in policies], np.int32),
         "weight_dtype": np.array([_dtype_index(v, precision.WEIGHT_DTYPES)
                                   for v in dtypes["weight_dtype"]], np.int32),

@@ -277,7 +277,7 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
     # disaggregated points (flat: ``by_model`` and ``by_pool`` shape them)
     caches = [s and s(float(m.max_context_tokens), w.overlong == Overlong.truncate)
               for m in models for w, s in zip(workloads, streams)]
-    split_points = max(app.grid.axes["disaggregated"]) > 0
+    split_points = bool(app.grid.prefill_pools)
     pool_caches = [s(float(m.max_context_tokens), w.overlong == Overlong.truncate,
                      int(p)) if s is not None and split_points else None
                    for m in models for w, s in zip(workloads, streams)

@@ -58,6 +58,7 @@ from sweep.latency.disaggregated import simulate_disaggregated
 from sweep.model import roofline
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.search.optimize import (
+    count_text,
     engine_flags,
     engine_notes,
     lru,
@@ -313,8 +314,8 @@ def pool_flags(job, d: Deployment, engine: str = "vllm") -> dict[str, str]:
         values = {**engine_flags(job, cand, engine, d.concurrency, d.token_budget,
                                  prefill=pool == "prefill", decode=pool == "decode"),
                   **engines.pool_flags(engine, pool)}
-        n = f"{count} instance{'' if count == 1 else 's'}"
-        out[pool] = f"{engines.command_line(values)}  (x {n})"
+        out[pool] = (f"{engines.command_line(values)}  "
+                     f"(x {count_text(count, 'instance')})")
     return out
 
 

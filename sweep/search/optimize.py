@@ -662,7 +662,8 @@ def run(job: OptimizeJob, log=print) -> Outcome:
                 rejected = (f", {sim['rejected_fraction']:.2%} rejected"
                             if sim["rejected_fraction"] > 0 else "")
                 say(f"  simulated {job.candidates[c].label}, "
-                    f"{replicas_text(a.replicas)}, max_num_seqs {a.concurrency}, "
+                    f"{count_text(a.replicas, 'replica')}, "
+                    f"max_num_seqs {a.concurrency}, "
                     f"max_num_batched_tokens {a.token_budget}: p99 TTFT "
                     f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
                     f"over {sim['requests']:,} requests{rejected} -> {action}")
@@ -710,7 +711,8 @@ def _simulated_infeasible(job: OptimizeJob, tried: list[Config], rounds: int) ->
     return (f"infeasible SLO: binding constraint {binding} = {getattr(slo, metric):g} "
             f"s; the simulator missed it on every verified configuration after "
             f"{rounds} round(s); best simulated p99 {best.simulated[metric]:.4g} s "
-            f"({job.candidates[best.candidate].label}, {replicas_text(best.replicas)}, "
+            f"({job.candidates[best.candidate].label}, "
+            f"{count_text(best.replicas, 'replica')}, "
             f"max_num_seqs {best.concurrency}, max_num_batched_tokens "
             f"{best.token_budget}); allowed: a looser limit, more search.rounds or "
             "search.replicas_max")
@@ -749,9 +751,9 @@ def speculation_line(job: OptimizeJob, out: Outcome) -> str:
             f"{' and proposer' if several else ''} (surrogate): {per}")
 
 
-def replicas_text(n: int) -> str:
+def count_text(n: int, noun: str) -> str:
     """``"1 replica"``, ``"3 replicas"``."""
-    return f"{n} replica{'' if n == 1 else 's'}"
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def engine_flags(job: OptimizeJob, cand: Candidate, engine: str, concurrency,
@@ -783,7 +785,7 @@ def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
     """A configuration's arguments for ``engine`` and its replicas."""
     values = engine_flags(job, job.candidates[c.candidate], engine, c.concurrency,
                           c.token_budget)
-    return f"{engines.command_line(values)}  (x {replicas_text(c.replicas)})"
+    return f"{engines.command_line(values)}  (x {count_text(c.replicas, 'replica')})"
 
 
 def serving_notes(job: OptimizeJob, c: Config, engine: str = "vllm") -> list[str]:

@@ -101,11 +101,10 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
     rho_s = 1.0 - slack(1.0 - slot_util)
     # heavy tails: the top bands' spread carries much of E[X^2]
     service_span = service_s + safe_div(spread_s**2, service_s)
-    residual_mean = safe_div(probs @ (service_s * service_span),
-                             2.0 * (probs @ service_s))
-    # E[X^2] / E[X]^2 = 1 + c_s^2; exactly 1 at Poisson arrivals
-    kingman = 1.0 + (arrival_scv - 1.0) * safe_div(
-        (probs @ service_s) ** 2, probs @ (service_s * service_span))
+    mean_s, second_s2 = probs @ service_s, probs @ (service_s * service_span)
+    residual_mean = safe_div(second_s2, 2.0 * mean_s)
+    # E[X]^2 / E[X^2] = 1 / (1 + c_s^2); the factor is exactly 1 at Poisson
+    kingman = 1.0 + (arrival_scv - 1.0) * safe_div(mean_s**2, second_s2)
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
     span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_span)
