@@ -37,6 +37,7 @@ Usage: ``python benchmarks/optimize_vs_grid.py [--optuna 10] [--no-loop]
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import tempfile
@@ -48,9 +49,9 @@ import numpy as np
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from sweep.config.schema import Routing
 from sweep.config.store import register_configs
 from sweep.cube.status import OK
-from sweep.latency.surrogate import surrogate
 from sweep.search import descent, optimize
 
 register_configs()
@@ -117,10 +118,14 @@ def run_optax(jobs, cands, owner, settings, restarts, key):
     return best, per_scenario, wall
 
 
-_forward = jax.jit(jax.vmap(surrogate))
+@functools.cache
+def _forward(round_robin: bool):
+    """The search's surrogate of one replica, vmapped over points."""
+    return jax.jit(jax.vmap(functools.partial(descent.replica_surrogate,
+                                              round_robin=round_robin)))
 
 
-def feasible(cands, rows, conc, budget, replicas, slo):
+def feasible(cands, rows, conc, budget, replicas, slo, round_robin):
     """Surrogate feasibility of points (NumPy in, NumPy out), in chunks."""
     out = np.zeros(len(rows), bool)
     chunk = 8192
@@ -134,8 +139,7 @@ def feasible(cands, rows, conc, budget, replicas, slo):
         def col(v, a=a):
             v = np.asarray(v[a:a + chunk], np.float32)
             return jnp.asarray(np.concatenate([v, np.repeat(v[:1], pad)]))
-        r = _forward(take.hw, take.model, take.workload, take.tp, col(conc),
-                     col(budget), take.arrival_rate_per_s / col(replicas))
+        r = _forward(round_robin)(take, col(conc), col(budget), col(replicas))
         ok = ((np.asarray(r["ttft_p99_s"]) <= slo[0][sel])
               & (np.asarray(r["itl_p99_s"]) <= slo[1][sel])
               & (np.asarray(r["status"]) == OK))[:n - pad]
@@ -152,12 +156,13 @@ def run_grid(jobs, cands, owner, settings):
     slo = (np.asarray(cands.ttft_target_s), np.asarray(cands.itl_target_s))
     t0 = time.perf_counter()
     r_max = settings.replicas_max
-    top = feasible(cands, rows, c, b, np.full(len(rows), r_max), slo)
+    rr = settings.routing == Routing.round_robin
+    top = feasible(cands, rows, c, b, np.full(len(rows), r_max), slo, rr)
     lo, hi = np.zeros(len(rows), int), np.full(len(rows), r_max)
     for _ in range(settings.bisect_steps):
         mid = np.maximum((lo + hi) // 2, 1)
         live = hi - lo > 1
-        ok = feasible(cands, rows, c, b, mid, slo)
+        ok = feasible(cands, rows, c, b, mid, slo, rr)
         hi = np.where(live & ok, mid, hi)
         lo = np.where(live & ~ok, mid, lo)
     wall = time.perf_counter() - t0
@@ -184,9 +189,9 @@ def trial_value(job, cands_one, i, ci, bi, r):
     c = float(np.unique(s.concurrency_values)[ci])
     b = max(float(np.unique(s.token_budget_values)[bi]), c)
     one = jax.tree.map(lambda x: x[i:i + 1], cands_one)
-    out = _forward(one.hw, one.model, one.workload, one.tp,
-                   jnp.full(1, c, jnp.float32), jnp.full(1, b, jnp.float32),
-                   one.arrival_rate_per_s / r)
+    out = _forward(s.routing == Routing.round_robin)(
+        one, jnp.full(1, c, jnp.float32), jnp.full(1, b, jnp.float32),
+        jnp.full(1, r, jnp.float32))
     slo = job.app.slo
     ok = (float(out["ttft_p99_s"][0]) <= slo.ttft_p99_s
           and float(out["itl_p99_s"][0]) <= slo.itl_p99_s
@@ -288,7 +293,8 @@ def main():
                                           args.restarts, key)
     t0 = time.perf_counter()
     feasible(cands, np.zeros(1, int), np.ones(1), np.ones(1), np.ones(1),
-             (np.ones(len(owner)), np.ones(len(owner))))
+             (np.ones(len(owner)), np.ones(len(owner))),
+             settings.routing == Routing.round_robin)
     grid_compile = time.perf_counter() - t0
     grid, grid_evals, grid_wall = run_grid(jobs, cands, owner, settings)
     print(f"optax: {sum(opt_evals.values()):,} value+grad evaluations, "

@@ -4,7 +4,9 @@ For each discrete candidate (hardware x model x tensor parallelism) the search
 chooses three numbers: the concurrency ``c`` (vLLM ``--max-num-seqs``), the
 token budget ``b`` (``--max-num-batched-tokens``) and the number of replicas
 ``r``; the workload's arrival rate ``lam`` is split evenly over the replicas
-(random splitting of a Poisson stream is Poisson, at ``lam / r``). Cost per 1M
+(``replica_surrogate``: a random split of a Poisson stream is Poisson at
+``lam / r``, round-robin dealing gives each replica Erlang-``r`` gaps at that
+rate, ``search.routing``). Cost per 1M
 output tokens is ``r * tp * usd_per_gpu_hour / (lam * E[O] * 3600) * 1e6``
 (``sweep.model.cost.cost_per_mtok_usd``): it depends on ``r`` only, and ``c`` and
 ``b`` decide at how few replicas the SLO still holds.
@@ -62,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sweep.config.schema import Routing
 from sweep.cube import contract
 from sweep.cube.status import OK
 from sweep.latency.surrogate import LatencyWorkload, surrogate
@@ -192,7 +195,25 @@ class SearchResult(NamedTuple):
     evaluations: int  # surrogate value-and-gradient evaluations in all
 
 
-def objective(theta, cand: Candidates, penalty_scale, penalty_weight):
+def replica_surrogate(cand: Candidates, c, b, r, round_robin: bool):
+    """The surrogate's outputs for one of ``r`` replicas at concurrency ``c``
+    and token budget ``b``, the workload's rate split evenly over them.
+
+    A round-robin balancer hands each replica every ``r``-th request of the
+    Poisson stream: Erlang-``r`` gaps, squared coefficient of variation
+    ``1 / r`` (the surrogate's ``arrival_scv``), as the verification deals
+    them (``sweep.latency.arrivals.route``); a random split leaves each
+    replica's stream Poisson.
+    """
+    return surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
+                     cand.arrival_rate_per_s / r, spec_tokens=cand.spec_tokens,
+                     spec_acceptance=cand.spec_acceptance,
+                     prefix_hit_fraction=cand.prefix_hit_fraction,
+                     arrival_scv=1.0 / r if round_robin else 1.0)
+
+
+def objective(theta, cand: Candidates, penalty_scale, penalty_weight,
+              round_robin: bool):
     """Relaxed cost of one candidate at ``theta = (log c, log b, log r)``.
 
     Returns:
@@ -200,10 +221,7 @@ def objective(theta, cand: Candidates, penalty_scale, penalty_weight):
       penalty (the cost's constant factor does not move the optimum).
     """
     c, b, r = jnp.exp(theta[0]), jnp.exp(theta[1]), jnp.exp(theta[2])
-    out = surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
-                    cand.arrival_rate_per_s / r, spec_tokens=cand.spec_tokens,
-                    spec_acceptance=cand.spec_acceptance,
-                    prefix_hit_fraction=cand.prefix_hit_fraction)
+    out = replica_surrogate(cand, c, b, r, round_robin)
 
     def over(p99, target):
         # log of the ratio, floored so that a zero p99 cannot reach log(0)
@@ -317,7 +335,8 @@ def _scan_step(settings: Settings, opt, cand: Candidates, carry: _Carry, xs):
     query = jnp.where(searching, carry.theta,
                       jnp.log(jnp.stack([c_val, b_val, r_query.astype(jnp.float32)])))
     grad_fn = jax.value_and_grad(objective, has_aux=True)
-    (value, out), grad = grad_fn(query, cand, s, settings.penalty_weight)
+    (value, out), grad = grad_fn(query, cand, s, settings.penalty_weight,
+                                 settings.routing == Routing.round_robin)
 
     theta, opt_state, grad, finite = _descend(settings, opt, carry, grad)
     meets = ((out["ttft_p99_s"] <= cand.ttft_target_s)
