@@ -113,7 +113,7 @@ def one(overrides: list[str]) -> dict:
                    agg_conf=f"{a.replicas}x N{a.concurrency} B{a.token_budget}")
     if d is not None:
         row.update(dis_usd=d.cost_per_mtok_out_usd,
-                   dis_gpus=d.instances * job.candidates[d.candidate].tp,
+                   dis_gpus=d.gpus(job),
                    dis_ttft=d.simulated["ttft_p99_s"], dis_itl=d.simulated["itl_p99_s"],
                    dis_conf=f"{d.ratio} N{d.concurrency} B{d.token_budget}")
     row["winner"] = ("neither" if a is None and d is None else "disaggregated"

@@ -412,10 +412,15 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
                                      max_context_tokens=math.inf, truncate=False,
                                      spec_tokens=0, spec_acceptance=0.0,
                                      prefix_hit_fraction=0.0,
-                                     prefix_cache=None) -> ReferenceResult:
+                                     prefix_cache=None,
+                                     prefill_tp=None) -> ReferenceResult:
     """``p`` prefill and ``d`` decode instances fed one stream (module
     docstring); with ``prefix_cache`` (hashes, block tokens) each prefill
-    instance has an LRU cache of the prompts dealt to it."""
+    instance has an LRU cache of the prompts dealt to it. ``tp`` is the
+    decode instances' tensor parallelism, ``prefill_tp`` the prefill
+    instances' (None: the same); a transfer runs over the smaller group's
+    links."""
+    pre_tp = tp if prefill_tp is None else prefill_tp
     n = len(arrival_s)
     kvb = (2.0 * _f(model.layers) * _f(model.kv_heads) * _f(model.head_dim)
            * _f(model.kv_dtype_bytes))
@@ -426,8 +431,8 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
     prompt = [x[0] for x in limited]
     output = [x[1] for x in limited]
 
-    def run(instances, members, arrive, prompts, outputs, cached=None, hashes=None,
-            **kw):
+    def run(tp, instances, members, arrive, prompts, outputs, cached=None,
+            hashes=None, **kw):
         """Round-robin over ``instances`` schedulers, in ``members``' order:
         per-request (ttft, e2e, largest gap), every gap, and the run totals."""
         got, gaps, steps, preemptions, duration, oversize = {}, [], 0, 0, 0.0, False
@@ -454,16 +459,17 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
     hashes = None if prefix_cache is None else [
         prefix_cache[0][i] if limited[i][0] == int(prompt_tokens[i]) else []
         for i in range(n)]
-    first, _, *pre = run(int(prefill_instances), served, arrival, prompt, [1] * n,
-                         hashes=hashes, prefix_hit_fraction=prefix_hit_fraction)
+    first, _, *pre = run(pre_tp, int(prefill_instances), served, arrival, prompt,
+                         [1] * n, hashes=hashes,
+                         prefix_hit_fraction=prefix_hit_fraction)
     # the KV transfer: over the prefill instance's link and the decode
     # instance's, one transfer at a time on each, in the order prefills end
     sender = {i: k % int(prefill_instances) for k, i in enumerate(served)}
     ready = {i: arrival[i] + first[i][0] for i in served}
     to_decode = sorted((i for i in served if output[i] > 1), key=lambda i: ready[i])
     receiver = {i: k % int(decode_instances) for k, i in enumerate(to_decode)}
-    transfer = {i: prompt[i] * kvb / (_f(tp) * _f(hw.kv_link_bytes_per_s))
-                for i in served}
+    links = min(_f(tp), _f(pre_tp)) * _f(hw.kv_link_bytes_per_s)
+    transfer = {i: prompt[i] * kvb / links for i in served}
     send_free = [-math.inf] * int(prefill_instances)
     recv_free = [-math.inf] * int(decode_instances)
     ttft = [math.nan] * n
@@ -474,7 +480,7 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
         send_free[sender[i]] = recv_free[receiver[i]] = start + transfer[i]
         ttft[i] = start + transfer[i] - arrival[i]
     handed = [arrival[i] + ttft[i] if i in first else math.nan for i in range(n)]
-    rest, dec_gaps, *dec = run(int(decode_instances), to_decode, handed, prompt,
+    rest, dec_gaps, *dec = run(tp, int(decode_instances), to_decode, handed, prompt,
                      [o - 1 for o in output], spec_tokens=spec_tokens,
                      spec_acceptance=spec_acceptance,
                      cached=[p - 1 for p in prompt])

@@ -188,7 +188,8 @@ MAX_P, MAX_D = 2, 3
 def dis64():
     """The float64 disaggregated simulation's per-request outcome (one
     compilation: R requests, at most 2 prefill and 3 decode instances; a
-    context limit, its rule and each prompt's cached prefix traced)."""
+    context limit, its rule, each prompt's cached prefix and each pool's
+    tensor parallelism traced)."""
     import jax
     from test_simulate import SLOTS
 
@@ -197,22 +198,23 @@ def dis64():
 
     @jax.jit
     def run(hw, model, conc, budget, arrival, prompt, output, p, d, ttft_slo, itl_slo,
-            overlong, cached):
+            overlong, cached, tp, prefill_tp):
         return simulate_disaggregated_requests(
-            hw, model, 1.0, conc, budget, Requests(arrival, prompt, output), p, d,
-            ttft_slo, itl_slo, overlong, cached_tokens=cached,
+            hw, model, tp, conc, budget, Requests(arrival, prompt, output), p, d,
+            ttft_slo, itl_slo, overlong, cached_tokens=cached, prefill_tp=prefill_tp,
             max_prefill_instances=MAX_P, max_decode_instances=MAX_D, max_slots=SLOTS)
 
     def call(arrival, prompt, output, p, d, conc=8, budget=512, memory_bytes=80e9,
              link=LINK, ttft_slo=np.inf, itl_slo=np.inf, context=np.inf,
-             overlong=REJECT, cached=None):
+             overlong=REJECT, cached=None, tp=1, prefill_tp=1):
         hw = h100(np.float64, memory_bytes)._replace(kv_link_bytes_per_s=link)
         cached = np.zeros(len(prompt)) if cached is None else cached
         with jax.enable_x64(True):
             out = run(hw, qwen3_8b(np.float64, context), np.float64(conc),
                       np.float64(budget), arrival, prompt, output, np.float64(p),
                       np.float64(d), np.float64(ttft_slo), np.float64(itl_slo),
-                      np.int32(overlong), np.asarray(cached, np.float64))
+                      np.int32(overlong), np.asarray(cached, np.float64),
+                      np.float64(tp), np.float64(prefill_tp))
             return jax.tree.map(np.asarray, out), hw
 
     return call
@@ -227,19 +229,22 @@ def heavy_tail_requests(seed, n=40):
 
 
 DIS_CASES = [
-    # (stream, seed, p, d, concurrency, budget, memory, link)
-    ("random", 30, 1, 1, 8, 512, 80e9, LINK),
-    ("hard", 31, 2, 3, 8, 2048, 80e9, LINK),  # bursts of 8, 100k-token prompts
-    ("hard", 32, 1, 2, 4, 512, 80e9, 1.25e10),  # 100 GbE
+    # (stream, seed, p, d, concurrency, budget, memory, link, prefill TP, decode TP)
+    ("random", 30, 1, 1, 8, 512, 80e9, LINK, 1, 1),
+    ("hard", 31, 2, 3, 8, 2048, 80e9, LINK, 1, 1),  # bursts of 8, 100k-token prompts
+    ("hard", 32, 1, 2, 4, 512, 80e9, 1.25e10, 1, 1),  # 100 GbE
     # a decode instance with room for 101k KV tokens: preemptions there
-    ("hard", 44, 2, 1, 8, 2048, 16.38e9 + 147_456 * 101_000, LINK),
-    ("heavy", 34, 2, 1, 8, 1024, 80e9, 4.5e11),  # NVLink
+    ("hard", 44, 2, 1, 8, 2048, 16.38e9 + 147_456 * 101_000, LINK, 1, 1),
+    ("heavy", 34, 2, 1, 8, 1024, 80e9, 4.5e11, 1, 1),  # NVLink
+    # each pool its own tensor parallelism: a wide prefill pool, a wide decode pool
+    ("hard", 35, 1, 2, 8, 2048, 80e9, LINK, 4, 1),
+    ("heavy", 36, 2, 1, 8, 1024, 80e9, 1.25e10, 1, 2),
 ]
 
 
-@pytest.mark.parametrize("stream,seed,p,d,conc,budget,memory,link", DIS_CASES)
+@pytest.mark.parametrize("stream,seed,p,d,conc,budget,memory,link,ptp,dtp", DIS_CASES)
 def test_simulator_matches_reference(dis64, stream, seed, p, d, conc, budget, memory,
-                                     link):
+                                     link, ptp, dtp):
     from reference_scheduler import simulate_disaggregated_reference
     from test_simulate import hard_requests
     from test_simulate import random_requests as plain_requests
@@ -249,9 +254,10 @@ def test_simulator_matches_reference(dis64, stream, seed, p, d, conc, budget, me
     arrival, prompt, output = make(seed)
     ttft_slo, itl_slo = 2.0, 0.05
     got, hw = dis64(arrival, prompt, output, p, d, conc, budget, memory, link,
-                    ttft_slo, itl_slo)
-    ref = simulate_disaggregated_reference(hw, qwen3_8b(np.float64), 1.0, conc, budget,
-                                           arrival, prompt, output, p, d)
+                    ttft_slo, itl_slo, tp=dtp, prefill_tp=ptp)
+    ref = simulate_disaggregated_reference(hw, qwen3_8b(np.float64), dtp, conc, budget,
+                                           arrival, prompt, output, p, d,
+                                           prefill_tp=ptp)
     assert_matches_reference(got, ref, ttft_slo, itl_slo, budget)
     if seed == 44:
         assert ref.preemptions > 0
@@ -324,6 +330,22 @@ def test_simulated_request_by_hand(dis64):
     assert got.e2e_s[0] == pytest.approx(
         ttft + hand_step(1, 999, 1000) + hand_step(1, 1001, 1001), rel=1e-12)
     assert got.gaps[0] == 2.0
+
+
+def test_a_transfer_runs_over_the_smaller_pool_links(dis64):
+    """One request alone (prompt 1,000, output 3) prefilled at TP 2: sent to a
+    TP-2 decode instance over two links, to a TP-1 one over one (each GPU
+    of the smaller group moves its share over its own link). The prefill is
+    the same, so the TTFTs differ by half a one-link transfer; a TP-1
+    prefill pool takes longer than the TP-2 one."""
+    arrival = np.concatenate([[0.0], 1e6 + np.arange(39)])  # the rest much later
+    prompt, output = np.full(40, 1000.0), np.full(40, 3.0)
+    wide, _ = dis64(arrival, prompt, output, 1, 1, tp=2, prefill_tp=2)
+    narrow, _ = dis64(arrival, prompt, output, 1, 1, tp=1, prefill_tp=2)
+    slow, _ = dis64(arrival, prompt, output, 1, 1, tp=1, prefill_tp=1)
+    one_link = 1000 * 147_456 / LINK
+    assert narrow.ttft_s[0] - wide.ttft_s[0] == pytest.approx(one_link / 2, rel=1e-9)
+    assert slow.ttft_s[0] > narrow.ttft_s[0]
 
 
 @pytest.mark.parametrize("p,d", [(2, 1), (2, 2), (1, 2)])
@@ -410,6 +432,43 @@ def test_enumerated_deployments_by_hand(link):
     assert len(ratios) >= 4  # several P:D ratios are priced
     # the slow link binds somewhere, the InfiniBand one nowhere
     assert (link_bound > 0) == (link < LINK)
+
+
+def test_each_pool_takes_its_own_tensor_parallelism():
+    """With ``search.tensor_parallel=[1,2]`` the enumeration prices every pair
+    of pool TP sizes, each deployment at both pools' GPUs (p x prefill TP +
+    d x decode TP), and the verification simulates a TP-2 prefill pool
+    feeding TP-1 decode instances as the reference scheduler does (float64)."""
+    from reference_scheduler import simulate_disaggregated_reference
+
+    from sweep.search import disaggregate, optimize
+
+    job = optimize.prepare(*optimize_inputs([
+        "hardware=h100_sxm", "model=qwen3_8b", "workload=seed_chat",
+        "calibration=roofline", "search=quick", "search.tensor_parallel=[1,2]",
+        "search.gpu_memory_utilization=1.0", "search.disaggregated=[false,true]",
+        "search.verify_requests=40", f"workload.arrival_rate_per_s={RATE}"]))
+    deps = disaggregate.enumerate_deployments(job)
+    tp = {id(d): job.candidates[d.candidate].tp for d in deps}
+    assert {(d.prefill_tp, tp[id(d)]) for d in deps} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    for d in deps:
+        gpus = d.prefill_tp * d.prefill_instances + tp[id(d)] * d.decode_instances
+        assert d.gpus(job) == gpus
+        assert d.cost_per_mtok_out_usd == pytest.approx(
+            cost_per_mtok(RATE * OUT_MEAN, gpus=gpus), rel=1e-9)
+    mixed = next(d for d in deps if (d.prefill_tp, tp[id(d)]) == (2, 1))
+    stream = optimize.verification_stream(job, jax.random.key(0))
+    (sim,) = disaggregate.simulate_deployments(job, [mixed], stream, 1)
+    n = sim["requests"]
+    ref = simulate_disaggregated_reference(
+        h100()._replace(kv_link_bytes_per_s=LINK), qwen3_8b(np.float64), 1,
+        mixed.concurrency, mixed.token_budget,
+        *(np.asarray(x[:n], np.float64) for x in stream),
+        mixed.prefill_instances, mixed.decode_instances, prefill_tp=2)
+    np.testing.assert_allclose([sim["ttft_p50_s"], sim["ttft_p99_s"],
+                                sim["e2e_p99_s"]],
+                               [*np.percentile(ref.ttft_s, [50, 99]),
+                                np.percentile(ref.e2e_s, 99)], rtol=1e-3)
 
 
 def test_search_disaggregated_must_keep_the_aggregated_baseline():
@@ -622,14 +681,14 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
 def test_pools_flags_keep_the_draft_model_on_decode_only():
     """A draft-model candidate's decode pool carries the draft model's
     speculation flags (not n-gram's), its prefill pool none; each engine's
-    pool flags close the line."""
+    pool flags close the line; each pool has its own TP size."""
     from sweep.search import disaggregate, optimize
 
     job = optimize.prepare(*optimize_inputs([
         "hardware=h100_sxm", "model=qwen3_8b", "search.tensor_parallel=[1]",
         "search.spec_proposer=[draft]", "search.spec_tokens=[3]",
         "search.disaggregated=[false,true]"]))
-    d = disaggregate.Deployment(0, 1, 2, 64, 2048, 0.5, 0.5, 0.1, 0.01, 1.0, 1.0)
+    d = disaggregate.Deployment(0, 2, 1, 2, 64, 2048, 0.5, 0.5, 0.1, 0.01, 1.0, 1.0)
     vllm = disaggregate.pool_flags(job, d, "vllm")
     assert vllm["decode"] == (
         "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "
@@ -639,8 +698,11 @@ def test_pools_flags_keep_the_draft_model_on_decode_only():
         """--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"""
         """"kv_consumer"}'  (x 2 instances)""")
     assert "speculative" not in vllm["prefill"]
+    assert vllm["prefill"].startswith("--tensor-parallel-size 2 --max-num-seqs 64 ")
     sglang = disaggregate.pool_flags(job, d, "sglang")
     assert "--speculative-draft-model-path Qwen/Qwen3-0.6B" in sglang["decode"]
+    assert sglang["prefill"].startswith("--tp-size 2 ")
+    assert sglang["decode"].startswith("--tp-size 1 ")
     assert sglang["prefill"].endswith(
         "--disaggregation-mode prefill --disaggregation-transfer-backend nixl  "
         "(x 1 instance)")

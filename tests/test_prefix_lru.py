@@ -363,7 +363,7 @@ def test_sweep_optimize_gives_each_prefill_instance_its_own_cache(tmp_path):
         assert got == pytest.approx(shares[-1], rel=1e-6)
     assert 0 < shares[1] < shares[0]
 
-    deps = [disaggregate.Deployment(0, p, 1, 8, 2048, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    deps = [disaggregate.Deployment(0, 1, p, 1, 8, 2048, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
             for p in (1, 2)]
     stream = optimize.verification_stream(job, jax.random.key(0))
     sims = disaggregate.simulate_deployments(job, deps, stream, 2)

@@ -14,7 +14,9 @@ instance (``tests/reference_scheduler.py``'s
   prompts find their prefixes in its own LRU cache
   (``sweep.latency.prefix_cache.pool_table``);
 * the KV transfer: ``P kv_bytes_per_token / (tp kv_link_bytes_per_s)``
-  (``roofline.kv_transfer_s``) after the prefill, over two links: the
+  (``roofline.kv_transfer_s``; ``tp`` the smaller of the two pools' TP
+  sizes, each GPU sending or receiving its shard over its own link) after
+  the prefill, over two links: the
   prefill instance's and the decode instance's, each carrying one transfer
   at a time, first come first served in the order the prefills end (a
   transfer starts when both are free: ``_transfers``); the first token
@@ -34,7 +36,9 @@ reaches the decode pool. A preempted decode-pool request finds its
 received KV again (as prefix caching's blocks), which is kinder than a real
 KV consumer, which recomputes it; a request whose prompt does not fit a
 decode instance's KV is admitted alone and flagged, as in one engine.
-Prefill and decode instances share the point's tensor parallelism.
+The prefill pool's tensor parallelism may differ from the decode pool's
+(``prefill_tp``; ``sweep-optimize`` searches it), a grid point's pools
+share the point's.
 
 ``pools`` gives the same deployment's figures from the surrogate
 (``sweep.latency.surrogate``), one aggregated-engine surrogate per pool on
@@ -116,8 +120,8 @@ def simulate_disaggregated_requests(
         hw, model, tp, concurrency, token_budget, requests: Requests,
         prefill_instances, decode_instances, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
         overlong=REJECT, spec_tokens=0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-        cached_tokens=0.0, *, max_prefill_instances: int, max_decode_instances: int,
-        max_slots: int, max_iterations: int | None = None,
+        cached_tokens=0.0, prefill_tp=None, *, max_prefill_instances: int,
+        max_decode_instances: int, max_slots: int, max_iterations: int | None = None,
         turns_per_check: int = 64) -> SimOutcome:
     """One disaggregated deployment over a stream, per request (module docstring).
 
@@ -130,7 +134,9 @@ def simulate_disaggregated_requests(
         prefill pool, speculation on the decode pool): ``cached_tokens`` per
         request, found in the cache of the prefill instance it is dealt to
         (``sweep.latency.prefix_cache.pool_table``).
-        ``hw.kv_link_bytes_per_s`` is the transfer link.
+        ``hw.kv_link_bytes_per_s`` is the transfer link; ``tp`` the decode
+        pool's tensor parallelism.
+      prefill_tp: the prefill pool's (None: ``tp``).
       prefill_instances, decode_instances: ``p`` and ``d`` (traced; clipped to
         ``[1, max_*_instances]``).
       max_prefill_instances, max_decode_instances: static sizes of the pools'
@@ -152,20 +158,21 @@ def simulate_disaggregated_requests(
     kw = dict(max_slots=max_slots, max_iterations=max_iterations,
               turns_per_check=turns_per_check)
     tp = jnp.asarray(tp, dt)
+    pre_tp = tp if prefill_tp is None else jnp.asarray(prefill_tp, dt)
     inf = jnp.asarray(jnp.inf, dt)
 
     pre_rows = _round_robin(arrival, fits, p, max_prefill_instances)
     prefill_stream = Requests(arrival, prompt, jnp.ones_like(output))
     pre = jax.vmap(lambda mine: simulate_requests(
-        hw, model, tp, concurrency, token_budget, prefill_stream, CONTINUOUS, inf,
+        hw, model, pre_tp, concurrency, token_budget, prefill_stream, CONTINUOUS, inf,
         inf, REJECT, mine, 0, 0.0, prefix_hit_fraction, cached_tokens,
         **kw))(pre_rows)
 
     to_decode = fits & (output > 1)
     ready = arrival + _pick(pre_rows, pre.ttft_s)  # the prefill's end
     dec_rows = _round_robin(ready, to_decode, d, max_decode_instances)
-    sent = _transfers(ready, roofline.kv_transfer_s(hw, model, tp, prompt),
-                      to_decode, pre_rows, dec_rows)
+    link = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp), prompt)
+    sent = _transfers(ready, link, to_decode, pre_rows, dec_rows)
     ttft = sent - arrival
     decode_stream = Requests(jnp.where(to_decode, sent, 0.0), prompt,
                              jnp.maximum(output - 1.0, 1.0))
@@ -203,13 +210,13 @@ def simulate_disaggregated(hw, model, tp, concurrency, token_budget,
                            ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, overlong=REJECT,
                            spec_tokens=0, spec_acceptance=0.0,
                            prefix_hit_fraction=0.0, cached_tokens=0.0,
-                           **static) -> SimResult:
+                           prefill_tp=None, **static) -> SimResult:
     """``summarize`` of ``simulate_disaggregated_requests`` (same arguments;
     the keyword-only ones static)."""
     return summarize(simulate_disaggregated_requests(
         hw, model, tp, concurrency, token_budget, requests, prefill_instances,
         decode_instances, ttft_slo_s, itl_slo_s, overlong, spec_tokens,
-        spec_acceptance, prefix_hit_fraction, cached_tokens, **static))
+        spec_acceptance, prefix_hit_fraction, cached_tokens, prefill_tp, **static))
 
 
 # --- the surrogate's two pools -------------------------------------------------

@@ -85,7 +85,8 @@ CHOSEN_ATTRS = (*(c[0] for c in CHOSEN_COLUMNS), "vllm_flags")
 DISAGGREGATED_COLUMNS = (
     ("disaggregated_hardware", "hardware", "{}"),
     ("disaggregated_model", "model", "{}"),
-    ("disaggregated_tensor_parallel", "TP", "{:g}"),
+    ("disaggregated_prefill_tensor_parallel", "prefill TP", "{:g}"),
+    ("disaggregated_decode_tensor_parallel", "decode TP", "{:g}"),
     ("disaggregated_prefill_instances", "prefill instances", "{:g}"),
     ("disaggregated_decode_instances", "decode instances", "{:g}"),
     ("disaggregated_concurrency", "max_num_seqs", "{:g}"),

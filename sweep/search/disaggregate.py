@@ -7,7 +7,9 @@ of ``sweep.search.optimize.run``. The analytic surrogate models one
 aggregated engine, so these candidates get their figures from the roofline
 and the simulator instead:
 
-1. **Enumeration** (roofline, per candidate hardware x model x TP): for each
+1. **Enumeration** (roofline, per candidate hardware x model x TP, the
+   decode pool's, and per TP of the prefill pool among the candidates' on
+   that hardware and model): for each
    ``max_num_seqs`` N and ``max_num_batched_tokens`` B of the search's
    powers of two, one decode instance serves ``N gain / step(N) / (E[out] -
    1)`` requests a second (the decode-only step at the mean context, ``E[out]
@@ -21,7 +23,8 @@ and the simulator instead:
    instance ``max(1 / its rate, transfer)``. The fewest instances that
    keep each pool below ``UTILIZATION_MAX`` of its capacity, ``p0`` and
    ``d0``, and the two next counts of each give nine P:D ratios; per
-   candidate x ratio the setting with the most headroom is kept.
+   candidate x prefill TP x ratio the setting with the most headroom is
+   kept. A transfer runs over the smaller TP group's links.
 2. **Verification**: in order of cost (GPUs of both pools; ties: headroom),
    ``verify_top`` deployments at a time run through the simulator
    (``sweep.latency.disaggregated``) on the aggregated verification's
@@ -42,7 +45,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +77,11 @@ EXTRA_INSTANCES = 3
 
 @dataclass
 class Deployment:
-    """One disaggregated deployment of one candidate (hardware x model x TP)."""
+    """One disaggregated deployment of one candidate (hardware x model x TP:
+    the decode pool's), its prefill pool at ``prefill_tp``."""
 
     candidate: int
+    prefill_tp: int
     prefill_instances: int
     decode_instances: int
     concurrency: int  # max_num_seqs of every instance
@@ -99,6 +104,11 @@ class Deployment:
     def instances(self) -> int:
         return self.prefill_instances + self.decode_instances
 
+    def gpus(self, job) -> int:
+        """Both pools' GPUs (``job``: the ``OptimizeJob``, for the decode TP)."""
+        return (self.prefill_tp * self.prefill_instances
+                + job.candidates[self.candidate].tp * self.decode_instances)
+
 
 @dataclass
 class Result:
@@ -117,6 +127,14 @@ def _powers_of_two(lo: int, hi: int) -> np.ndarray:
     return np.array(out or [lo], float)
 
 
+def prefill_tps(job, cand) -> list[int]:
+    """The TP sizes a prefill pool of ``cand`` may take: those of the
+    candidates on its hardware with its model at its precision."""
+    def same(c):
+        return (c.hardware.name, c.model.name, c.model.weight_dtype, c.model.kv_dtype)
+    return sorted({c.tp for c in job.candidates if same(c) == same(cand)})
+
+
 def enumerate_deployments(job) -> list[Deployment]:
     """Step 1 of the module docstring, cheapest first (``job``: an
     ``OptimizeJob``)."""
@@ -128,7 +146,7 @@ def enumerate_deployments(job) -> list[Deployment]:
     b_grid = _powers_of_two(s.token_budget_min, s.token_budget_max)
     N, B = (x.ravel() for x in np.meshgrid(n_grid, b_grid, indexing="ij"))
     hashed = tables.pair_hashes is not None
-    best: dict[tuple[int, int, int], Deployment] = {}
+    best: dict[tuple[int, int, int, int], Deployment] = {}
     for ci, cand in enumerate(job.candidates):
         rate = app.workload.arrival_rate_per_s * (1.0 - job.served[cand.model.name][1])
         hw = hardware_params(cand.hardware, s.gpu_memory_utilization)
@@ -138,49 +156,52 @@ def enumerate_deployments(job) -> list[Deployment]:
                                                  prompt + out_mean / 2, k), float)
         gain = float(roofline.tokens_per_step(k, s.spec_acceptance))
         decode_rps = N * gain / step / after_first
-        transfer = float(roofline.kv_transfer_s(hw, model, tp, prompt))
-
-        @functools.cache
-        def pre_busy(p, hw=hw, model=model, tp=tp, cand=cand, transfer=transfer):
-            """Per budget, a prefill instance's time per request among ``p``:
-            computing (after the cached prefix its pool finds) or sending,
-            whichever is longer (an instance's link carries one transfer at
-            a time)."""
-            prefill = np.asarray(roofline.chunked_prefill(
-                hw, model, tp, 0.0, 0.0, prompt, B, 0.0, roofline.cached_prefix_tokens(
-                    prompt, pool_hit(job, cand, hw, model, tp, p)))[0], float)
-            return prefill, np.maximum(prefill, transfer)
-
-        prefill, _ = pre_busy(1)
-        ttft0 = prefill + transfer
-        # likewise a decode instance decoding or receiving
-        dec_busy = np.maximum(1.0 / decode_rps, transfer)
         fits = np.asarray(roofline.kv_fits(hw, model, tp, N, prompt + out_mean + k))
-        ok = (fits & (step <= app.slo.itl_p99_s) & (ttft0 <= app.slo.ttft_p99_s)
-              & (B >= N * (k + 1.0)))
         usd = cand.hardware.usd_per_gpu_hour
-        for i in np.flatnonzero(ok):
-            # one instance's cache finds the most: the fewest instances
-            p0 = max(math.ceil(rate * pre_busy(1)[1][i] / UTILIZATION_MAX), 1)
-            d0 = max(math.ceil(rate * dec_busy[i] / UTILIZATION_MAX), 1)
-            for p in range(p0, p0 + EXTRA_INSTANCES):
-                if p > s.disaggregated_max_instances:
-                    continue
-                busy = pre_busy(p if hashed else 1)[1][i]
-                if hashed and rate * busy / p > UTILIZATION_MAX:
-                    continue  # more instances, each cache finding less
-                for d in range(d0, d0 + EXTRA_INSTANCES):
-                    if max(p, d) > s.disaggregated_max_instances:
+        for pre_tp in prefill_tps(job, cand):
+            transfer = float(roofline.kv_transfer_s(hw, model, min(tp, pre_tp), prompt))
+
+            @functools.cache
+            def pre_busy(p, hw=hw, model=model, tp=float(pre_tp), cand=cand,
+                         transfer=transfer):
+                """Per budget, a prefill instance's time per request among
+                ``p``: computing (after the cached prefix its pool finds) or
+                sending, whichever is longer (an instance's link carries one
+                transfer at a time)."""
+                prefill = np.asarray(roofline.chunked_prefill(
+                    hw, model, tp, 0.0, 0.0, prompt, B, 0.0,
+                    roofline.cached_prefix_tokens(
+                        prompt, pool_hit(job, cand, hw, model, tp, p)))[0], float)
+                return prefill, np.maximum(prefill, transfer)
+
+            prefill, _ = pre_busy(1)
+            ttft0 = prefill + transfer
+            # likewise a decode instance decoding or receiving
+            dec_busy = np.maximum(1.0 / decode_rps, transfer)
+            ok = (fits & (step <= app.slo.itl_p99_s) & (ttft0 <= app.slo.ttft_p99_s)
+                  & (B >= N * (k + 1.0)))
+            for i in np.flatnonzero(ok):
+                # one instance's cache finds the most: the fewest instances
+                p0 = max(math.ceil(rate * pre_busy(1)[1][i] / UTILIZATION_MAX), 1)
+                d0 = max(math.ceil(rate * dec_busy[i] / UTILIZATION_MAX), 1)
+                for p in range(p0, p0 + EXTRA_INSTANCES):
+                    if p > s.disaggregated_max_instances:
                         continue
-                    gpus = cand.tp * (p + d)
-                    dep = Deployment(
-                        ci, p, d, int(N[i]), int(B[i]), rate * busy / p,
-                        rate * dec_busy[i] / d, float(ttft0[i]), float(step[i]),
-                        float(cost_per_mtok_usd(usd, gpus, rate * out_mean)),
-                        usd * gpus * HOURS_PER_MONTH)
-                    key = (ci, p, d)
-                    if key not in best or _headroom(dep) > _headroom(best[key]):
-                        best[key] = dep
+                    busy = pre_busy(p if hashed else 1)[1][i]
+                    if hashed and rate * busy / p > UTILIZATION_MAX:
+                        continue  # more instances, each cache finding less
+                    for d in range(d0, d0 + EXTRA_INSTANCES):
+                        if max(p, d) > s.disaggregated_max_instances:
+                            continue
+                        gpus = pre_tp * p + cand.tp * d
+                        dep = Deployment(
+                            ci, pre_tp, p, d, int(N[i]), int(B[i]), rate * busy / p,
+                            rate * dec_busy[i] / d, float(ttft0[i]), float(step[i]),
+                            float(cost_per_mtok_usd(usd, gpus, rate * out_mean)),
+                            usd * gpus * HOURS_PER_MONTH)
+                        key = (ci, pre_tp, p, d)
+                        if key not in best or _headroom(dep) > _headroom(best[key]):
+                            best[key] = dep
     return sorted(best.values(), key=lambda x: (x.cost_per_mtok_out_usd, -_headroom(x)))
 
 
@@ -204,20 +225,20 @@ def _headroom(d: Deployment) -> float:
 
 
 @functools.partial(jax.jit, static_argnames=("max_prefill", "max_decode", "max_slots"))
-def _simulate(rows, shared, p, d, requests, cached, *, max_prefill: int,
+def _simulate(rows, shared, pre_tp, p, d, requests, cached, *, max_prefill: int,
               max_decode: int, max_slots: int):
-    """Every deployment (``rows``, ``p``, ``d``, ``cached``: leading axis)
-    over one stream; ``cached``: each request's prefix in its prefill
-    instance's LRU cache (0 without a trace's block hashes)."""
-    def one(e, p, d, cached):
+    """Every deployment (``rows``, ``pre_tp``, ``p``, ``d``, ``cached``:
+    leading axis) over one stream; ``cached``: each request's prefix in its
+    prefill instance's LRU cache (0 without a trace's block hashes)."""
+    def one(e, pre_tp, p, d, cached):
         return simulate_disaggregated(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, requests, p, d,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, e.spec_tokens,
-            shared.spec_acceptance, shared.prefix_hit_fraction, cached,
+            shared.spec_acceptance, shared.prefix_hit_fraction, cached, pre_tp,
             max_prefill_instances=max_prefill, max_decode_instances=max_decode,
             max_slots=max_slots)
 
-    return jax.vmap(one)(rows, p, d, cached)
+    return jax.vmap(one)(rows, pre_tp, p, d, cached)
 
 
 def simulate_deployments(job, deps: list[Deployment], stream: Requests,
@@ -234,16 +255,17 @@ def simulate_deployments(job, deps: list[Deployment], stream: Requests,
         job, [job.candidates[d.candidate] for d in rows],
         [d.concurrency for d in rows], [d.token_budget for d in rows])
     f32 = jnp.float32
+    pre_tp = jnp.asarray([d.prefill_tp for d in rows], f32)
     cached = np.zeros((len(rows), n), np.float32)
     if job.tables.pair_hashes is not None:
         capacity = np.asarray(jax.vmap(roofline.kv_capacity_tokens)(
-            engines.hw, engines.model, engines.tp))
+            engines.hw, engines.model, pre_tp))
         for i, dep in enumerate(rows):
             table, _ = lru(job, n, job.candidates[dep.candidate].model,
                            dep.prefill_instances)
             cached[i] = prefix_cache.cached_tokens(table, capacity[i], xp=np)
     out = _simulate(
-        engines, shared, jnp.asarray([d.prefill_instances for d in rows], f32),
+        engines, shared, pre_tp, jnp.asarray([d.prefill_instances for d in rows], f32),
         jnp.asarray([d.decode_instances for d in rows], f32),
         jax.tree.map(lambda x: jnp.asarray(x[:n]), stream), jnp.asarray(cached),
         max_prefill=shapes.power_of_two(max(d.prefill_instances for d in deps)),
@@ -298,9 +320,9 @@ def run(job, log=print) -> Result:
 
 def describe(job, d: Deployment) -> str:
     cand = job.candidates[d.candidate]
-    return (f"{cand.label}, P:D {d.ratio} ({d.prefill_instances} prefill + "
-            f"{d.decode_instances} decode instances), max_num_seqs {d.concurrency}, "
-            f"max_num_batched_tokens {d.token_budget}")
+    return (f"{cand.label}, P:D {d.ratio} ({d.prefill_instances} prefill at TP "
+            f"{d.prefill_tp} + {d.decode_instances} decode at TP {cand.tp}), "
+            f"max_num_seqs {d.concurrency}, max_num_batched_tokens {d.token_budget}")
 
 
 def pool_flags(job, d: Deployment, engine: str = "vllm") -> dict[str, str]:
@@ -309,10 +331,11 @@ def pool_flags(job, d: Deployment, engine: str = "vllm") -> dict[str, str]:
     the pool's own (``sweep.cube.engines.pool_flags``)."""
     cand = job.candidates[d.candidate]
     out = {}
-    for pool, count in (("prefill", d.prefill_instances),
-                        ("decode", d.decode_instances)):
-        values = {**engine_flags(job, cand, engine, d.concurrency, d.token_budget,
-                                 prefill=pool == "prefill", decode=pool == "decode"),
+    for pool, count, tp in (("prefill", d.prefill_instances, d.prefill_tp),
+                            ("decode", d.decode_instances, cand.tp)):
+        values = {**engine_flags(job, replace(cand, tp=tp), engine, d.concurrency,
+                                 d.token_budget, prefill=pool == "prefill",
+                                 decode=pool == "decode"),
                   **engines.pool_flags(engine, pool)}
         out[pool] = (f"{engines.command_line(values)}  "
                      f"(x {count_text(count, 'instance')})")
@@ -388,6 +411,8 @@ def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
         **{f"disaggregated_{n}": var(n, [getattr(d, n) for d in tried])
            for n in ("prefill_instances", "decode_instances", "concurrency",
                      "token_budget", "cost_per_mtok_out_usd", "cost_per_month_usd")},
+        "disaggregated_prefill_tensor_parallel": var(
+            "tensor_parallel", [d.prefill_tp for d in tried], "prefill pool's "),
         **{f"disaggregated_simulated_{m}": var(
             m, [d.simulated[m] for d in tried], "simulated ") for m in contract.SLO},
         "disaggregated_slo_met": var("slo_met_simulated",
@@ -405,7 +430,8 @@ def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
         attrs.update({
             "disaggregated_hardware": cand.hardware.name,
             "disaggregated_model": cand.model.name,
-            "disaggregated_tensor_parallel": cand.tp,
+            "disaggregated_prefill_tensor_parallel": d.prefill_tp,
+            "disaggregated_decode_tensor_parallel": cand.tp,
             "disaggregated_prefill_instances": d.prefill_instances,
             "disaggregated_decode_instances": d.decode_instances,
             "disaggregated_concurrency": d.concurrency,
