@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 # the SPEC's seed: H100 SXM, Qwen3-8B bf16
 BW, FLOPS, MEM, USD = 3.35e12, 989e12, 80e9, 4.29
 NVLINK = 4.5e11  # the H100 SXM's interconnect, bytes/s
-PARAMS, LAYERS, QH, KVH, HD = 8.19e9, 36, 32, 8, 128
+PARAMS, LAYERS, QH, KVH, HD, HIDDEN = 8.19e9, 36, 32, 8, 128, 4096
 W = PARAMS * 2
 KVB = 2 * LAYERS * KVH * HD * 2
 FPK = 4 * LAYERS * QH * HD
@@ -46,9 +46,12 @@ SEED_TABLE = [  # concurrency, ITL ms, per-user tok/s, GPU tok/s, USD/1M out
 ]
 
 
-def step(new_tokens, kv_read_tokens, keys, bw=BW, flops=FLOPS):
-    return max((W + kv_read_tokens * KVB) / bw,
-               (2 * PARAMS * new_tokens + FPK * keys) / flops)
+def step(new_tokens, kv_read_tokens, keys, bw=BW, flops=FLOPS, tp=1):
+    # a TP group splits the bytes and FLOPs over its GPUs and adds two ring
+    # all-reduces per layer of the new tokens' bf16 activations
+    return (max((W + kv_read_tokens * KVB) / (tp * bw),
+                (2 * PARAMS * new_tokens + FPK * keys) / (tp * flops))
+            + 2 * LAYERS * 2 * (tp - 1) / tp * new_tokens * HIDDEN * 2 / NVLINK)
 
 
 def decode(n, c, **kw):
@@ -59,12 +62,12 @@ def chunk_keys(m, p):
     return m * p + m * (m + 1) / 2
 
 
-def chunked(n, c, prompt, budget):
+def chunked(n, c, prompt, budget, tp=1):
     """Loop over chunks one by one: (total_s, steps, worst_s)."""
     total, steps, worst, done = 0.0, 0, 0.0, 0
     while done < prompt:
         m = min(budget, prompt - done)
-        t = step(n + m, n * c + done, n * c + chunk_keys(m, done))
+        t = step(n + m, n * c + done, n * c + chunk_keys(m, done), tp=tp)
         total, steps, worst, done = total + t, steps + 1, max(worst, t), done + m
     return total, steps, worst
 

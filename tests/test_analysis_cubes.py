@@ -188,7 +188,8 @@ def test_summary_of_a_roofline_cube(cube_path):
     assert notes == ["every row: weight_dtype = bf16, kv_dtype = bf16, "
                      "spec_tokens = 0, spec_acceptance = 0.7, spec_proposer = 0, "
                      "prefix_caching = 0, "
-                     "disaggregated = 0, prefill_instances = 1, decode_instances = 1"]
+                     "disaggregated = 0, prefill_instances = 1, decode_instances = 1, "
+                     "prefill_tensor_parallel = 0"]
     assert "spec k" not in [c.header for c in table.columns]
 
 

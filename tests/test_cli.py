@@ -57,7 +57,8 @@ def test_seed_table_through_cli_and_cube(seed_run):
                 weight_dtype="bf16", kv_dtype="bf16").isel(
         token_budget=0, long_prompt_tokens=0, traffic_tokens_per_day=0,
         spec_tokens=0, spec_acceptance=0, spec_proposer=0, prefix_caching=0,
-        disaggregated=0, prefill_instances=0, decode_instances=0)
+        disaggregated=0, prefill_instances=0, decode_instances=0,
+        prefill_tensor_parallel=0)
     for n, itl_ms, user, gpu, usd in SEED_TABLE:
         p = pt.sel(concurrency=n)
         assert round(float(p.step_s) * 1e3, 2) == itl_ms
@@ -77,7 +78,7 @@ def test_cube_contract(seed_run):
         "traffic_tokens_per_day", "weight_dtype", "kv_dtype", "spec_tokens",
         "spec_acceptance", "spec_proposer", "prefix_caching", "disaggregated",
         "prefill_instances",
-        "decode_instances"]
+        "decode_instances", "prefill_tensor_parallel"]
     for name in ("step_s", "user_tokens_per_s", "output_tokens_per_s",
                  "slot_utilization", "cost_per_mtok_out_usd", "prefill_tokens_per_s",
                  "cost_per_mtok_in_usd", "kv_fits", "max_concurrency_fit",

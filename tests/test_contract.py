@@ -36,7 +36,7 @@ SPEC_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
 # caching; disaggregated prefill/decode), before the p99-only rate
 OWN_DIMS = ("weight_dtype", "kv_dtype", "spec_tokens", "spec_acceptance",
             "spec_proposer", "prefix_caching", "disaggregated", "prefill_instances",
-            "decode_instances")
+            "decode_instances", "prefill_tensor_parallel")
 SPEC_VARIABLES = (
     "step_s", "user_tokens_per_s", "output_tokens_per_s", "slot_utilization",
     "cost_per_mtok_out_usd", "prefill_tokens_per_s", "cost_per_mtok_in_usd",
@@ -48,7 +48,8 @@ SPEC_VARIABLES = (
 P99_DIMS = ("hardware", "model", "workload", "tensor_parallel", "concurrency",
             "token_budget", "batching", "weight_dtype", "kv_dtype", "spec_tokens",
             "spec_acceptance", "spec_proposer", "prefix_caching", "disaggregated",
-            "prefill_instances", "decode_instances", "arrival_rate_per_s")
+            "prefill_instances", "decode_instances", "prefill_tensor_parallel",
+            "arrival_rate_per_s")
 
 # unit words a reader's pint knows without ``UNIT_DEFINITIONS``
 SI_WORDS = {"s", "hour", "day", "byte"}

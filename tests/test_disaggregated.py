@@ -1,9 +1,12 @@
 """Disaggregated prefill/decode, against float64 hand calculations: the seed
 scenario (H100 SXM, Qwen3-8B bf16, 1,500-token prompts, outputs of mean 360)
-built by ``sweep-grid`` with ``grid.disaggregated=[false,true]`` and 1-2
-prefill x 1-3 decode instances."""
+built by ``sweep-grid`` with ``grid.disaggregated=[false,true]``, 1-2
+prefill x 1-3 decode instances and prefill instances of the point's TP (1)
+or of TP 2."""
 
 from __future__ import annotations
+
+import itertools
 
 import jax
 import numpy as np
@@ -40,6 +43,7 @@ def cube(tmp_path_factory) -> xr.Dataset:
     proc = run_script("sweep-grid", [
         "experiment=seed", "grid.disaggregated=[false,true]",
         "grid.prefill_instances=[1,2]", "grid.decode_instances=[1,3]",
+        "grid.prefill_tensor_parallel=[0,2]",
         f"grid.concurrency=[{N}]", f"grid.token_budget=[{BUDGET}]",
         "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e8]",
         f"out={out}"], cwd=out.parent)
@@ -48,14 +52,21 @@ def cube(tmp_path_factory) -> xr.Dataset:
 
 
 @pytest.mark.slow
-def test_disaggregated_point_by_hand(cube):
+@pytest.mark.parametrize("prefill_tp", [0, 2])
+def test_disaggregated_point_by_hand(cube, prefill_tp):
+    """Prefill instances of the point's TP (1), or of TP 2: their prefill
+    split over two GPUs with the all-reduces, 2 p + d GPUs, the KV sent
+    over the decode instance's one link."""
+    tp = prefill_tp or 1
     itl = decode(N, 1500)  # the decode-only step at the concurrency
-    prefill = step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2)  # one 1,500-token chunk
+    # one 1,500-token chunk
+    prefill = step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2, tp=tp)
     transfer = PROMPT * KVB / LINK
     assert transfer == pytest.approx(4.42368e-3, rel=1e-12)
     for p in (1, 2):
         for d in (1, 3):
-            pt = cube.sel(disaggregated=1, prefill_instances=p, decode_instances=d)
+            pt = cube.sel(disaggregated=1, prefill_instances=p, decode_instances=d,
+                          prefill_tensor_parallel=prefill_tp)
             prefill_req_s = p / prefill
             # the decode pool makes each request's tokens after the first
             decode_req_s = d * N / itl / (OUT_MEAN - 1)
@@ -66,40 +77,41 @@ def test_disaggregated_point_by_hand(cube):
                 ("prefill_pool_req_per_s", prefill_req_s),
                 ("decode_pool_req_per_s", decode_req_s),
                 ("output_tokens_per_s", out_tok_s),
-                ("cost_per_mtok_out_usd", cost_per_mtok(out_tok_s, gpus=p + d)),
-                ("gpus", p + d),
+                ("cost_per_mtok_out_usd", cost_per_mtok(out_tok_s, gpus=tp * p + d)),
+                ("gpus", tp * p + d),
                 # the long prompt runs alone on a prefill instance: the
                 # decoding users see decode-only steps
-                ("long_prefill_s", chunked(0, 1500, LONG, BUDGET)[0]),
+                ("long_prefill_s", chunked(0, 1500, LONG, BUDGET, tp=tp)[0]),
                 ("long_prefill_worst_itl_s", itl),
             ):
                 assert float(pt[name]) == pytest.approx(want, rel=2e-5), (p, d, name)
-    # 1 prefill instance (39 req/s) outpaces 1 decode instance (19.5 req/s)
-    assert float(cube.sel(disaggregated=1, prefill_instances=1,
-                          decode_instances=1).prefill_pool_req_per_s) > 20.0
+    # 1 prefill instance (39 req/s at TP 1) outpaces 1 decode instance (19.5)
+    assert float(cube.sel(disaggregated=1, prefill_instances=1, decode_instances=1,
+                          prefill_tensor_parallel=prefill_tp
+                          ).prefill_pool_req_per_s) > 20.0
 
 
 @pytest.mark.slow
 def test_aggregated_points_are_unchanged(cube):
     itl = decode(N, 1500)
-    for p in (1, 2):
-        for d in (1, 3):
-            pt = cube.sel(disaggregated=0, prefill_instances=p, decode_instances=d)
-            assert float(pt.output_tokens_per_s) == pytest.approx(N / itl, rel=2e-5)
-            assert float(pt.cost_per_mtok_out_usd) == pytest.approx(
-                cost_per_mtok(N / itl), rel=2e-5)
-            assert float(pt.gpus) == 1.0
-            assert float(pt.kv_transfer_s) == 0.0
-            assert np.isnan(float(pt.prefill_pool_req_per_s))
-            assert float(pt.zero_load_ttft_s) == pytest.approx(
-                step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2), rel=2e-5)
-            assert float(pt.long_prefill_worst_itl_s) == pytest.approx(
-                chunked(N, 1500, LONG, BUDGET)[2], rel=2e-5)
+    for p, d, t in itertools.product((1, 2), (1, 3), (0, 2)):
+        pt = cube.sel(disaggregated=0, prefill_instances=p, decode_instances=d,
+                      prefill_tensor_parallel=t)
+        assert float(pt.output_tokens_per_s) == pytest.approx(N / itl, rel=2e-5)
+        assert float(pt.cost_per_mtok_out_usd) == pytest.approx(
+            cost_per_mtok(N / itl), rel=2e-5)
+        assert float(pt.gpus) == 1.0
+        assert float(pt.kv_transfer_s) == 0.0
+        assert np.isnan(float(pt.prefill_pool_req_per_s))
+        assert float(pt.zero_load_ttft_s) == pytest.approx(
+            step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2), rel=2e-5)
+        assert float(pt.long_prefill_worst_itl_s) == pytest.approx(
+            chunked(N, 1500, LONG, BUDGET)[2], rel=2e-5)
 
 
 @pytest.mark.slow
 def test_serving_flags_name_both_pools(cube):
-    at = dict(prefill_instances=2, decode_instances=3)
+    at = dict(prefill_instances=2, decode_instances=3, prefill_tensor_parallel=0)
     dis = cube.sweep.to_serving_flags(disaggregated=1, **at)
     agg = cube.sweep.to_serving_flags(disaggregated=0, **at)
     assert dis.cli == agg.cli == ("--tensor-parallel-size 1 --max-num-seqs 64 "
@@ -113,6 +125,13 @@ def test_serving_flags_name_both_pools(cube):
                and "one --decode per decode instance (3)" in n for n in sglang.notes)
     trt = cube.sweep.to_serving_flags("trtllm", disaggregated=1, **at)
     assert any("context_servers: {num_instances: 2" in n for n in trt.notes)
+    # prefill instances of their own TP: their own flags in the note
+    wide = cube.sweep.to_serving_flags(disaggregated=1, **(at | dict(
+        prefill_tensor_parallel=2)))
+    assert wide.cli == dis.cli
+    assert any("with these flags (the prefill instances at TP 2: "
+               "--tensor-parallel-size 2 --max-num-seqs 64" in n for n in wide.notes)
+    assert not any("the prefill instances at TP" in n for n in dis.notes)
 
 
 def test_cube_without_disaggregation_has_no_extra_variables():
@@ -622,9 +641,10 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
     """``sweep-grid latency=…`` over ``grid.disaggregated=[false,true]`` in
     float32 as users run it. The simulator: each point's p99s are its own
     deployment's, against the Python reference (float64) on the same stream
-    (the aggregated engine's, and 1 prefill + 2 decode instances'). The
-    surrogate: a disaggregated point is its pools' (by hand in
-    ``test_pools_surrogate_at_zero_load_by_hand``)."""
+    (the aggregated engine's, and 1 prefill + 2 decode instances', the
+    prefill instance of TP 1 or 2). The surrogate: a disaggregated point is
+    its pools' (by hand in ``test_pools_surrogate_at_zero_load_by_hand``).
+    An aggregated point does not depend on the prefill instances' TP."""
     from helpers import h100, itl_bound_s, qwen3_8b
     from reference_scheduler import simulate_disaggregated_reference, simulate_reference
 
@@ -634,6 +654,7 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
 
     overrides = ["experiment=seed", "grid.disaggregated=[false,true]",
                  "grid.prefill_instances=[1]", "grid.decode_instances=[2]",
+                 "grid.prefill_tensor_parallel=[0,2]",
                  f"grid.concurrency=[{N}]", f"grid.token_budget=[{BUDGET}]",
                  "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e8]",
                  f"latency.num_requests={P99_REQUESTS}",
@@ -643,16 +664,23 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     ds = sweep.open_cube(out).load().squeeze()
-    assert ds.ttft_p99_s.dims == ("disaggregated",)
-    agg, dis = ds.sel(disaggregated=0), ds.sel(disaggregated=1)
+    assert ds.ttft_p99_s.dims == ("disaggregated", "prefill_tensor_parallel")
+    agg = ds.sel(disaggregated=0, prefill_tensor_parallel=0)
+    for name in ("ttft_p99_s", "itl_p99_s", "e2e_p99_s"):
+        assert float(ds[name].sel(disaggregated=0, prefill_tensor_parallel=2)) == (
+            float(agg[name]))
+    dis = {t: ds.sel(disaggregated=1, prefill_tensor_parallel=t) for t in (0, 2)}
     if method == "surrogate":
-        for point in (agg, dis):
+        for point in (agg, *dis.values()):
             assert int(point.latency_status) == status.OK and bool(point.slo_met)
-        # the decode pool's steps carry no prefill chunk; the first token
-        # waits for the prompt's prefill alone and its KV transfer (4.4 ms)
-        assert float(dis.itl_p99_s) < float(agg.itl_p99_s)
-        floor = chunked(0, 0, PROMPT, BUDGET)[0] + PROMPT * KVB / LINK
-        assert float(dis.ttft_p50_s) >= floor * (1 - 1e-3)
+        for t, point in dis.items():
+            # the decode pool's steps carry no prefill chunk; the first token
+            # waits for the prompt's prefill alone and its KV transfer (4.4 ms)
+            assert float(point.itl_p99_s) < float(agg.itl_p99_s)
+            floor = chunked(0, 0, PROMPT, BUDGET, tp=t or 1)[0] + PROMPT * KVB / LINK
+            assert float(point.ttft_p50_s) >= floor * (1 - 1e-3)
+        # a TP-2 prefill instance prefills sooner
+        assert float(dis[2].ttft_p99_s) < float(dis[0].ttft_p99_s)
         return
     app = compose_app("grid", overrides)
     key = jax.random.split(jax.random.key(app.seed), 1)[0]
@@ -664,8 +692,9 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
     for point, ref in (
             (agg, simulate_reference(hw, model, 1.0, N, BUDGET, arrival, prompt,
                                      output)),
-            (dis, simulate_disaggregated_reference(hw, model, 1.0, N, BUDGET, arrival,
-                                                   prompt, output, 1, 2))):
+            *((dis[t], simulate_disaggregated_reference(
+                hw, model, 1.0, N, BUDGET, arrival, prompt, output, 1, 2,
+                prefill_tp=t or 1)) for t in (0, 2))):
         assert int(point.latency_status) == 0
         np.testing.assert_allclose(float(point.ttft_p99_s),
                                    np.percentile(ref.ttft_s, 99), rtol=5e-3)
@@ -675,7 +704,7 @@ def test_grid_p99_of_disaggregated_points(tmp_path, method):
         bound = itl_bound_s(hw, model, 1.0, BUDGET, hi) + 5e-3 * hi
         assert lo - bound <= float(point.itl_p99_s) <= hi + bound
     # the pools' decode steps see no prefill chunk: a lower p99 ITL
-    assert float(dis.itl_p99_s) < float(agg.itl_p99_s)
+    assert float(dis[0].itl_p99_s) < float(agg.itl_p99_s)
 
 
 def test_pools_flags_keep_the_draft_model_on_decode_only():

@@ -31,6 +31,7 @@ def test_simulated_cube_has_p99_on_latency_axes(simulated):
                                  "spec_acceptance", "spec_proposer",
                                  "prefix_caching", "disaggregated",
                                  "prefill_instances", "decode_instances",
+                                 "prefill_tensor_parallel",
                                  "arrival_rate_per_s")
     assert list(ds.arrival_rate_per_s.values) == [1.0, 4.0]
     assert (ds.ttft_p99_s >= ds.ttft_p50_s).all()

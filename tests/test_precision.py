@@ -69,7 +69,8 @@ def test_precision_axes_in_sweep_grid_by_hand(tmp_path):
                         traffic_tokens_per_day=1e9, spec_tokens=0,
                         spec_acceptance=0.7, spec_proposer=0, prefix_caching=0,
                         disaggregated=0,
-                        prefill_instances=1, decode_instances=1)
+                        prefill_instances=1, decode_instances=1,
+                        prefill_tensor_parallel=0)
             for n in (1, 64):
                 want = b200_step(w, kv, n, n * 1500, n * 1500)
                 got = float(pt.step_s.sel(concurrency=n))
@@ -93,7 +94,7 @@ def test_precision_axes_in_sweep_grid_by_hand(tmp_path):
               traffic_tokens_per_day=1e9, spec_tokens=0, spec_acceptance=0.7,
               spec_proposer=0, prefix_caching=0, disaggregated=0,
               prefill_instances=1,
-              decode_instances=1)
+              decode_instances=1, prefill_tensor_parallel=0)
     fp8 = ds.sweep.to_serving_flags(weight_dtype="fp8", kv_dtype="fp8", **at)
     assert fp8.cli == (
         "--tensor-parallel-size 1 --max-num-seqs 64 --max-num-batched-tokens 2048 "

@@ -492,9 +492,10 @@ class Grid:
     disaggregated: list[bool] = field(
         default_factory=lambda: [False],
         metadata={"help": "one aggregated engine (false) and/or disaggregated "
-                  "prefill/decode (true): prefill_instances prefill-only and "
-                  "decode_instances decode-only instances of the point's tensor "
-                  "parallelism, the prompt's KV sent over "
+                  "prefill/decode (true): prefill_instances prefill-only "
+                  "instances of prefill_tensor_parallel GPUs and decode_instances "
+                  "decode-only instances of the point's tensor parallelism, the "
+                  "prompt's KV sent over "
                   "hardware.kv_link_bytes_per_s; a 0/1 cube axis"})
     prefill_instances: Any = field(
         default_factory=lambda: [1],
@@ -502,6 +503,11 @@ class Grid:
     decode_instances: Any = field(
         default_factory=lambda: [1],
         metadata={"help": "decode instances of a disaggregated deployment (>= 1)"})
+    prefill_tensor_parallel: Any = field(
+        default_factory=lambda: [0],
+        metadata={"help": "tensor-parallel GPUs of each prefill instance of a "
+                  "disaggregated deployment (0: the point's tensor_parallel, "
+                  "which the decode instances take)"})
     arrival_rate_per_s: Any = field(
         default_factory=list,
         metadata={"help": "request rates for p99 latency; empty: each workload's own"},

@@ -378,8 +378,10 @@ class SweepAccessor:
           (TensorRT-LLM's, in ``notes``); at ``prefix_caching`` 1, vLLM's
           ``--enable-prefix-caching`` (SGLang's and TensorRT-LLM's caches are
           on by default: ``notes``); at ``disaggregated`` 1, in ``notes``
-          the instance counts of both pools, the engine's pool flags and the
-          front that routes requests to them (``engines.pool_note``).
+          the instance counts of both pools (the prefill instances' own flags
+          where their ``prefill_tensor_parallel`` differs), the engine's pool
+          flags and the front that routes requests to them
+          (``engines.pool_note``).
         """
         engines.engine(engine)  # an unknown name fails before any reading
         ds = self._ds
@@ -421,13 +423,17 @@ class SweepAccessor:
         # speculation is said in a note (sweep-optimize prints the flags)
         drafted = spec > 0 and bool(value("spec_proposer") or 0)
         spec = 0 if drafted else spec
-        flags = engines.flags(
-            engine, tensor_parallel=int(pt["tensor_parallel"]),
-            concurrency=value("concurrency"), token_budget=value("token_budget"),
-            gpu_memory_utilization=None if util is None else float(util),
-            memory_bytes=value("memory_bytes"), weight_bytes=value("weight_bytes"),
-            weight_dtype=weights, kv_dtype=kv, spec_tokens=spec,
-            prefix_caching=cache)
+        def flags_at(tp: int) -> dict:
+            return engines.flags(
+                engine, tensor_parallel=tp,
+                concurrency=value("concurrency"), token_budget=value("token_budget"),
+                gpu_memory_utilization=None if util is None else float(util),
+                memory_bytes=value("memory_bytes"), weight_bytes=value("weight_bytes"),
+                weight_dtype=weights, kv_dtype=kv, spec_tokens=spec,
+                prefix_caching=cache)
+
+        tp = int(pt["tensor_parallel"])
+        flags = flags_at(tp)
         replicas = value("replicas")
         notes = engines.notes(engine, weights, spec, cache)
         if drafted:
@@ -438,12 +444,15 @@ class SweepAccessor:
                 "'search.spec_proposer=[draft]' prints them")
         if value("disaggregated"):
             p, d = int(value("prefill_instances")), int(value("decode_instances"))
+            pre_tp = int(value("prefill_tensor_parallel") or tp)
+            own = ("" if pre_tp == tp else f" (the prefill instances at TP {pre_tp}: "
+                   f"{engines.command_line(flags_at(pre_tp))})")
             pools = "; ".join(f"{pool}: {engines.command_line(f)}"
                               for pool in ("prefill", "decode")
                               if (f := engines.pool_flags(engine, pool)))
             notes.append(f"disaggregated: {p} prefill and {d} decode instances with "
-                         f"these flags" + (f", plus {pools}" if pools else "") + "; "
-                         + engines.pool_note(engine, p, d))
+                         f"these flags{own}" + (f", plus {pools}" if pools else "")
+                         + "; " + engines.pool_note(engine, p, d))
         return ServingFlags(engine, flags, engines.command_line(flags),
                             None if replicas is None else int(replicas),
                             tuple(notes))

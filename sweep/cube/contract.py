@@ -221,8 +221,9 @@ AXES: tuple[Axis, ...] = (
                   "cost_per_mtok_in_usd", "long_prefill_s", "long_prefill_steps",
                   "long_prefill_worst_itl_s")),
     # disaggregated prefill/decode (sweep.model.point.disaggregated_figures):
-    # 0 one aggregated engine, 1 prefill_instances prefill-only and
-    # decode_instances decode-only instances, each of tensor_parallel GPUs
+    # 0 one aggregated engine, 1 prefill_instances prefill-only instances of
+    # prefill_tensor_parallel GPUs and decode_instances decode-only instances
+    # of tensor_parallel GPUs
     Axis("disaggregated", "1", "disaggregated prefill/decode (0 aggregated, 1 "
          "separate prefill and decode instances)", CONFIG, INTEGER,
          header="disagg.", low=0, high=1),
@@ -230,6 +231,11 @@ AXES: tuple[Axis, ...] = (
          INTEGER, header="P inst.", low=1, high=4096),
     Axis("decode_instances", "replica", "decode instances (disaggregated)", CONFIG,
          INTEGER, header="D inst.", low=1, high=4096),
+    # the prefill instances' own tensor parallelism; 0: the point's
+    # tensor_parallel (the decode instances always take the point's)
+    Axis("prefill_tensor_parallel", "GPU", "prefill instances' tensor-parallel GPUs "
+         "(disaggregated; 0: tensor_parallel)", CONFIG, INTEGER, header="P TP",
+         low=0, high=1024),
     Axis("arrival_rate_per_s", "request / s", "arrival rate", SCENARIO, REAL,
          parts=(P99,), header="req/s", low=1e-9, high=1e12, optional=True),
 )

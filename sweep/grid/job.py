@@ -175,6 +175,9 @@ def check(app: GridApp, options: dict[str, list]) -> list[WorkloadTables]:
     """
     check_tensor_parallel("grid.tensor_parallel", app.grid.axes["tensor_parallel"],
                           options["hardware"], options["model"])
+    check_tensor_parallel("grid.prefill_tensor_parallel",
+                          [t for t in app.grid.axes["prefill_tensor_parallel"] if t],
+                          options["hardware"], options["model"])
     _check_precision(app, options["hardware"], options["model"])
     _check_context(app, options["model"])
     _check_fits(app, options["hardware"], options["model"])

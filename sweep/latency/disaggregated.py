@@ -37,8 +37,8 @@ received KV again (as prefix caching's blocks), which is kinder than a real
 KV consumer, which recomputes it; a request whose prompt does not fit a
 decode instance's KV is admitted alone and flagged, as in one engine.
 The prefill pool's tensor parallelism may differ from the decode pool's
-(``prefill_tp``; ``sweep-optimize`` searches it), a grid point's pools
-share the point's.
+(``prefill_tp``: a grid's ``prefill_tensor_parallel`` axis, or the TP
+``sweep-optimize`` searches for it).
 
 ``pools`` gives the same deployment's figures from the surrogate
 (``sweep.latency.surrogate``), one aggregated-engine surrogate per pool on
@@ -259,8 +259,11 @@ def pool_workloads(served: WorkloadTables, joint: bool) -> PoolWorkloads:
 def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
           mean_output_tokens, arrival_rate_per_s, prefill_instances,
           decode_instances, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, spec_tokens=0.0,
-          spec_acceptance=0.0, prefix_hit_fraction=0.0) -> dict:
-    """A disaggregated deployment's figures from the surrogate, per pool.
+          spec_acceptance=0.0, prefix_hit_fraction=0.0, prefill_tp=None) -> dict:
+    """A disaggregated deployment's figures from the surrogate, per pool
+    (``tp`` the decode instances' tensor parallelism, ``prefill_tp`` the
+    prefill instances', None: the same; a transfer crosses the smaller
+    group's links).
 
     * the prefill pool: ``p`` engines each offered ``lam / p``, dealt
       round-robin as the simulator deals them (Erlang-``p`` gaps: the
@@ -282,7 +285,9 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     """
     p = jnp.maximum(jnp.floor(prefill_instances), 1.0)
     d = jnp.maximum(jnp.floor(decode_instances), 1.0)
-    transfer = roofline.kv_transfer_s(hw, model, tp, wl.prefill.prompt_tokens)
+    pre_tp = tp if prefill_tp is None else prefill_tp
+    transfer = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp),
+                                      wl.prefill.prompt_tokens)
 
     def pair(prefill, decode):
         return jnp.stack(jnp.broadcast_arrays(prefill, decode))
@@ -290,8 +295,8 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     # one surrogate batched over the two pools: two calls traced (and
     # compiled) it twice
     pre, dec = _unstack(jax.vmap(
-        lambda w, *a: surrogate(hw, model, w, tp, concurrency, token_budget, *a))(
-            jax.tree.map(pair, wl.prefill, wl.decode),
+        lambda w, tp, *a: surrogate(hw, model, w, tp, concurrency, token_budget, *a))(
+            jax.tree.map(pair, wl.prefill, wl.decode), pair(pre_tp, tp),
             pair(arrival_rate_per_s / p, arrival_rate_per_s / d),
             pair(ttft_slo_s, itl_slo_s), pair(jnp.inf, itl_slo_s),
             pair(0.0, spec_tokens), pair(0.0, spec_acceptance),

@@ -76,7 +76,7 @@ from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
 from sweep.latency.workload import WorkloadTables, served_tables
 from sweep.model import precision, roofline, sensitivity
 from sweep.model.batching import is_continuous
-from sweep.model.params import OVERLONG, stack
+from sweep.model.params import OVERLONG, prefill_tp, stack
 
 DIMS = contract.dims(contract.P99)
 """The latency axes, in the cube's order."""
@@ -92,6 +92,15 @@ def _summary(r, slo, kv_ok, ok_status):
     out["slo_met"] = met & kv_ok
     out["latency_status"] = jnp.asarray(ok_status, jnp.int32)
     return out
+
+
+def _capacities(hardware, model, tensor_parallel, pre_tp, disaggregated):
+    """KV tokens an engine (or decode instance) holds, a prefill instance
+    holds, and whether the point's GPUs hold the weights (both pools')."""
+    capacity, pool_capacity = (roofline.kv_capacity_tokens(hardware, model, t)
+                               for t in (tensor_parallel, pre_tp))
+    fits = (capacity >= 1.0) & ((disaggregated == 0) | (pool_capacity >= 1.0))
+    return capacity, pool_capacity, fits
 
 
 @dataclass(frozen=True)
@@ -113,20 +122,22 @@ class SimulatePoint:
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
-                 prefill_instances, decode_instances, arrival_rate_per_s, requests,
-                 prefix_hit, prefix_cache, pool_cache, slo):
+                 prefill_instances, decode_instances, prefill_tensor_parallel,
+                 arrival_rate_per_s, requests, prefix_hit, prefix_cache, pool_cache,
+                 slo):
         del arrival_rate_per_s  # the requests arrive at it already
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
                                        spec_proposer, spec_tokens)
         hit = jnp.where(prefix_caching > 0, prefix_hit, 0.0)
         engine = (hardware, model, tensor_parallel, concurrency, token_budget, requests)
-        capacity = roofline.kv_capacity_tokens(hardware, model, tensor_parallel)
-        ok = capacity >= 1.0
+        pre_tp = prefill_tp(prefill_tensor_parallel, tensor_parallel)
+        capacity, pool_capacity, ok = _capacities(hardware, model, tensor_parallel,
+                                                  pre_tp, disaggregated)
         # an LRU cache of the trace's block hashes, where the workload has
         # them: the engine's, or each prefill instance's of its own prompts
-        cached, pool_cached = (jnp.where(prefix_caching > 0,
-                                         prefix_cache_hits(t, capacity), 0.0)
-                               for t in (prefix_cache, pool_cache))
+        cached, pool_cached = (
+            jnp.where(prefix_caching > 0, prefix_cache_hits(t, c), 0.0)
+            for t, c in ((prefix_cache, capacity), (pool_cache, pool_capacity)))
         if self.aggregated:
             r = simulate(*engine, batching, slo[0], slo[1], workload, None,
                          spec_tokens, spec_acceptance, hit, cached,
@@ -134,7 +145,7 @@ class SimulatePoint:
         if self.max_prefill_instances:
             d = simulate_disaggregated(
                 *engine, prefill_instances, decode_instances, slo[0], slo[1], workload,
-                spec_tokens, spec_acceptance, hit, pool_cached,
+                spec_tokens, spec_acceptance, hit, pool_cached, pre_tp,
                 max_prefill_instances=self.max_prefill_instances,
                 max_decode_instances=self.max_decode_instances,
                 max_slots=self.max_slots)._asdict()
@@ -175,17 +186,20 @@ class SurrogatePoint:
     def __call__(self, *, hardware, model, workload, tensor_parallel, concurrency,
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
-                 prefill_instances, decode_instances, arrival_rate_per_s, served,
-                 pooled, rejected, prefix_hit, prefix_curve, pool_curve, slo):
+                 prefill_instances, decode_instances, prefill_tensor_parallel,
+                 arrival_rate_per_s, served, pooled, rejected, prefix_hit,
+                 prefix_curve, pool_curve, slo):
         del workload
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
                                        spec_proposer, spec_tokens)
+        pre_tp = prefill_tp(prefill_tensor_parallel, tensor_parallel)
+        capacity, pool_capacity, fits = _capacities(hardware, model, tensor_parallel,
+                                                    pre_tp, disaggregated)
         # or the share an LRU cache of the trace's block hashes finds: the
         # engine's, or the prefill instances' (each of its own prompts)
-        capacity = roofline.kv_capacity_tokens(hardware, model, tensor_parallel)
         hit, pool_hit = (jnp.where(prefix_caching > 0, jnp.maximum(
-            prefix_hit, roofline.lru_hit_fraction(capacity, *curve)), 0.0)
-            for curve in (prefix_curve, pool_curve))
+            prefix_hit, roofline.lru_hit_fraction(c, *curve)), 0.0)
+            for c, curve in ((capacity, prefix_curve), (pool_capacity, pool_curve)))
         rate = arrival_rate_per_s * (1.0 - rejected)
         split = disaggregated > 0
 
@@ -198,7 +212,7 @@ class SurrogatePoint:
                 d = pools(hw, model, tensor_parallel, concurrency, token_budget,
                           pooled, served.mean_output_tokens, rate, prefill_instances,
                           decode_instances, slo[0], slo[1], spec_tokens,
-                          spec_acceptance, pool_hit)
+                          spec_acceptance, pool_hit, pre_tp)
                 r = (jax.tree.map(lambda a, b: jnp.where(split, b, a), r, d)
                      if self.aggregated else d)
             return {f: r[f] for f in _P99S}, r
@@ -208,8 +222,7 @@ class SurrogatePoint:
         else:
             r, elasticity = figures(hardware)[1], {}
         r["rejected_fraction"] = rejected
-        ok = ((roofline.kv_capacity_tokens(hardware, model, tensor_parallel) >= 1.0)
-              & is_continuous(batching) & (rejected < 1.0))
+        ok = fits & is_continuous(batching) & (rejected < 1.0)
         # a saturated point's p99 grows without bound: no elasticity
         steady = ok & (r["status"] == flags.OK)
         return (_summary(r, slo, ok, r["status"])

@@ -130,8 +130,25 @@ class GridPoint(NamedTuple):
     spec_proposer: jax.Array = 0.0
     # automatic prefix caching: 1 on (the workload's hit fraction), 0 off
     prefix_caching: jax.Array = 0.0
-    # disaggregated prefill/decode: 1 on (p prefill-only and d decode-only
-    # instances of the point's TP), 0 one aggregated engine
+    # disaggregated prefill/decode: 1 on (p prefill-only instances of
+    # prefill_tensor_parallel GPUs, 0 meaning the point's TP, and d
+    # decode-only instances of the point's TP), 0 one aggregated engine
     disaggregated: jax.Array = 0.0
     prefill_instances: jax.Array = 1.0
     decode_instances: jax.Array = 1.0
+    prefill_tensor_parallel: jax.Array = 0.0
+
+    @property
+    def prefill_tp(self) -> jax.Array:
+        """The TP of the GPUs that prefill: a disaggregated point's prefill
+        instances', an aggregated engine's own."""
+        return jnp.where(jnp.asarray(self.disaggregated) > 0,
+                         prefill_tp(self.prefill_tensor_parallel, self.tensor_parallel),
+                         self.tensor_parallel)
+
+
+def prefill_tp(prefill_tensor_parallel, tensor_parallel):
+    """A disaggregated point's prefill instances' tensor parallelism: the
+    ``prefill_tensor_parallel`` axis's value, 0 there meaning the point's."""
+    return jnp.where(jnp.asarray(prefill_tensor_parallel) > 0,
+                     prefill_tensor_parallel, tensor_parallel)

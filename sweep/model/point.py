@@ -5,8 +5,9 @@ cube's axes (``grid_point`` takes one keyword argument per axis). Points whose
 KV cache does not fit keep ``kv_fits = False`` and ``max_concurrency_fit`` and
 get NaN for every other metric (SPEC: infeasible is data, not an exception).
 A disaggregated point (``disaggregated = 1``) is a deployment of ``p``
-prefill-only and ``d`` decode-only instances, each of the point's tensor
-parallelism (``disaggregated_figures``): its ITL is the decode-only step,
+prefill-only instances of ``prefill_tensor_parallel`` GPUs (0: the point's
+tensor parallelism) and ``d`` decode-only instances of the point's
+(``disaggregated_figures``): its ITL is the decode-only step,
 its rate the smaller of the two pools', its cost over both pools' GPUs.
 With ``grid.sensitivity=true`` each point also carries the elasticities of
 its cost to the hardware and calibration constants (``cost_elasticities``),
@@ -57,7 +58,8 @@ class Disaggregated(NamedTuple):
 
 def disaggregated_figures(hw, model, wl: WorkloadParams, pt: GridPoint,
                           decode_output_rate, cached) -> Disaggregated:
-    """``p`` prefill and ``d`` decode instances of ``tp`` GPUs each.
+    """``p`` prefill instances of ``pt.prefill_tp`` GPUs and ``d`` decode
+    instances of ``tp`` GPUs.
 
     A prefill instance runs prefill-only steps: the mean prompt's uncached
     tokens in chunks of the token budget with no decodes beside them, so it
@@ -65,16 +67,18 @@ def disaggregated_figures(hw, model, wl: WorkloadParams, pt: GridPoint,
     decode-only steps at the concurrency (``decode_output_rate`` tokens a
     second) and makes each request's ``mean_output - 1`` tokens after the
     first, which the prefill emits. The deployment serves the smaller of the
-    two pools' request rates.
+    two pools' request rates. A prompt's KV crosses the smaller group's
+    links (each GPU moves its share over its own).
 
     Args:
       model: at the point's precision (``precision.apply``).
       decode_output_rate: one decode instance's output tokens per second.
       cached: the mean prompt's tokens in the prefix cache.
     """
-    tp = pt.tensor_parallel
-    prefill_s = roofline.chunked_prefill(hw, model, tp, 0.0, 0.0, wl.mean_prompt_tokens,
-                                         pt.token_budget, 0.0, cached)[0]
+    tp, pre_tp = pt.tensor_parallel, pt.prefill_tp
+    prefill_s = roofline.chunked_prefill(hw, model, pre_tp, 0.0, 0.0,
+                                         wl.mean_prompt_tokens, pt.token_budget, 0.0,
+                                         cached)[0]
     prefill_rate = pt.prefill_instances / prefill_s
     after_first = wl.mean_output_tokens - 1.0
     decode_rate = jnp.where(
@@ -83,8 +87,9 @@ def disaggregated_figures(hw, model, wl: WorkloadParams, pt: GridPoint,
         jnp.inf)
     requests_per_s = jnp.minimum(prefill_rate, decode_rate)
     return Disaggregated(
-        gpus=tp * (pt.prefill_instances + pt.decode_instances),
-        kv_transfer_s=roofline.kv_transfer_s(hw, model, tp, wl.mean_prompt_tokens),
+        gpus=pre_tp * pt.prefill_instances + tp * pt.decode_instances,
+        kv_transfer_s=roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp),
+                                             wl.mean_prompt_tokens),
         prefill_s=prefill_s, prefill_pool_req_per_s=prefill_rate,
         decode_pool_req_per_s=decode_rate,
         output_tokens_per_s=requests_per_s * wl.mean_output_tokens)
@@ -96,11 +101,11 @@ def _hit(hw, model, wl: WorkloadParams, pt: GridPoint):
     configuration's KV capacity (one engine's, or where the point is
     disaggregated, each prefill instance's of its own prompts); 0 with
     caching off."""
-    instances = jnp.where(jnp.asarray(pt.disaggregated) > 0,
-                          jnp.floor(pt.prefill_instances), 0.0)
+    split = jnp.asarray(pt.disaggregated) > 0
+    instances = jnp.where(split, jnp.floor(pt.prefill_instances), 0.0)
     row = jnp.argmax(jnp.asarray(wl.lru_pools) == instances)
     lru = roofline.lru_hit_fraction(
-        roofline.kv_capacity_tokens(hw, model, pt.tensor_parallel),
+        roofline.kv_capacity_tokens(hw, model, pt.prefill_tp),
         jnp.asarray(wl.lru_capacity_tokens)[row], jnp.asarray(wl.lru_share)[row])
     return jnp.where(pt.prefix_caching > 0,
                      jnp.maximum(wl.prefix_hit_fraction, lru), 0.0)
@@ -167,7 +172,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     # disaggregated, the long prompt is prefilled on a prefill instance with
     # no decodes beside it: the decoding users' steps stay decode-only
     alone_s, alone_steps, _ = roofline.chunked_prefill(
-        hw, model, tp, 0.0, 0.0, pt.long_prompt_tokens, pt.token_budget, 0.0,
+        hw, model, pt.prefill_tp, 0.0, 0.0, pt.long_prompt_tokens, pt.token_budget, 0.0,
         roofline.cached_prefix_tokens(pt.long_prompt_tokens, hit))
     long_s = jnp.where(split, alone_s, long_s)
     long_steps = jnp.where(split, alone_steps, long_steps)
@@ -179,7 +184,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     held = pt.context_tokens + pt.spec_tokens
     # disaggregated, a prefill instance also holds the mean prompt's KV
     fits = roofline.kv_fits(hw, model, tp, running, held) & (
-        ~split | roofline.kv_fits(hw, model, tp, 1.0, wl.mean_prompt_tokens))
+        ~split | roofline.kv_fits(hw, model, pt.prefill_tp, 1.0, wl.mean_prompt_tokens))
     metrics = {
         "step_s": step,
         "tokens_per_step": gained,

@@ -558,20 +558,26 @@ def prefix_caching(ds: xr.Dataset, hardware: str, model: str,
     return fig
 
 
-DISAGG_DIMS = ("disaggregated", "prefill_instances", "decode_instances")
+DISAGG_DIMS = ("disaggregated", "prefill_instances", "decode_instances",
+               "prefill_tensor_parallel")
 
 
 def disaggregation(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     """Cost and zero-load TTFT against the P:D ratio of the disaggregated
-    points (each labelled ``p:d``), for one hardware x model at the
-    tensor-parallel size of its cheapest point, each at its cheapest other
-    settings; dashed: the aggregated engine's."""
+    points (each labelled ``p:d``; a colour per prefill TP size where the
+    cube has several), for one hardware x model at the tensor-parallel size
+    of its cheapest point, each at its cheapest other settings; dashed: the
+    aggregated engine's."""
     fixed, _ = scenario(fix_tp(ds).sel(hardware=hardware, model=model))
     over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in DISAGG_DIMS]
     v = fixed.sweep.cheapest(over, COST) if over else fixed
     v = v[[COST, "zero_load_ttft_s"]].compute()
-    dis = v.sel(disaggregated=1)
-    agg = v.sel(disaggregated=0).isel(prefill_instances=0, decode_instances=0)
+    dis = v.sel(disaggregated=1).expand_dims(
+        [d for d in DISAGG_DIMS[1:] if d not in v.dims])
+    agg = v.sel(disaggregated=0).isel(
+        {d: 0 for d in DISAGG_DIMS[1:] if d in v.dims})
+    tps = dis["prefill_tensor_parallel"].values
+    tp = int(fixed["tensor_parallel"])
     fig, axes = _panels(2, 2, 4.6, 3.4,
                         f"Disaggregated prefill/decode: {hardware} x {model}",
                         "dots: p prefill + d decode instances (labelled p:d) at the "
@@ -581,13 +587,20 @@ def disaggregation(ds: xr.Dataset, hardware: str, model: str) -> Figure:
             (COST, 1.0, f"USD per 1M output tokens ({ds[COST].attrs['units']})"),
             ("zero_load_ttft_s", 1e3, "TTFT at zero load (ms): prefill + KV "
              "transfer"))):
-        for p in dis["prefill_instances"].values:
-            for d in dis["decode_instances"].values:
-                y = float(dis[var].sel(prefill_instances=p, decode_instances=d))
-                if np.isfinite(y):
-                    ax.plot(p / d, y * scale, "o", ms=4, color="C0")
-                    ax.annotate(f"{int(p)}:{int(d)}", (p / d, y * scale), fontsize=7,
-                                xytext=(3, 3), textcoords="offset points")
+        for i, t in enumerate(tps):
+            for p in dis["prefill_instances"].values:
+                for d in dis["decode_instances"].values:
+                    y = float(dis[var].sel(prefill_instances=p, decode_instances=d,
+                                           prefill_tensor_parallel=t))
+                    if np.isfinite(y):
+                        ax.plot(p / d, y * scale, "o", ms=4, color=f"C{i}",
+                                label=f"prefill TP {int(t) or tp}")
+                        ax.annotate(f"{int(p)}:{int(d)}", (p / d, y * scale),
+                                    fontsize=7, xytext=(3, 3),
+                                    textcoords="offset points")
+        if len(tps) > 1:
+            unique = dict(zip(*ax.get_legend_handles_labels()[::-1]))
+            ax.legend(list(unique.values()), list(unique), fontsize=7)
         level = float(agg[var])
         if np.isfinite(level):
             ax.axhline(level * scale, color="0.2", ls="--", lw=1)
