@@ -10,7 +10,9 @@
    start at the SLO.
 2. **Search** (``sweep.search.descent``): one compiled call optimises every candidate
    x restart and returns, per lattice neighbour of each answer, the fewest
-   replicas meeting the targets under the surrogate. A candidate's answer is
+   replicas meeting the targets under the surrogate, each replica's arrivals
+   as ``search.routing`` deals them (``descent.replica_surrogate``). A
+   candidate's answer is
    its cheapest such configuration (ties: the most slack). If none meets the
    SLO anywhere, the SLO is infeasible (``Infeasible``, exit code 3 unless
    a disaggregated deployment meets it): the message names the binding
