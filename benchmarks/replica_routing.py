@@ -9,7 +9,10 @@ trace a burst in the slowed stream lands on one replica, while the balancer
 spreads it over all of them. This prints p99 TTFT of both (and of random
 routing) for a few deployments, over the same requests: the first
 ``--requests x R`` of the stream (so the same rows of a trace), split R ways
-or all fed to one replica at ``rate / R``.
+or all fed to one replica at ``rate / R``; and the p99 TTFT the search's
+surrogate gives one replica under each routing
+(``sweep.search.descent.replica_surrogate``: Erlang-R gaps for round
+robin, Poisson at ``rate / R`` for random).
 
 Usage: ``python benchmarks/replica_routing.py [--requests 1000]``
 """
@@ -21,6 +24,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from hydra import initialize_config_module
 
 from sweep.config.convert import hardware_params, model_params
@@ -29,7 +33,7 @@ from sweep.config.store import register_configs
 from sweep.latency.arrivals import workload_requests
 from sweep.latency.simulate import simulate
 from sweep.model.batching import CONTINUOUS
-from sweep.search import optimize
+from sweep.search import descent, optimize
 
 register_configs()
 
@@ -40,6 +44,8 @@ CASES = [
     ("azure_conv_2023", 10.0, 8, 16, 2048),
     ("azure_code_2023", 4.0, 4, 64, 2048),
     ("seed_chat", 8.0, 4, 64, 2048),
+    ("seed_chat", 8.0, 2, 64, 2048),
+    ("seed_chat", 8.0, 8, 64, 2048),
 ]
 
 
@@ -73,14 +79,19 @@ def slowed(job, cfg, key):
     return float(out.ttft_p99_s)
 
 
+@partial(jax.jit, static_argnames=("round_robin",))
+def _searched(cand, conc, budget, replicas, round_robin):
+    return descent.replica_surrogate(cand, conc, budget, replicas, round_robin)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=1000)
     args = p.parse_args()
     key = jax.random.key(0)
     print("| workload | rate req/s | replicas | max_num_seqs | p99 TTFT s: slowed | "
-          "round robin | random |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "round robin | random | surrogate: round robin | random |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for workload, per_replica, replicas, conc, budget in CASES:
         rate = per_replica * replicas
         cfg = optimize.Config(0, conc, budget, replicas, {}, 0.0, 0.0)
@@ -89,9 +100,16 @@ def main():
             job = job_of(workload, rate, args.requests, routing)
             ttft[routing] = optimize.simulate_configs(job, [cfg], key, 1)[0][
                 "ttft_p99_s"]
+        slo = job.app.slo
+        one = jax.tree.map(lambda x: x[0], optimize._candidates(
+            job, np.full(1, slo.ttft_p99_s), np.full(1, slo.itl_p99_s)))
+        searched = [float(_searched(one, float(conc), float(budget), float(replicas),
+                                    rr)["ttft_p99_s"])
+                    for rr in (True, False)]
         print(f"| {workload} | {rate:g} | {replicas} | {conc} | "
               f"{slowed(job, cfg, key):.3f} | {ttft['round_robin']:.3f} | "
-              f"{ttft['random']:.3f} |", flush=True)
+              f"{ttft['random']:.3f} | {searched[0]:.3f} | {searched[1]:.3f} |",
+              flush=True)
     print(f"(H100 SXM, Qwen3-8B, TP 1, max_num_batched_tokens 2048; "
           f"{args.requests} requests per replica; jax {jax.__version__})")
 
