@@ -320,8 +320,8 @@ def run(job, log=print) -> Result:
 
 def describe(job, d: Deployment) -> str:
     cand = job.candidates[d.candidate]
-    return (f"{cand.label}, P:D {d.ratio} ({d.prefill_instances} prefill at TP "
-            f"{d.prefill_tp} + {d.decode_instances} decode at TP {cand.tp}), "
+    return (f"{cand.label_at('')}, P:D {d.ratio} ({d.prefill_instances} prefill at "
+            f"TP {d.prefill_tp} + {d.decode_instances} decode at TP {cand.tp}), "
             f"max_num_seqs {d.concurrency}, max_num_batched_tokens {d.token_budget}")
 
 

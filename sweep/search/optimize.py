@@ -110,10 +110,15 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        return self.label_at(f" x TP {self.tp}")
+
+    def label_at(self, tp: str) -> str:
+        """``label`` with ``tp`` in place of its TP part (a disaggregated
+        deployment names each pool's)."""
         spec = f" x spec k={self.spec_tokens}" if self.spec_tokens else ""
         if self.spec_tokens and self.spec_proposer == "draft":
             spec += f" (draft {self.model.draft.name})"
-        return f"{self.hardware.name} x {model_label(self.model)} x TP {self.tp}{spec}"
+        return f"{self.hardware.name} x {model_label(self.model)}{tp}{spec}"
 
 
 def _proposers(s, k: int) -> list[str]:
