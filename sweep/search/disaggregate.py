@@ -106,8 +106,13 @@ class Deployment:
 
     def gpus(self, job) -> int:
         """Both pools' GPUs (``job``: the ``OptimizeJob``, for the decode TP)."""
-        return (self.prefill_tp * self.prefill_instances
-                + job.candidates[self.candidate].tp * self.decode_instances)
+        return pool_gpus(self.prefill_tp, self.prefill_instances,
+                         job.candidates[self.candidate].tp, self.decode_instances)
+
+
+def pool_gpus(prefill_tp: int, p: int, decode_tp: int, d: int) -> int:
+    """GPUs of ``p`` prefill instances and ``d`` decode instances."""
+    return prefill_tp * p + decode_tp * d
 
 
 @dataclass
@@ -127,12 +132,18 @@ def _powers_of_two(lo: int, hi: int) -> np.ndarray:
     return np.array(out or [lo], float)
 
 
+def _engine(c) -> tuple:
+    """What a prefill instance of candidate ``c`` runs, but its TP: the
+    hardware, the model at its precision, the draft model it loads."""
+    return (c.hardware.name, c.model.name, c.model.weight_dtype, c.model.kv_dtype,
+            getattr(c.model.draft, "name", None))
+
+
 def prefill_tps(job, cand) -> list[int]:
     """The TP sizes a prefill pool of ``cand`` may take: those of the
     candidates on its hardware with its model at its precision."""
-    def same(c):
-        return (c.hardware.name, c.model.name, c.model.weight_dtype, c.model.kv_dtype)
-    return sorted({c.tp for c in job.candidates if same(c) == same(cand)})
+    same = _engine(cand)[:4]
+    return sorted({c.tp for c in job.candidates if _engine(c)[:4] == same})
 
 
 def enumerate_deployments(job) -> list[Deployment]:
@@ -147,6 +158,20 @@ def enumerate_deployments(job) -> list[Deployment]:
     N, B = (x.ravel() for x in np.meshgrid(n_grid, b_grid, indexing="ij"))
     hashed = tables.pair_hashes is not None
     best: dict[tuple[int, int, int, int], Deployment] = {}
+    computing: dict[tuple, np.ndarray] = {}
+
+    def prefill_s(cand, hw, model, pre_tp: int, p: int) -> np.ndarray:
+        """Per budget, a prefill instance's time per request among ``p`` of
+        TP ``pre_tp``, after the cached prefix its pool finds; once per
+        engine, not per decode candidate it may feed."""
+        key = (_engine(cand), pre_tp, p)
+        if key not in computing:
+            tp = float(pre_tp)
+            computing[key] = np.asarray(roofline.chunked_prefill(
+                hw, model, tp, 0.0, 0.0, prompt, B, 0.0, roofline.cached_prefix_tokens(
+                    prompt, pool_hit(job, cand, hw, model, tp, p)))[0], float)
+        return computing[key]
+
     for ci, cand in enumerate(job.candidates):
         rate = app.workload.arrival_rate_per_s * (1.0 - job.served[cand.model.name][1])
         hw = hardware_params(cand.hardware, s.gpu_memory_utilization)
@@ -161,39 +186,31 @@ def enumerate_deployments(job) -> list[Deployment]:
         for pre_tp in prefill_tps(job, cand):
             transfer = float(roofline.kv_transfer_s(hw, model, min(tp, pre_tp), prompt))
 
-            @functools.cache
-            def pre_busy(p, hw=hw, model=model, tp=float(pre_tp), cand=cand,
+            def pre_busy(p, cand=cand, hw=hw, model=model, pre_tp=pre_tp,
                          transfer=transfer):
-                """Per budget, a prefill instance's time per request among
-                ``p``: computing (after the cached prefix its pool finds) or
-                sending, whichever is longer (an instance's link carries one
-                transfer at a time)."""
-                prefill = np.asarray(roofline.chunked_prefill(
-                    hw, model, tp, 0.0, 0.0, prompt, B, 0.0,
-                    roofline.cached_prefix_tokens(
-                        prompt, pool_hit(job, cand, hw, model, tp, p)))[0], float)
-                return prefill, np.maximum(prefill, transfer)
+                """Computing or sending, whichever is longer (an instance's
+                link carries one transfer at a time)."""
+                return np.maximum(prefill_s(cand, hw, model, pre_tp, p), transfer)
 
-            prefill, _ = pre_busy(1)
-            ttft0 = prefill + transfer
+            ttft0 = prefill_s(cand, hw, model, pre_tp, 1) + transfer
             # likewise a decode instance decoding or receiving
             dec_busy = np.maximum(1.0 / decode_rps, transfer)
             ok = (fits & (step <= app.slo.itl_p99_s) & (ttft0 <= app.slo.ttft_p99_s)
                   & (B >= N * (k + 1.0)))
             for i in np.flatnonzero(ok):
                 # one instance's cache finds the most: the fewest instances
-                p0 = max(math.ceil(rate * pre_busy(1)[1][i] / UTILIZATION_MAX), 1)
+                p0 = max(math.ceil(rate * pre_busy(1)[i] / UTILIZATION_MAX), 1)
                 d0 = max(math.ceil(rate * dec_busy[i] / UTILIZATION_MAX), 1)
                 for p in range(p0, p0 + EXTRA_INSTANCES):
                     if p > s.disaggregated_max_instances:
                         continue
-                    busy = pre_busy(p if hashed else 1)[1][i]
+                    busy = pre_busy(p if hashed else 1)[i]
                     if hashed and rate * busy / p > UTILIZATION_MAX:
                         continue  # more instances, each cache finding less
                     for d in range(d0, d0 + EXTRA_INSTANCES):
                         if max(p, d) > s.disaggregated_max_instances:
                             continue
-                        gpus = pre_tp * p + cand.tp * d
+                        gpus = pool_gpus(pre_tp, p, cand.tp, d)
                         dep = Deployment(
                             ci, pre_tp, p, d, int(N[i]), int(B[i]), rate * busy / p,
                             rate * dec_busy[i] / d, float(ttft0[i]), float(step[i]),
