@@ -79,6 +79,9 @@ def test_disaggregated_point_by_hand(cube, prefill_tp):
                 ("output_tokens_per_s", out_tok_s),
                 ("cost_per_mtok_out_usd", cost_per_mtok(out_tok_s, gpus=tp * p + d)),
                 ("gpus", tp * p + d),
+                # input tokens are the prefill instances' to pay for
+                ("prefill_tokens_per_s", PROMPT / prefill),
+                ("cost_per_mtok_in_usd", cost_per_mtok(PROMPT / prefill, gpus=tp)),
                 # the long prompt runs alone on a prefill instance: the
                 # decoding users see decode-only steps
                 ("long_prefill_s", chunked(0, 1500, LONG, BUDGET, tp=tp)[0]),
@@ -101,6 +104,9 @@ def test_aggregated_points_are_unchanged(cube):
         assert float(pt.cost_per_mtok_out_usd) == pytest.approx(
             cost_per_mtok(N / itl), rel=2e-5)
         assert float(pt.gpus) == 1.0
+        assert float(pt.cost_per_mtok_in_usd) == pytest.approx(
+            cost_per_mtok(PROMPT / step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2)),
+            rel=2e-5)
         assert float(pt.kv_transfer_s) == 0.0
         assert np.isnan(float(pt.prefill_pool_req_per_s))
         assert float(pt.zero_load_ttft_s) == pytest.approx(

@@ -257,9 +257,11 @@ METRICS: tuple[Metric, ...] = (
            column=Column("USD/1M out", "{:.3f}", section=COST)),
     Metric("prefix_hit_fraction", "1", "share of the mean prompt read from the "
            "prefix cache (whole 16-token blocks; 0 without prefix caching)"),
-    Metric("prefill_tokens_per_s", "token / s", "prefill rate (input tokens, "
-           "cached ones included)"),
-    Metric("cost_per_mtok_in_usd", "USD / Mtoken", "cost per 1M input tokens"),
+    Metric("prefill_tokens_per_s", "token / s", "prefill rate of one engine (a "
+           "disaggregated point's prefill instance; input tokens, cached ones "
+           "included)"),
+    Metric("cost_per_mtok_in_usd", "USD / Mtoken", "cost per 1M input tokens on "
+           "the GPUs that prefill"),
     Metric("long_prefill_s", "s", "long-prompt prefill time"),
     Metric("long_prefill_steps", "step", "long-prompt prefill steps"),
     Metric("long_prefill_worst_itl_s", "s", "worst ITL during long prefill"),

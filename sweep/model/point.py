@@ -161,8 +161,9 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
     # read from the cache, not computed; input tokens count the cached ones
     hit = _hit(hw, model, wl, pt)
     cached = roofline.cached_prefix_tokens(wl.mean_prompt_tokens, hit)
-    prefill = roofline.prefill_step_s(hw, model, tp, wl.mean_prompt_tokens, cached,
-                                     pt.spec_tokens)
+    # the GPUs that prefill: a disaggregated point's prefill instance
+    prefill = roofline.prefill_step_s(hw, model, pt.prefill_tp, wl.mean_prompt_tokens,
+                                     cached, pt.spec_tokens)
     prefill_rate = wl.mean_prompt_tokens / prefill
     long_s, long_steps, long_worst = roofline.chunked_prefill(
         hw, model, tp, running, pt.context_tokens, pt.long_prompt_tokens,
@@ -198,7 +199,7 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         "prefix_hit_fraction": cached / wl.mean_prompt_tokens,
         "prefill_tokens_per_s": prefill_rate,
         "cost_per_mtok_in_usd": cost.cost_per_mtok_usd(
-            hw.usd_per_gpu_hour, tp, prefill_rate
+            hw.usd_per_gpu_hour, pt.prefill_tp, prefill_rate
         ),
         "long_prefill_s": jnp.where(chunked, long_s, jnp.nan),
         "long_prefill_steps": jnp.where(chunked, long_steps, jnp.nan),

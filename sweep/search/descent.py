@@ -195,7 +195,7 @@ class SearchResult(NamedTuple):
     evaluations: int  # surrogate value-and-gradient evaluations in all
 
 
-def replica_surrogate(cand: Candidates, c, b, r, round_robin: bool):
+def replica_surrogate(cand: Candidates, c, b, r, round_robin):
     """The surrogate's outputs for one of ``r`` replicas at concurrency ``c``
     and token budget ``b``, the workload's rate split evenly over them.
 
@@ -203,13 +203,13 @@ def replica_surrogate(cand: Candidates, c, b, r, round_robin: bool):
     Poisson stream: Erlang-``r`` gaps, squared coefficient of variation
     ``1 / r`` (the surrogate's ``arrival_scv``), as the verification deals
     them (``sweep.latency.arrivals.route``); a random split leaves each
-    replica's stream Poisson.
+    replica's stream Poisson. ``round_robin``: a bool, or a traced one.
     """
     return surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
                      cand.arrival_rate_per_s / r, spec_tokens=cand.spec_tokens,
                      spec_acceptance=cand.spec_acceptance,
                      prefix_hit_fraction=cand.prefix_hit_fraction,
-                     arrival_scv=1.0 / r if round_robin else 1.0)
+                     arrival_scv=jnp.where(round_robin, 1.0 / r, 1.0))
 
 
 def objective(theta, cand: Candidates, penalty_scale, penalty_weight,
