@@ -193,7 +193,9 @@ def _region(fn: Callable, axes: tuple, tables: tuple, starts, shape, chunks,
 
     Nested, each axis's values are gathered for the block once and each
     table's on the grid of its axes, and ``fn`` runs under one ``vmap`` per
-    axis. ``flat`` (``Part.flat``): every argument is gathered per point and
+    axis of more than one index in the block (one index: a scalar; the
+    default grid traces 4x faster, ``benchmarks/README.md``).
+    ``flat`` (``Part.flat``): every argument is gathered per point and
     ``fn`` runs under one ``vmap`` over the block's points. The p99 part's
     point functions are built around loops (the simulator's
     ``while_loop``, the surrogate's bisections), whose every operation ends
@@ -219,14 +221,25 @@ def _region(fn: Callable, axes: tuple, tables: tuple, starts, shape, chunks,
         in_axes = (0,) * n + tuple(0 if dims else None for dims in table_dims)
         out = jax.vmap(fn, in_axes=in_axes)(*args)
         return jax.tree.map(lambda x: x.reshape(chunks), out)
+    # an axis of one index in the block enters as a scalar, not through a
+    # vmap of size 1: each vmap level traces every operation of fn again
+    single = [c == 1 for c in chunks]
+    args[:n] = [jax.tree.map(lambda x: x[0], a) if single[d] else a
+                for d, a in enumerate(args[:n])]
+    for t, dims in enumerate(table_dims):
+        drop = tuple(k for k, d in enumerate(dims) if single[d])
+        if drop:
+            args[n + t] = jax.tree.map(lambda x, k=drop: x.squeeze(k), args[n + t])
     for d in reversed(range(n)):
+        if single[d]:
+            continue
         in_axes = [None] * len(args)
         in_axes[d] = 0
         for t, dims in enumerate(table_dims):
             if d in dims:
                 in_axes[n + t] = 0
         fn = jax.vmap(fn, in_axes=tuple(in_axes))
-    return fn(*args)
+    return jax.tree.map(lambda x: x.reshape(chunks), fn(*args))
 
 
 @partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims", "flat"))
