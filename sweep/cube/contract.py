@@ -260,8 +260,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("prefill_tokens_per_s", "token / s", "prefill rate of one engine (a "
            "disaggregated point's prefill instance; input tokens, cached ones "
            "included)"),
-    Metric("cost_per_mtok_in_usd", "USD / Mtoken", "cost per 1M input tokens on "
-           "the GPUs that prefill"),
+    # the GPUs that prefill pay for the input tokens: a disaggregated
+    # point's prefill instance
+    Metric("cost_per_mtok_in_usd", "USD / Mtoken", "cost per 1M input tokens"),
     Metric("long_prefill_s", "s", "long-prompt prefill time"),
     Metric("long_prefill_steps", "step", "long-prompt prefill steps"),
     Metric("long_prefill_worst_itl_s", "s", "worst ITL during long prefill"),

@@ -40,8 +40,9 @@ added: less load per replica). A neighbour infeasible even at
 ``replicas_max`` records its p99s there: the best the candidate reaches, used
 to name the binding constraint of an infeasible SLO.
 
-**One compiled call.** The steps run in ``lax.scan``, ``vmap``-ped over random
-restarts and over the stacked candidates. The integer stage runs as further
+**One compiled call.** The steps run in one ``lax.scan`` whose step is
+``vmap``-ped over every lane (a stacked candidate from one of its random
+restarts). The integer stage runs as further
 steps of the *same* scan (the step's query point is the iterate during the
 search, a lattice neighbour afterwards), so the surrogate and its gradient
 are traced once: on a CPU, compiling the surrogate dominates the run time.
@@ -370,46 +371,47 @@ def _scan_step(settings: Settings, opt, cand: Candidates, carry: _Carry, xs):
     return carry, value
 
 
-def _run_lane(settings: Settings, cand: Candidates, init):
-    """One candidate from one start: the search and the integer stage as one
-    scan. Returns ``(final carry, objective at each search step)``."""
+def _run_lanes(settings: Settings, cand: Candidates, init):
+    """Every lane (one candidate from one start; leaves ``(L, ...)``, ``init``
+    ``(L, 3)``): the search and the integer stage as one scan whose step is
+    ``vmap``-ped over the lanes. Inside the scan, the step is traced once
+    with its batching; a ``vmap`` around the scan would batch the traced
+    step again per ``vmap`` level (JAX's scan batching rule). Returns
+    ``(final carry, objective at each search step (L, steps))``."""
     opt = make_optimizer(settings)
-    r_max = settings.replicas_max
-
-    def lane(value):
-        # the same values, varying with ``init`` under ``vmap``: the scan's
-        # batching rule then finds which carries vary in one pass per vmap
-        # instead of two (the carry comes out varying anyway), which halves
-        # the tracing of the search; the scan's body is unchanged
-        return jnp.where(jnp.isnan(init[0]), value, value)
-
-    nan = lane(jnp.full((NEIGHBOURS,), jnp.nan, jnp.float32))
+    lanes, r_max = init.shape[0], settings.replicas_max
+    nan = jnp.full((lanes, NEIGHBOURS), jnp.nan, jnp.float32)
     carry = _Carry(
         theta=init,
-        # the moments vary per lane; the step counts do not
-        opt_state=jax.tree.map(
-            lambda x: lane(x) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-            opt.init(init)),
-        lo=lane(jnp.int32(0)), hi=lane(jnp.int32(r_max)),
-        feasible=lane(jnp.zeros(NEIGHBOURS, bool)),
-        replicas=lane(jnp.full(NEIGHBOURS, r_max, jnp.int32)),
+        opt_state=jax.vmap(opt.init)(init),
+        lo=jnp.zeros(lanes, jnp.int32), hi=jnp.full(lanes, r_max, jnp.int32),
+        feasible=jnp.zeros((lanes, NEIGHBOURS), bool),
+        replicas=jnp.full((lanes, NEIGHBOURS), r_max, jnp.int32),
         concurrency=nan, token_budget=nan,
         metrics={m: nan for m in METRICS},
         reach={m: nan for m in REACH},
-        max_abs_grad=lane(jnp.float32(0.0)), nonfinite_steps=lane(jnp.int32(0)),
+        max_abs_grad=jnp.zeros(lanes, jnp.float32),
+        nonfinite_steps=jnp.zeros(lanes, jnp.int32),
     )
+    step = jax.vmap(functools.partial(_scan_step, settings, opt),
+                    in_axes=(0, 0, None))
     scales = _penalty_scales(settings)
     xs = (jnp.arange(len(scales)), jnp.asarray(scales, jnp.float32))
-    carry, values = jax.lax.scan(functools.partial(_scan_step, settings, opt, cand),
-                                 carry, xs)
-    return carry, values[:settings.steps]
+    carry, values = jax.lax.scan(lambda c, x: step(cand, c, x), carry, xs)
+    return carry, values[:settings.steps].T
 
 
 @functools.lru_cache(maxsize=8)
 def _compiled(settings: Settings):
     """The jitted search over ``(C, R)`` lanes for these static settings."""
-    lane = functools.partial(_run_lane, settings)
-    return jax.jit(jax.vmap(jax.vmap(lane, in_axes=(None, 0)), in_axes=(0, 0)))
+
+    def run(cand: Candidates, init):
+        num_c, num_r = init.shape[:2]
+        lanes = jax.tree.map(lambda x: jnp.repeat(x, num_r, axis=0), cand)
+        out = _run_lanes(settings, lanes, init.reshape(num_c * num_r, 3))
+        return jax.tree.map(lambda x: x.reshape(num_c, num_r, *x.shape[1:]), out)
+
+    return jax.jit(run)
 
 
 def initial_theta(key, settings: Settings, num_candidates: int,
