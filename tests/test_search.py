@@ -132,6 +132,7 @@ def test_round_robin_replicas_wait_less_than_a_random_split(scenario):
     assert out["ttft_p99_s"][2] < out["ttft_p99_s"][3]
     assert out["utilization"][2] == pytest.approx(out["utilization"][3], rel=1e-6)
     # a random split is one replica's Poisson stream at a third of the rate
+    # (four lanes again: the same shapes, the same compiled program)
     alone = lanes(jax.tree.map(lambda x: x[1], cands), jnp.ones(4, jnp.float32),
                   jnp.zeros(4, bool))
     assert float(alone["ttft_p99_s"][0]) == pytest.approx(out["ttft_p99_s"][3],

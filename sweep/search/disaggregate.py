@@ -186,11 +186,16 @@ def enumerate_deployments(job) -> list[Deployment]:
         for pre_tp in prefill_tps(job, cand):
             transfer = float(roofline.kv_transfer_s(hw, model, min(tp, pre_tp), prompt))
 
-            def pre_busy(p, cand=cand, hw=hw, model=model, pre_tp=pre_tp,
-                         transfer=transfer):
-                """Computing or sending, whichever is longer (an instance's
-                link carries one transfer at a time)."""
-                return np.maximum(prefill_s(cand, hw, model, pre_tp, p), transfer)
+            busy_by_p: dict[int, np.ndarray] = {}
+
+            def pre_busy(p):
+                """Per budget, computing or sending, whichever is longer (an
+                instance's link carries one transfer at a time); once per
+                pool size, not per budget and decode pool it is read for."""
+                if p not in busy_by_p:
+                    busy_by_p[p] = np.maximum(prefill_s(cand, hw, model, pre_tp, p),
+                                              transfer)
+                return busy_by_p[p]
 
             ttft0 = prefill_s(cand, hw, model, pre_tp, 1) + transfer
             # likewise a decode instance decoding or receiving
