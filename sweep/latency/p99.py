@@ -53,6 +53,7 @@ import numpy as np
 
 from sweep import shapes
 from sweep.config.schema import (
+    ArrivalKind,
     GridApp,
     LatencyMethod,
     Model,
@@ -229,16 +230,20 @@ class SurrogatePoint:
                 | {k: jnp.where(steady, v, jnp.nan) for k, v in elasticity.items()})
 
 
-def served_requests(tables: WorkloadTables, workload: Workload,
-                    model: Model) -> tuple[WorkloadTables, bool, float]:
+def served_requests(tables: WorkloadTables, workload: Workload, model: Model
+                    ) -> tuple[WorkloadTables, bool, float, np.ndarray | None]:
     """The length tables of the requests ``model`` serves, whether they pair
-    prompts with outputs as recorded (exact replay), and the share rejected
-    (``sweep.latency.workload.served_tables``)."""
+    prompts with outputs as recorded (exact replay), the share rejected
+    (``sweep.latency.workload.served_tables``), and the arrival times the
+    served requests replay (``workload.arrival=trace``; None: Poisson)."""
     exact = workload.replay == Replay.exact
     served, rejected = served_tables(
         tables, float(model.max_context_tokens),
         workload.overlong == Overlong.truncate, exact)
-    return served, exact, rejected
+    arrival_s = None
+    if workload.arrival == ArrivalKind.trace:
+        arrival_s = served.pair_arrival_s if exact else served.trace_arrival_s
+    return served, exact, rejected, arrival_s
 
 
 def served_workload(tables: WorkloadTables, workload: Workload,
@@ -248,13 +253,17 @@ def served_workload(tables: WorkloadTables, workload: Workload,
 
     Under exact replay the summary takes the trace's recorded (prompt, output)
     pairs (their joint law); sampled streams draw the lengths independently.
+    Recorded arrivals come with their own wait law
+    (``sweep.latency.surrogate.bursts``).
     """
-    served, joint, rejected = served_requests(tables, workload, model)
-    return _summary_of(served, joint), rejected
+    served, joint, rejected, arrival_s = served_requests(tables, workload, model)
+    return _summary_of(served, joint, arrival_s), rejected
 
 
-def _summary_of(served: WorkloadTables, joint: bool) -> LatencyWorkload:
-    return latency_workload(served, pairs=served.pairs if joint else None)
+def _summary_of(served: WorkloadTables, joint: bool,
+                arrival_s: np.ndarray | None) -> LatencyWorkload:
+    return latency_workload(served, pairs=served.pairs if joint else None,
+                            arrival_s=arrival_s)
 
 
 def _rates(app: GridApp, workloads) -> np.ndarray:
@@ -344,9 +353,11 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
                     ("model", "workload"))
 
         lookups = {
-            "served": by_model_workload(lambda t, joint, _: _summary_of(t, joint)),
+            "served": by_model_workload(
+                lambda t, joint, _, arrival_s: _summary_of(t, joint, arrival_s)),
             # the pools' summaries, read only where the grid has such points
-            "pooled": by_model_workload(lambda t, joint, _: pool_workloads(t, joint)),
+            "pooled": by_model_workload(
+                lambda t, joint, _, arrival_s: pool_workloads(t, joint, arrival_s)),
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
             "prefix_hit": prefix_hit,

@@ -9,8 +9,8 @@ agreement with the simulator is measured in ``benchmarks/surrogate_agreement.py`
 chosen to err high (a configuration the surrogate accepts should pass the
 simulator).
 
-The sections: ``lengths`` (the band summaries),
-``chunks`` (chunk steps along a prompt), ``state`` (the steady state),
+The sections: ``lengths`` (the band summaries), ``bursts`` (the wait on a
+trace's recorded arrivals), ``chunks`` (chunk steps along a prompt), ``state`` (the steady state),
 ``waiting`` (the admission and prefill waits) and ``percentiles``
 (TTFT, ITL, E2E and goodput); ``surrogate`` below composes them.
 
@@ -68,7 +68,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       tp: tensor-parallel GPUs.
       concurrency: most sequences running at once (real-valued: relaxed).
       token_budget: tokens per step (real-valued: relaxed).
-      arrival_rate_per_s: Poisson arrival rate offered, requests per second.
+      arrival_rate_per_s: arrival rate offered, requests per second: Poisson,
+        or a trace's recorded arrivals at that mean rate where ``wl`` carries
+        them (``bursts``).
       ttft_slo_s, itl_slo_s: the SLOs a good request meets (goodput only;
         default: none).
       spec_tokens, spec_acceptance: speculative decoding
@@ -124,7 +126,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
-    wait = prefill_wait(st, wl, slots, queue, gap_s, per_token,
+    wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam,
                         jnp.asarray(arrival_scv, dtype))
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
     delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.latency.surrogate.bursts import no_trace, sampled_prompts, trace_waits
 from sweep.latency.workload import WorkloadTables
 from sweep.model import roofline
 
@@ -50,6 +51,11 @@ class LatencyWorkload(NamedTuple):
     decode_context_cv: jax.Array  # its coefficient of variation
     slot_kv_tokens: jax.Array  # mean KV tokens a running request holds
     slot_kv_cv: jax.Array  # their coefficient of variation (time-weighted)
+    # shape=(len(RHO_GRID), len(WAIT_EDGES) - 1): the FCFS wait on a trace's
+    # recorded arrivals, in mean gaps (``bursts.trace_waits``); zero when
+    # arrivals are Poisson
+    trace_wait_gaps: jax.Array
+    trace_arrivals: jax.Array  # 1.0 when arrivals replay a trace's, else 0.0
 
 
 def _membership(values: np.ndarray, probs: np.ndarray) -> np.ndarray:
@@ -107,7 +113,8 @@ def _context_moments(e: dict[str, float]) -> tuple[float, ...]:
 
 
 def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
-                     pairs: np.ndarray | None = None) -> LatencyWorkload:
+                     pairs: np.ndarray | None = None,
+                     arrival_s: np.ndarray | None = None) -> LatencyWorkload:
     """Summarises a workload's lengths once, in float64 NumPy.
 
     Args:
@@ -117,7 +124,20 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
       pairs: optional ``(N, 2)`` recorded (prompt, output) pairs of a trace;
         when given, every summary comes from them, with the empirical joint
         of prompt and output bands instead of independence.
+      arrival_s: optional recorded arrival times (``workload.arrival=trace``):
+        one per pair when ``pairs`` is given, the prompts then arriving in
+        recorded order; otherwise prompts drawn from ``tables`` arrive at them
+        (``bursts``).
     """
+    if arrival_s is None:
+        waits, trace = no_trace(dtype), 0.0
+    elif pairs is None:
+        waits, trace = trace_waits(arrival_s, sampled_prompts(
+            tables.prompt_values, tables.prompt_probs, len(arrival_s))), 1.0
+    else:
+        served = (pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)
+        waits, trace = trace_waits(np.asarray(arrival_s)[served],
+                                   np.asarray(pairs, np.float64)[served, 0]), 1.0
     if pairs is None:
         pv, pp = tables.prompt_values, tables.prompt_probs
         ov, op = tables.output_values, tables.output_probs
@@ -148,7 +168,7 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
     return LatencyWorkload(
         *(jnp.asarray(x, dtype) for x in (
             np.diff(BAND_EDGES), p_mean, p_std, o_mean, joint, ep, ep2, eo,
-            (ov**2 @ op - eo**2) / eo**2, ctx, ctx_cv, kv, kv_cv))
+            (ov**2 @ op - eo**2) / eo**2, ctx, ctx_cv, kv, kv_cv, waits, trace))
     )
 
 

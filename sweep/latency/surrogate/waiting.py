@@ -33,6 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sweep.latency.surrogate.bursts import trace_wait_atoms
 from sweep.latency.surrogate.state import State
 from sweep.model._numerics import (
     betainc,
@@ -73,8 +74,17 @@ def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
     return jnp.fft.fft((r * damp).astype(cdtype))
 
 
+def _atoms_hat(atoms_s, probs, dt, damp, cdtype):
+    """Damped DFT of point masses on the lattice, each split between its two
+    neighbouring lattice points (mean-preserving)."""
+    k = jnp.arange(WAIT_POINTS, dtype=atoms_s.dtype)
+    pmf = (probs[None, :] * jnp.maximum(
+        0.0, 1.0 - jnp.abs(k[:, None] - (atoms_s / dt)[None, :]))).sum(-1)
+    return jnp.fft.fft((pmf * damp).astype(cdtype))
+
+
 def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_service_s,
-                  slot_probs, arrival_scv=1.0) -> Wait:
+                  slot_probs, arrival_scv=1.0, trace=None) -> Wait:
     """Admission wait + the exact M/G/1 prefill wait, on one lattice.
 
     Args:
@@ -94,6 +104,9 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         heavy-traffic law, whose tail is the mean's; Kingman 1961, Proc.
         Camb. Phil. Soc. 57, 902-904), keeping its probability of waiting
         (``rho``, above the GI/G/1's: on the high side).
+      trace: ``(atoms_s, probs, on)``: a trace's recorded arrivals
+        (``bursts.trace_wait_atoms``), whose wait law replaces the
+        Pollaczek-Khinchine one where ``on`` is 1.
     """
     dtype = service_s.dtype
     cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
@@ -107,7 +120,11 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
     kingman = 1.0 + (arrival_scv - 1.0) * safe_div(mean_s**2, second_s2)
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
-    span = (16.0 * residual_mean / (1.0 - rho) + 2.0 * safe_max(service_span)
+    queue_span = 16.0 * residual_mean / (1.0 - rho)
+    if trace is not None:
+        atoms_s, atom_probs, on = trace
+        queue_span = jnp.where(on > 0, 1.25 * safe_max(atoms_s), queue_span)
+    span = (queue_span + 2.0 * safe_max(service_span)
             + p_slot * (16.0 * slot_residual / (1.0 - rho_s)
                         + 2.0 * safe_max(slot_service_s)) + 1e-9)
     dt = span / WAIT_POINTS
@@ -126,6 +143,9 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         jnp.stack([service_span * kingman, slot_service_s]),
         jnp.stack([probs, slot_probs]),
         jnp.stack([rho, rho_s]))
+    if trace is not None:
+        prefill_hat = jnp.where(on > 0, _atoms_hat(atoms_s, atom_probs, dt, damp,
+                                                   cdtype), prefill_hat)
     p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
     queued = (slot_hat - (1.0 - rs_c)) / rs_c
     slot = (1.0 - p_c) + p_c * queued
@@ -199,7 +219,7 @@ def p_wait(occupancy, theta, slots, full_util):
     return jnp.where(some, queued / jnp.where(some, total, 1.0), 1.0)
 
 
-def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s,
+def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
                  arrival_scv=1.0) -> Wait:
     """The wait for a slot and then for the prefill server. Given that it
     waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
@@ -208,6 +228,7 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s,
 
     Args:
       per_token_s: ``d service / d P`` per band (the within-band spread).
+      lam: the arrival rate (a trace's waits are in mean gaps).
       arrival_scv: the arrivals' squared coefficient of variation
         (``_wait_lattice``).
     """
@@ -217,7 +238,9 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s,
     holding_full = holding * safe_div(sq.full_residence_s, st.residence_s)
     return _wait_lattice(st.prefill_util, st.service_s,
                          per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
-                         sq.full_util, holding_full / slots, w, arrival_scv)
+                         sq.full_util, holding_full / slots, w, arrival_scv,
+                         (*trace_wait_atoms(wl.trace_wait_gaps, st.prefill_util, lam),
+                          wl.trace_arrivals))
 
 
 def wait_cdf_beyond_zero(wait: Wait, s):

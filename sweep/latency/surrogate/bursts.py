@@ -1,0 +1,100 @@
+"""Recorded arrivals: the prefill wait of a trace's own arrival pattern.
+
+A trace replayed with ``workload.arrival=trace`` keeps its bursts, which no
+Poisson queue has: the Azure LLM code trace of 2023 has gaps of squared cv
+173 and up to 37 arrivals within one mean gap, and on it the simulator's
+p99 TTFT was 4-60x the M/G/1 surrogate's (``benchmarks/README.md``,
+"Recorded arrivals").
+
+The wait of a first-come-first-served server fed by the trace's own
+arrival times, each request's service proportional to its prompt, depends
+(in units of the trace's mean gap) on the server's utilisation only, so it
+is computed once per workload in NumPy (``trace_waits``): Lindley's
+recursion ``W_{i+1} = max(0, W_i + rho s_i - a_{i+1})`` (``s_i`` the prompt
+over the mean prompt, ``a_i`` the gap over the mean gap), whose solution is
+``W_i = X_i - min_{j <= i} X_j`` for the partial sums ``X`` of ``rho s - a``,
+at every utilisation of ``RHO_GRID``, summarised by the conditional means
+of tail-weighted probability bands (``WAIT_EDGES``). The surrogate reads the
+row at its prefill server's utilisation and scales it by the mean gap
+``1 / lam`` (``trace_wait_atoms``), in place of the Poisson queue's
+Pollaczek-Khinchine wait (``sweep.latency.surrogate.waiting``): the trace's
+queue is a whole G/G/1 (its gaps and its services), not a correction of M/G/1.
+
+Prompts follow the trace's arrivals as the simulator sends them: the
+recorded pairs in recorded order under exact replay, independent draws from
+the length tables otherwise (with a fixed seed). Not modelled: a stream
+split over replicas or prefill instances (the table is the whole stream's,
+read at one instance's utilisation and gap: on the high side).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from sweep.model._numerics import safe_div
+
+RHO_GRID = np.linspace(0.0, 1.0, 41)
+"""Prefill utilisations at which a trace's waits are tabulated (static)."""
+
+WAIT_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85,
+                       0.88, 0.9, 0.92, 0.94, 0.95, 0.96, 0.97, 0.975, 0.98, 0.985,
+                       0.99, 0.9925, 0.995, 0.9975, 0.999, 1.0])
+"""Probability bands of a trace's wait law: finer where p99 lives."""
+
+_SEED = 0  # the prompts drawn for sampled replay
+
+
+def no_trace(dtype=jnp.float32) -> jnp.ndarray:
+    """The table of Poisson arrivals: none (``LatencyWorkload.trace_wait_gaps``)."""
+    return jnp.zeros((len(RHO_GRID), len(WAIT_EDGES) - 1), dtype)
+
+
+def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
+    """Band means of the FCFS wait on a trace's arrivals, in mean gaps.
+
+    Args:
+      arrival_s: the arrival times, in recorded order (seconds).
+      prompt_tokens: each arrival's prompt (its service is proportional).
+
+    Returns:
+      float64 ``(len(RHO_GRID), len(WAIT_EDGES) - 1)``: row ``i`` is the wait
+      law at utilisation ``RHO_GRID[i]``, the conditional mean of each band.
+    """
+    t = np.asarray(arrival_s, np.float64)
+    p = np.asarray(prompt_tokens, np.float64)
+    n = len(t)
+    mean_gap = (t[-1] - t[0]) / (n - 1)
+    gaps = np.diff(t) / mean_gap
+    s = p / p.mean()
+    x = np.concatenate([np.zeros((len(RHO_GRID), 1)), np.cumsum(
+        RHO_GRID[:, None] * s[None, :-1] - gaps[None, :], axis=1)], axis=1)
+    w = np.sort(x - np.minimum.accumulate(x, axis=1), axis=1)
+    # band means from the integral of the quantile function, linear between
+    # order statistics: mean-preserving, and defined for any number of rows
+    integral = np.concatenate([np.zeros((len(RHO_GRID), 1)), np.cumsum(w, axis=1)],
+                              axis=1)
+    at = np.stack([np.interp(WAIT_EDGES * n, np.arange(n + 1), row)
+                   for row in integral])
+    return np.diff(at, axis=1) / (np.diff(WAIT_EDGES) * n)
+
+
+def sampled_prompts(values: np.ndarray, probs: np.ndarray, n: int) -> np.ndarray:
+    """``n`` prompts drawn independently from a length table (``_SEED``)."""
+    rng = np.random.default_rng(_SEED)
+    return rng.choice(np.asarray(values, np.float64), size=n,
+                      p=np.asarray(probs, np.float64) / np.sum(probs))
+
+
+def trace_wait_atoms(table, rho, lam):
+    """The trace's wait law at utilisation ``rho`` and arrival rate ``lam``:
+    ``(atoms_s, probs)``, each of shape ``(len(WAIT_EDGES) - 1,)``, linear
+    between the rows of ``RHO_GRID`` (the last row beyond it)."""
+    step = RHO_GRID[1] - RHO_GRID[0]
+    x = jnp.clip(rho / step, 0.0, len(RHO_GRID) - 1.0)
+    i0 = jnp.clip(jnp.floor(x), 0.0, len(RHO_GRID) - 2.0)
+    frac = x - i0
+    i = i0.astype(jnp.int32)
+    gaps = table[i] + frac * (table[i + 1] - table[i])
+    # at zero load the table's rows are zero: no wait, and a finite gradient
+    return safe_div(gaps, lam), jnp.asarray(np.diff(WAIT_EDGES), table.dtype)
