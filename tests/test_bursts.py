@@ -1,5 +1,6 @@
 """A trace's recorded arrivals in the surrogate (``sweep.latency.surrogate.bursts``):
-the wait table against Lindley's recursion run request by request in float64."""
+the wait table against Lindley's recursion run request by request in float64,
+and the surrogate on bursts against hand calculations."""
 
 from __future__ import annotations
 
@@ -51,3 +52,40 @@ def test_one_burst_by_hand(n):
     assert np.isclose(table[20] @ np.diff(WAIT_EDGES), waits.mean())
     # the top band lies within the largest order statistic
     assert np.isclose(table[20, -1], waits.max())
+
+
+def test_surrogate_queues_each_burst_behind_its_first_prompts():
+    """Bursts of 20 prompts of 1,500 tokens at one instant, far apart, at a
+    load of 0.05 (the seed scenario: H100 SXM, Qwen3-8B, budget 2,048): the
+    k-th of a burst waits for the k prefills ahead of it, so the p99 TTFT is
+    about 20 prefills by hand (the last of each burst are 5 % of the
+    prompts) and the p50 about 10.5, where Poisson arrivals at the same rate
+    barely queue (under 2.5 prefills)."""
+    import jax
+    from helpers import compose_app, step
+
+    from sweep.config.convert import hardware_params, model_params
+    from sweep.latency.surrogate import latency_workload, surrogate
+    from sweep.latency.workload import WorkloadTables
+    from sweep.model.params import stack
+
+    app = compose_app("grid", ["experiment=seed"])
+    hw, model = hardware_params(app.hardware, 1.0), model_params(app.model)
+    prompt, burst = 1500.0, 20
+    tables = WorkloadTables("fixed", np.array([prompt]), np.array([1.0]),
+                            np.array([200.0]), np.array([1.0]))
+    t = np.repeat(np.arange(250) * 1000.0, burst)
+    prefill = step(prompt, 0, prompt * (prompt + 1) / 2)
+    lam = 0.05 / prefill
+    wls = stack([latency_workload(tables), latency_workload(tables, arrival_s=t)])
+    out = jax.jit(jax.vmap(lambda wl: surrogate(
+        hw, model, wl, 1.0, 64.0, 2048.0, lam)))(wls)
+    p50, p99 = (np.asarray(out[k]) for k in ("ttft_p50_s", "ttft_p99_s"))
+    assert p99[0] < 2.5 * prefill
+    np.testing.assert_allclose(p99[1], burst * prefill, rtol=0.05)
+    np.testing.assert_allclose(p50[1], 10.5 * prefill, rtol=0.05)
+    # p99 ITL: a step with one prompt's 1,500 tokens, where Poisson prompts
+    # come one at a time; a step filled to the budget, where they queue
+    itl = np.asarray(out["itl_p99_s"])
+    np.testing.assert_allclose(itl, [prefill, step(2048, 0, 2048 * 2049 / 2)],
+                               rtol=0.05)

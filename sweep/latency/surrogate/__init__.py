@@ -10,9 +10,10 @@ chosen to err high (a configuration the surrogate accepts should pass the
 simulator).
 
 The sections: ``lengths`` (the band summaries), ``bursts`` (the wait on a
-trace's recorded arrivals), ``chunks`` (chunk steps along a prompt), ``state`` (the steady state),
-``waiting`` (the admission and prefill waits) and ``percentiles``
-(TTFT, ITL, E2E and goodput); ``surrogate`` below composes them.
+trace's recorded arrivals), ``chunks`` (chunk steps along a prompt),
+``state`` (the steady state), ``waiting`` (the admission and prefill
+waits) and ``percentiles`` (TTFT, ITL, E2E and goodput); ``surrogate``
+below composes them.
 
 Not modelled: the correlation between consecutive steps' batch sizes; the
 finite horizon of a simulation (past saturation a simulator's p99 TTFT grows

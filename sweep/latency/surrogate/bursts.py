@@ -19,6 +19,9 @@ row at its prefill server's utilisation and scales it by the mean gap
 ``1 / lam`` (``trace_wait_atoms``), in place of the Poisson queue's
 Pollaczek-Khinchine wait (``sweep.latency.surrogate.waiting``): the trace's
 queue is a whole G/G/1 (its gaps and its services), not a correction of M/G/1.
+The same law gives the ITL's chunk steps (``percentiles.itl_law``) their
+decoders and their fill: a burst's prompts start decoding while the rest of
+it is prefilled, in chunks filled to the budget.
 
 Prompts follow the trace's arrivals as the simulator sends them: the
 recorded pairs in recorded order under exact replay, independent draws from

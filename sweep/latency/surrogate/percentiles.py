@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.latency.surrogate.bursts import trace_wait_atoms
 from sweep.latency.surrogate.chunks import Prefill, ramp_cdf
 from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
 from sweep.latency.surrogate.state import State
@@ -164,9 +165,15 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens)
     d_ramps = root_n * jnp.concatenate([d_pre.alone_ramp.f0, d_pre.fluid_ramp.f0])
     ramp_scale = _LOGISTIC_PER_STD * (jnp.abs(d_ramps) + _MIN_REL_SPREAD * ramps.f0)
     queued = smooth_min(st.prefill_util, 1.0, 0.01)
+    # on a trace's recorded arrivals the prompts come in bursts: those that
+    # found work ahead (``bursts``, in mean gaps) have their chunks filled
+    gaps, probs = trace_wait_atoms(wl.trace_wait_gaps, st.prefill_util, 1.0)
+    trace = wl.trace_arrivals > 0
+    under_queue = jnp.where(trace, probs @ safe_div(gaps, gaps + 0.01), queued)
     # chunk steps per prompt: alone, or under a queue
-    chunk_steps = jnp.concatenate([(1.0 - queued) * st.pre.chunks,
-                                   queued * wl.prompt_tokens / st.pre.budget_tokens])
+    chunk_steps = jnp.concatenate([
+        (1.0 - under_queue) * st.pre.chunks,
+        under_queue * wl.prompt_tokens / st.pre.budget_tokens])
     chunk_w = jnp.concatenate([w, w]) * chunk_steps
     total = jnp.sum(chunk_w)
     # a share of gaps, not of steps: a chunk step carries the decoders of an
@@ -180,6 +187,12 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens)
     sojourn = st.mean_wait_s + w @ st.service_s
     ahead = safe_div(smooth_min(sojourn, decode_time, 0.01 * decode_time + 1e-12),
                      decode_time)
+    # on a trace's recorded arrivals the prompts ahead are its queue's:
+    # its work ahead W over the mean service, W / (rho_p x mean gap) prompts,
+    # those within the last decode time (n mean gaps) still decoding, in
+    # units of n: E[min(W, n)] / (rho_p n), W in mean gaps (``bursts``)
+    ahead = jnp.where(trace, safe_div(
+        probs @ smooth_min(gaps, n, 0.01 * n + 1e-12), st.prefill_util * n), ahead)
     carried = 1.0 + (1.0 - queued) * ahead
     mixed = jnp.minimum(
         MIXED_SHARE_MARGIN * carried * st.prefill_steps_per_s / st.steps_per_s, 1.0)
