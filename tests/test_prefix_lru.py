@@ -412,6 +412,13 @@ def test_sweep_optimize_gives_each_replica_its_own_cache(tmp_path):
     searched = optimize._candidates(job, 1.0, 0.05).prefix_hit_fraction
     np.testing.assert_allclose(np.asarray(searched)[:2], shares, rtol=1e-6)
     assert 0 < shares[0] < shares[1]
+    # the verification replays the trace's first rows, and says so
+    rows = trace.read_text().splitlines()
+    t = np.array([json.loads(line)["timestamp"] for line in rows], np.float64)
+    share = (t[half - 1] - t[0]) / (t[-1] - t[0])
+    assert (f"first {half:,} of {ROWS:,} arrivals ({share:.1%} of its span)"
+            in optimize.trace_coverage(job, half))
+    assert optimize.trace_coverage(job, ROWS) is None
 
     key = jax.random.key(0)
     configs = [optimize.Config(0, 8, 2048, 1, {}, 0.0, 0.0),

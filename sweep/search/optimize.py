@@ -58,11 +58,13 @@ import xarray as xr
 from sweep import shapes
 from sweep.config.convert import hardware_params, model_params, models_params
 from sweep.config.schema import (
+    ArrivalKind,
     ConfigError,
     Hardware,
     Model,
     OptimizeApp,
     Overlong,
+    Replay,
     check_tensor_parallel,
 )
 from sweep.cube import contract, engines, outputs, status
@@ -612,6 +614,22 @@ def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
             and sim["rejected_fraction"] <= slo.max_rejected_fraction)
 
 
+def trace_coverage(job: OptimizeJob, requests: int) -> str | None:
+    """A note when the simulated requests replay only part of the trace's
+    recorded arrivals (``workload.arrival=trace``): a bursty trace's p99
+    depends on which of its bursts the simulated rows hold. None otherwise."""
+    w = job.app.workload
+    t = (job.tables.pair_arrival_s if w.replay == Replay.exact
+         else job.tables.trace_arrival_s)
+    if w.arrival != ArrivalKind.trace or t is None or requests >= len(t):
+        return None
+    share = (t[requests - 1] - t[0]) / (t[-1] - t[0])
+    return (f"  the simulated requests replay the trace's first {requests:,} of "
+            f"{len(t):,} arrivals ({share:.1%} of its span), and its bursts "
+            f"outside them are not simulated; search.verify_requests={len(t)} "
+            "replays all of it")
+
+
 def run(job: OptimizeJob, log=print) -> Outcome:
     """Search, verify and tighten; raises ``Infeasible`` when nothing meets the SLO.
 
@@ -674,6 +692,9 @@ def run(job: OptimizeJob, log=print) -> Outcome:
                     f"max_num_batched_tokens {a.token_budget}: p99 TTFT "
                     f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
                     f"over {sim['requests']:,} requests{rejected} -> {action}")
+            note = trace_coverage(job, max(int(sim["requests"]) for sim in sims))
+            if note and note not in lines:
+                say(note)
         best = cache.get(order[0].key)
         if best is not None and met(job, best.simulated):
             break
