@@ -7,7 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sweep.latency.surrogate.bursts import RHO_GRID, WAIT_EDGES, trace_waits
+from sweep.latency.surrogate.bursts import (
+    RHO_GRID,
+    WAIT_EDGES,
+    WINDOW_GRID,
+    trace_counts,
+    trace_waits,
+)
 
 
 def _lindley(t: np.ndarray, p: np.ndarray, rho: float) -> np.ndarray:
@@ -21,14 +27,19 @@ def _lindley(t: np.ndarray, p: np.ndarray, rho: float) -> np.ndarray:
     return w / gap
 
 
-def test_wait_table_is_lindley_band_by_band():
-    # bursts of up to 30 requests at one instant between quiet spells: n a
-    # multiple of 10,000, so every band is whole order statistics
+def _bursty_trace(n: int = 10_000):
+    """Bursts of up to 30 requests at one instant between quiet spells, and
+    lognormal prompts; ``n`` a multiple of 10,000, so every band of
+    ``WAIT_EDGES`` is whole order statistics."""
     rng = np.random.default_rng(3)
-    n = 10_000
     sizes = rng.integers(1, 31, size=n)
     t = np.repeat(np.cumsum(rng.exponential(15.0, size=n)), sizes)[:n]
-    p = rng.lognormal(7.0, 1.0, size=n)
+    return t, rng.lognormal(7.0, 1.0, size=n)
+
+
+def test_wait_table_is_lindley_band_by_band():
+    t, p = _bursty_trace()
+    n = len(t)
     table = trace_waits(t, p)
     assert table.shape == (len(RHO_GRID), len(WAIT_EDGES) - 1)
     cuts = np.round(WAIT_EDGES * n).astype(int)
@@ -38,6 +49,28 @@ def test_wait_table_is_lindley_band_by_band():
         np.testing.assert_allclose(table[i], want, rtol=1e-9, atol=1e-9)
     assert (table[0] == 0).all()
     assert table[20, -1] > 10.0  # bursts of 30: the last waits ~15 mean gaps
+
+
+def test_count_table_counts_earlier_arrivals_band_by_band():
+    t, _ = _bursty_trace()
+    n = len(t)
+    gap = (t[-1] - t[0]) / (n - 1)
+    table = trace_counts(t)
+    assert table.shape == (len(WINDOW_GRID), len(WAIT_EDGES) - 1)
+    cuts = np.round(WAIT_EDGES * n).astype(int)
+    for m in (0, 4, 12, 28):
+        window = WINDOW_GRID[m] * gap
+        counts, first = np.zeros(n), 0  # first: the oldest arrival within it
+        for i in range(n):
+            while t[first] <= t[i] - window:
+                first += 1
+            counts[i] = i - first
+        counts = np.sort(counts)
+        want = [counts[a:b].mean() for a, b in zip(cuts[:-1], cuts[1:])]
+        np.testing.assert_allclose(table[m], want, rtol=1e-9, atol=1e-9)
+    # within a quarter gap the last of a burst of 30 finds its 29 others
+    # (and a burst just before, now and then)
+    assert table[0, -1] >= 29
 
 
 @pytest.mark.parametrize("n", [2, 3, 7])

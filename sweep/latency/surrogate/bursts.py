@@ -35,7 +35,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from sweep.model._numerics import safe_div
+from sweep.model._numerics import safe_div, softplus
 
 RHO_GRID = np.linspace(0.0, 1.0, 41)
 """Prefill utilisations at which a trace's waits are tabulated (static)."""
@@ -45,12 +45,47 @@ WAIT_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85,
                        0.99, 0.9925, 0.995, 0.9975, 0.999, 1.0])
 """Probability bands of a trace's wait law: finer where p99 lives."""
 
+WINDOW_GRID = 2.0 ** np.arange(-2.0, 12.25, 0.5)
+"""Windows (in mean gaps) over which a trace's arrivals are counted (static)."""
+
 _SEED = 0  # the prompts drawn for sampled replay
 
 
-def no_trace(dtype=jnp.float32) -> jnp.ndarray:
-    """The table of Poisson arrivals: none (``LatencyWorkload.trace_wait_gaps``)."""
-    return jnp.zeros((len(RHO_GRID), len(WAIT_EDGES) - 1), dtype)
+def no_trace(dtype=jnp.float32) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The tables of Poisson arrivals: none (``LatencyWorkload.trace_wait_gaps``,
+    ``trace_counts``)."""
+    return (jnp.zeros((len(RHO_GRID), len(WAIT_EDGES) - 1), dtype),
+            jnp.zeros((len(WINDOW_GRID), len(WAIT_EDGES) - 1), dtype))
+
+
+def _band_means(values: np.ndarray) -> np.ndarray:
+    """Conditional means of each ``WAIT_EDGES`` band of each row's values,
+    from the integral of the quantile function, linear between order
+    statistics: mean-preserving, and defined for any number of values."""
+    n = values.shape[1]
+    w = np.sort(values, axis=1)
+    integral = np.concatenate([np.zeros((len(w), 1)), np.cumsum(w, axis=1)], axis=1)
+    at = np.stack([np.interp(WAIT_EDGES * n, np.arange(n + 1), row)
+                   for row in integral])
+    return np.diff(at, axis=1) / (np.diff(WAIT_EDGES) * n)
+
+
+def trace_counts(arrival_s: np.ndarray) -> np.ndarray:
+    """Band means of the number of earlier arrivals within a window before
+    each arrival, per window of ``WINDOW_GRID`` mean gaps: the requests that
+    would still hold a slot if each held one for that long (the slot queue's
+    occupancy, ``trace_slot_atoms``).
+
+    Returns:
+      float64 ``(len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
+    """
+    t = np.asarray(arrival_s, np.float64)
+    n = len(t)
+    mean_gap = (t[-1] - t[0]) / (n - 1)
+    i = np.arange(n)
+    return _band_means(np.stack([
+        i - np.searchsorted(t, t - m * mean_gap, side="right")
+        for m in WINDOW_GRID]).astype(np.float64))
 
 
 def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
@@ -72,14 +107,7 @@ def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
     s = p / p.mean()
     x = np.concatenate([np.zeros((len(RHO_GRID), 1)), np.cumsum(
         RHO_GRID[:, None] * s[None, :-1] - gaps[None, :], axis=1)], axis=1)
-    w = np.sort(x - np.minimum.accumulate(x, axis=1), axis=1)
-    # band means from the integral of the quantile function, linear between
-    # order statistics: mean-preserving, and defined for any number of rows
-    integral = np.concatenate([np.zeros((len(RHO_GRID), 1)), np.cumsum(w, axis=1)],
-                              axis=1)
-    at = np.stack([np.interp(WAIT_EDGES * n, np.arange(n + 1), row)
-                   for row in integral])
-    return np.diff(at, axis=1) / (np.diff(WAIT_EDGES) * n)
+    return _band_means(x - np.minimum.accumulate(x, axis=1))
 
 
 def sampled_prompts(values: np.ndarray, probs: np.ndarray, n: int) -> np.ndarray:
@@ -89,15 +117,32 @@ def sampled_prompts(values: np.ndarray, probs: np.ndarray, n: int) -> np.ndarray
                       p=np.asarray(probs, np.float64) / np.sum(probs))
 
 
+def _interp_rows(table, x):
+    """Rows of ``table`` linear in the real index ``x`` (clipped to the table)."""
+    x = jnp.clip(x, 0.0, table.shape[0] - 1.0)
+    i0 = jnp.clip(jnp.floor(x), 0.0, table.shape[0] - 2.0)
+    i = i0.astype(jnp.int32)
+    return table[i] + (x - i0) * (table[i + 1] - table[i])
+
+
+def trace_slot_atoms(table, occupancy, slots, full_holding_s):
+    """The wait for a slot on a trace's recorded arrivals: ``(atoms_s,
+    probs)``. An arrival finding ``N`` earlier arrivals within the mean
+    holding time (``occupancy`` mean gaps; ``trace_counts``) waits for the
+    ``N + 1 - slots``-th release, the slots releasing one per
+    ``full_holding_s / slots`` (a fluid M/G/infinity occupancy: the burst's
+    requests hold the slots together)."""
+    x = (jnp.log2(jnp.maximum(occupancy, WINDOW_GRID[0])) - np.log2(WINDOW_GRID[0])
+         ) / (np.log2(WINDOW_GRID[1]) - np.log2(WINDOW_GRID[0]))
+    counts = _interp_rows(table, x)
+    return (softplus(counts + 1.0 - slots, 0.05) * full_holding_s / slots,
+            jnp.asarray(np.diff(WAIT_EDGES), table.dtype))
+
+
 def trace_wait_atoms(table, rho, lam):
     """The trace's wait law at utilisation ``rho`` and arrival rate ``lam``:
     ``(atoms_s, probs)``, each of shape ``(len(WAIT_EDGES) - 1,)``, linear
     between the rows of ``RHO_GRID`` (the last row beyond it)."""
-    step = RHO_GRID[1] - RHO_GRID[0]
-    x = jnp.clip(rho / step, 0.0, len(RHO_GRID) - 1.0)
-    i0 = jnp.clip(jnp.floor(x), 0.0, len(RHO_GRID) - 2.0)
-    frac = x - i0
-    i = i0.astype(jnp.int32)
-    gaps = table[i] + frac * (table[i + 1] - table[i])
+    gaps = _interp_rows(table, rho / (RHO_GRID[1] - RHO_GRID[0]))
     # at zero load the table's rows are zero: no wait, and a finite gradient
     return safe_div(gaps, lam), jnp.asarray(np.diff(WAIT_EDGES), table.dtype)

@@ -21,7 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep.latency.surrogate.bursts import no_trace, sampled_prompts, trace_waits
+from sweep.latency.surrogate.bursts import (
+    no_trace,
+    sampled_prompts,
+    trace_counts,
+    trace_waits,
+)
 from sweep.latency.workload import WorkloadTables
 from sweep.model import roofline
 
@@ -55,6 +60,9 @@ class LatencyWorkload(NamedTuple):
     # recorded arrivals, in mean gaps (``bursts.trace_waits``); zero when
     # arrivals are Poisson
     trace_wait_gaps: jax.Array
+    # shape=(len(WINDOW_GRID), len(WAIT_EDGES) - 1): earlier arrivals within
+    # a window before each (``bursts.trace_counts``); zero when Poisson
+    trace_counts: jax.Array
     trace_arrivals: jax.Array  # 1.0 when arrivals replay a trace's, else 0.0
 
 
@@ -130,14 +138,17 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
         (``bursts``).
     """
     if arrival_s is None:
-        waits, trace = no_trace(dtype), 0.0
+        (waits, counts), trace = no_trace(dtype), 0.0
     elif pairs is None:
-        waits, trace = trace_waits(arrival_s, sampled_prompts(
-            tables.prompt_values, tables.prompt_probs, len(arrival_s))), 1.0
+        waits, counts, trace = trace_waits(arrival_s, sampled_prompts(
+            tables.prompt_values, tables.prompt_probs, len(arrival_s))), trace_counts(
+            arrival_s), 1.0
     else:
         served = (pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)
-        waits, trace = trace_waits(np.asarray(arrival_s)[served],
-                                   np.asarray(pairs, np.float64)[served, 0]), 1.0
+        arrival_s = np.asarray(arrival_s)[served]
+        waits, counts, trace = trace_waits(
+            arrival_s, np.asarray(pairs, np.float64)[served, 0]), trace_counts(
+            arrival_s), 1.0
     if pairs is None:
         pv, pp = tables.prompt_values, tables.prompt_probs
         ov, op = tables.output_values, tables.output_probs
@@ -168,7 +179,7 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
     return LatencyWorkload(
         *(jnp.asarray(x, dtype) for x in (
             np.diff(BAND_EDGES), p_mean, p_std, o_mean, joint, ep, ep2, eo,
-            (ov**2 @ op - eo**2) / eo**2, ctx, ctx_cv, kv, kv_cv, waits, trace))
+            (ov**2 @ op - eo**2) / eo**2, ctx, ctx_cv, kv, kv_cv, waits, counts, trace))
     )
 
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sweep.latency.surrogate.bursts import trace_wait_atoms
+from sweep.latency.surrogate.bursts import trace_slot_atoms, trace_wait_atoms
 from sweep.latency.surrogate.state import State
 from sweep.model._numerics import (
     betainc,
@@ -104,9 +104,11 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         heavy-traffic law, whose tail is the mean's; Kingman 1961, Proc.
         Camb. Phil. Soc. 57, 902-904), keeping its probability of waiting
         (``rho``, above the GI/G/1's: on the high side).
-      trace: ``(atoms_s, probs, on)``: a trace's recorded arrivals
-        (``bursts.trace_wait_atoms``), whose wait law replaces the
-        Pollaczek-Khinchine one where ``on`` is 1.
+      trace: ``(atoms_s, probs, slot_atoms_s, slot_atom_probs, on)``: a
+        trace's recorded arrivals, whose prefill wait law
+        (``bursts.trace_wait_atoms``) replaces the Pollaczek-Khinchine one
+        and whose slot wait law (``bursts.trace_slot_atoms``: its bursts) is
+        added to the admission queue's (its saturation), where ``on`` is 1.
     """
     dtype = service_s.dtype
     cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
@@ -121,12 +123,13 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
     queue_span = 16.0 * residual_mean / (1.0 - rho)
+    slot_span = p_slot * (16.0 * slot_residual / (1.0 - rho_s)
+                          + 2.0 * safe_max(slot_service_s))
     if trace is not None:
-        atoms_s, atom_probs, on = trace
+        atoms_s, atom_probs, slot_atoms_s, slot_atom_probs, on = trace
         queue_span = jnp.where(on > 0, 1.25 * safe_max(atoms_s), queue_span)
-    span = (queue_span + 2.0 * safe_max(service_span)
-            + p_slot * (16.0 * slot_residual / (1.0 - rho_s)
-                        + 2.0 * safe_max(slot_service_s)) + 1e-9)
+        slot_span = slot_span + jnp.where(on > 0, 1.25 * safe_max(slot_atoms_s), 0.0)
+    span = queue_span + 2.0 * safe_max(service_span) + slot_span + 1e-9
     dt = span / WAIT_POINTS
     k = jnp.arange(WAIT_POINTS, dtype=dtype)
     damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)
@@ -149,6 +152,10 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
     p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
     queued = (slot_hat - (1.0 - rs_c)) / rs_c
     slot = (1.0 - p_c) + p_c * queued
+    if trace is not None:
+        # added to the Poisson one, which holds the slots' saturation
+        slot = slot * jnp.where(on > 0, _atoms_hat(slot_atoms_s, slot_atom_probs,
+                                                   dt, damp, cdtype), 1.0)
     density = jnp.fft.ifft(prefill_hat * slot).real.astype(dtype) / damp
     cdf = jnp.clip(jnp.cumsum(jnp.maximum(density, 0.0)), 0.0, 1.0)
     return Wait(dt, cdf)
@@ -236,11 +243,18 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
     holding = (w @ st.service_s + st.mean_wait_s
                + jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s)  # (J,)
     holding_full = holding * safe_div(sq.full_residence_s, st.residence_s)
+    # on a trace's recorded arrivals: its own prefill queue, and the
+    # requests holding slots are those that arrived within a holding time
+    # that waits in that queue (``bursts``)
+    atoms_s, atom_probs = trace_wait_atoms(wl.trace_wait_gaps, st.prefill_util, lam)
+    traced = atom_probs @ atoms_s - st.mean_wait_s
+    slot_atoms = trace_slot_atoms(
+        wl.trace_counts, lam * (w @ holding + traced), slots,
+        w @ holding_full + traced * safe_div(sq.full_residence_s, st.residence_s))
     return _wait_lattice(st.prefill_util, st.service_s,
                          per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
                          sq.full_util, holding_full / slots, w, arrival_scv,
-                         (*trace_wait_atoms(wl.trace_wait_gaps, st.prefill_util, lam),
-                          wl.trace_arrivals))
+                         (atoms_s, atom_probs, *slot_atoms, wl.trace_arrivals))
 
 
 def wait_cdf_beyond_zero(wait: Wait, s):
