@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from sweep.cube import status as flags
+from sweep.latency.surrogate.bursts import trace_wait_gaps_at
 from sweep.latency.surrogate.chunks import prefill_work
 from sweep.latency.surrogate.lengths import (
     BAND_EDGES,
@@ -127,7 +128,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
-    wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam,
+    trace_gaps = trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util)
+    wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
                         jnp.asarray(arrival_scv, dtype))
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
     delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)
@@ -140,7 +142,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                   ttft_lo, ttft_hi)
 
     itl_cdf, itl_lo, itl_hi, slow = itl_law(hw, model, tp, wl, st, d_st.pre, n, slots,
-                                            k)
+                                            k, trace_gaps)
     itl_p50, itl_p99 = quantile(itl_cdf, LEVELS, itl_lo, itl_hi)
     e2e_p50, e2e_p99 = e2e_quantiles(ttft_band, wl, gap_s, ttft_lo, ttft_hi)
     good = good_fraction(ttft_band, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s)

@@ -3,7 +3,7 @@
 A trace replayed with ``workload.arrival=trace`` keeps its bursts, which no
 Poisson queue has: the Azure LLM code trace of 2023 has gaps of squared cv
 173 and up to 37 arrivals within one mean gap, and on it the simulator's
-p99 TTFT was 4-60x the M/G/1 surrogate's (``benchmarks/README.md``,
+p99 TTFT was 4-55x the M/G/1 surrogate's (``benchmarks/README.md``,
 "Recorded arrivals").
 
 The wait of a first-come-first-served server fed by the trace's own
@@ -15,8 +15,8 @@ over the mean prompt, ``a_i`` the gap over the mean gap), whose solution is
 ``W_i = X_i - min_{j <= i} X_j`` for the partial sums ``X`` of ``rho s - a``,
 at every utilisation of ``RHO_GRID``, summarised by the conditional means
 of tail-weighted probability bands (``WAIT_EDGES``). The surrogate reads the
-row at its prefill server's utilisation and scales it by the mean gap
-``1 / lam`` (``trace_wait_atoms``), in place of the Poisson queue's
+row at its prefill server's utilisation (``trace_wait_gaps_at``) and scales
+it by the mean gap ``1 / lam``, in place of the Poisson queue's
 Pollaczek-Khinchine wait (``sweep.latency.surrogate.waiting``): the trace's
 queue is a whole G/G/1 (its gaps and its services), not a correction of M/G/1.
 The same law gives the ITL's chunk steps (``percentiles.itl_law``) their
@@ -35,7 +35,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from sweep.model._numerics import safe_div, softplus
+from sweep.model._numerics import softplus
 
 RHO_GRID = np.linspace(0.0, 1.0, 41)
 """Prefill utilisations at which a trace's waits are tabulated (static)."""
@@ -139,10 +139,11 @@ def trace_slot_atoms(table, occupancy, slots, full_holding_s):
             jnp.asarray(np.diff(WAIT_EDGES), table.dtype))
 
 
-def trace_wait_atoms(table, rho, lam):
-    """The trace's wait law at utilisation ``rho`` and arrival rate ``lam``:
-    ``(atoms_s, probs)``, each of shape ``(len(WAIT_EDGES) - 1,)``, linear
-    between the rows of ``RHO_GRID`` (the last row beyond it)."""
-    gaps = _interp_rows(table, rho / (RHO_GRID[1] - RHO_GRID[0]))
-    # at zero load the table's rows are zero: no wait, and a finite gradient
-    return safe_div(gaps, lam), jnp.asarray(np.diff(WAIT_EDGES), table.dtype)
+def trace_wait_gaps_at(table, rho):
+    """The trace's wait law at utilisation ``rho``, in mean gaps: ``(atoms,
+    probs)``, each of shape ``(len(WAIT_EDGES) - 1,)``, linear between the
+    rows of ``RHO_GRID`` (the last row beyond it). The prefill wait
+    (``waiting.prefill_wait``) and the ITL's chunk steps
+    (``percentiles.itl_law``) read the same one."""
+    return (_interp_rows(table, rho / (RHO_GRID[1] - RHO_GRID[0])),
+            jnp.asarray(np.diff(WAIT_EDGES), table.dtype))

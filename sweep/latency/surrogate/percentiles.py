@@ -50,7 +50,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep.latency.surrogate.bursts import trace_wait_atoms
 from sweep.latency.surrogate.chunks import Prefill, ramp_cdf
 from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
 from sweep.latency.surrogate.state import State
@@ -118,11 +117,14 @@ def _full_step(st: State, wl):
         wl.mean_prompt_tokens)
 
 
-def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens):
+def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
+            trace_gaps):
     """ITL: the CDF (a function), its bracket and the per-gap slow probabilities.
 
     Args:
       d_pre: the slope of ``st.pre`` in the number of decodes (no gradient).
+      trace_gaps: ``(atoms, probs)``, a trace's wait law in mean gaps
+        (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace).
 
     Returns:
       ``(cdf, lo, hi, parts)`` where ``parts`` maps an SLO to the decode steps'
@@ -167,7 +169,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens)
     queued = smooth_min(st.prefill_util, 1.0, 0.01)
     # on a trace's recorded arrivals the prompts come in bursts: those that
     # found work ahead (``bursts``, in mean gaps) have their chunks filled
-    gaps, probs = trace_wait_atoms(wl.trace_wait_gaps, st.prefill_util, 1.0)
+    gaps, probs = trace_gaps
     trace = wl.trace_arrivals > 0
     under_queue = jnp.where(trace, probs @ safe_div(gaps, gaps + 0.01), queued)
     # chunk steps per prompt: alone, or under a queue

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sweep.latency.surrogate.bursts import trace_slot_atoms, trace_wait_atoms
+from sweep.latency.surrogate.bursts import trace_slot_atoms
 from sweep.latency.surrogate.state import State
 from sweep.model._numerics import (
     betainc,
@@ -106,7 +106,7 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         (``rho``, above the GI/G/1's: on the high side).
       trace: ``(atoms_s, probs, slot_atoms_s, slot_atom_probs, on)``: a
         trace's recorded arrivals, whose prefill wait law
-        (``bursts.trace_wait_atoms``) replaces the Pollaczek-Khinchine one
+        (``bursts.trace_wait_gaps_at``) replaces the Pollaczek-Khinchine one
         and whose slot wait law (``bursts.trace_slot_atoms``: its bursts) is
         added to the admission queue's (its saturation), where ``on`` is 1.
     """
@@ -227,7 +227,7 @@ def p_wait(occupancy, theta, slots, full_util):
 
 
 def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
-                 arrival_scv=1.0) -> Wait:
+                 trace_gaps, arrival_scv=1.0) -> Wait:
     """The wait for a slot and then for the prefill server. Given that it
     waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
     heavy-traffic form of M/G/c), ``S`` a slot's holding time when every slot
@@ -236,21 +236,24 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
     Args:
       per_token_s: ``d service / d P`` per band (the within-band spread).
       lam: the arrival rate (a trace's waits are in mean gaps).
+      trace_gaps: ``(atoms, probs)``, the trace's wait law in mean gaps
+        (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace).
       arrival_scv: the arrivals' squared coefficient of variation
         (``_wait_lattice``).
     """
     w = wl.band_probs
     holding = (w @ st.service_s + st.mean_wait_s
                + jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s)  # (J,)
-    holding_full = holding * safe_div(sq.full_residence_s, st.residence_s)
+    full = safe_div(sq.full_residence_s, st.residence_s)
+    holding_full = holding * full
     # on a trace's recorded arrivals: its own prefill queue, and the
     # requests holding slots are those that arrived within a holding time
     # that waits in that queue (``bursts``)
-    atoms_s, atom_probs = trace_wait_atoms(wl.trace_wait_gaps, st.prefill_util, lam)
+    # at zero load the table's rows are zero: no wait, and a finite gradient
+    atoms_s, atom_probs = safe_div(trace_gaps[0], lam), trace_gaps[1]
     traced = atom_probs @ atoms_s - st.mean_wait_s
-    slot_atoms = trace_slot_atoms(
-        wl.trace_counts, lam * (w @ holding + traced), slots,
-        w @ holding_full + traced * safe_div(sq.full_residence_s, st.residence_s))
+    slot_atoms = trace_slot_atoms(wl.trace_counts, lam * (w @ holding + traced),
+                                  slots, w @ holding_full + traced * full)
     return _wait_lattice(st.prefill_util, st.service_s,
                          per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
                          sq.full_util, holding_full / slots, w, arrival_scv,
