@@ -110,9 +110,19 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     t = np.repeat(np.arange(250) * 1000.0, burst)
     prefill = step(prompt, 0, prompt * (prompt + 1) / 2)
     lam = 0.05 / prefill
-    wls = stack([latency_workload(tables), latency_workload(tables, arrival_s=t)])
-    out = jax.jit(jax.vmap(lambda wl: surrogate(
-        hw, model, wl, 1.0, 64.0, 2048.0, lam)))(wls)
+    wls = stack([latency_workload(tables, trace_rows=True),
+                 latency_workload(tables, arrival_s=t)])
+
+    def run(wls):
+        return jax.jit(jax.vmap(lambda wl: surrogate(
+            hw, model, wl, 1.0, 64.0, 2048.0, lam)))(wls)
+
+    out = run(wls)
+    # a Poisson workload alone compiles without the trace's terms, and reads
+    # what it reads beside a traced one
+    alone = run(stack([latency_workload(tables)]))
+    for k in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s"):
+        np.testing.assert_allclose(alone[k][0], out[k][0], rtol=1e-6)
     p50, p99 = (np.asarray(out[k]) for k in ("ttft_p50_s", "ttft_p99_s"))
     assert p99[0] < 2.5 * prefill
     np.testing.assert_allclose(p99[1], burst * prefill, rtol=0.05)

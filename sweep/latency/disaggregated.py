@@ -240,19 +240,21 @@ class PoolWorkloads(NamedTuple):
 
 
 def pool_workloads(served: WorkloadTables, joint: bool,
-                   arrival_s: np.ndarray | None = None) -> PoolWorkloads:
+                   arrival_s: np.ndarray | None = None,
+                   trace_rows: bool = False) -> PoolWorkloads:
     """``PoolWorkloads`` of the requests a model serves (``served_tables``);
     ``joint``: from the recorded (prompt, output) pairs. A request of one
     output token counts as a one-token decode (the simulator sends it no
     further): the decode pool's load errs high. ``arrival_s``: the recorded
-    arrival times (``sweep.latency.surrogate.bursts``), or None (Poisson)."""
+    arrival times (``sweep.latency.surrogate.bursts``), or None (Poisson;
+    ``trace_rows``: as ``latency_workload``'s)."""
     def summary(pool_output):
         """The summary with each request's output ``pool_output(output)``."""
         pairs = (np.stack([served.pairs[:, 0], pool_output(served.pairs[:, 1])],
                           axis=1) if joint else None)
         return latency_workload(
             replace(served, output_values=pool_output(served.output_values)),
-            pairs=pairs, arrival_s=arrival_s)
+            pairs=pairs, arrival_s=arrival_s, trace_rows=trace_rows)
 
     return PoolWorkloads(summary(np.ones_like),
                          summary(lambda o: np.maximum(o - 1.0, 1.0)))

@@ -260,10 +260,10 @@ def served_workload(tables: WorkloadTables, workload: Workload,
     return _summary_of(served, joint, arrival_s), rejected
 
 
-def _summary_of(served: WorkloadTables, joint: bool,
-                arrival_s: np.ndarray | None) -> LatencyWorkload:
+def _summary_of(served: WorkloadTables, joint: bool, arrival_s: np.ndarray | None,
+                trace_rows: bool = False) -> LatencyWorkload:
     return latency_workload(served, pairs=served.pairs if joint else None,
-                            arrival_s=arrival_s)
+                            arrival_s=arrival_s, trace_rows=trace_rows)
 
 
 def _rates(app: GridApp, workloads) -> np.ndarray:
@@ -348,16 +348,22 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
         served = [[served_requests(t, w, m) for w, t in zip(workloads, tables)]
                   for m in models]
 
+        # a grid without recorded arrivals compiles none of their terms;
+        # one that mixes them with Poisson ones stacks zero tables beside them
+        traced = any(s[3] is not None for row in served for s in row)
+
         def by_model_workload(summary):
             return (stack([stack([summary(*s) for s in row]) for row in served]),
                     ("model", "workload"))
 
         lookups = {
             "served": by_model_workload(
-                lambda t, joint, _, arrival_s: _summary_of(t, joint, arrival_s)),
+                lambda t, joint, _, arrival_s: _summary_of(t, joint, arrival_s,
+                                                           traced)),
             # the pools' summaries, read only where the grid has such points
             "pooled": by_model_workload(
-                lambda t, joint, _, arrival_s: pool_workloads(t, joint, arrival_s)),
+                lambda t, joint, _, arrival_s: pool_workloads(t, joint, arrival_s,
+                                                              traced)),
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
             "prefix_hit": prefix_hit,

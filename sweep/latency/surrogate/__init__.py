@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from sweep.cube import status as flags
-from sweep.latency.surrogate.bursts import trace_wait_gaps_at
+from sweep.latency.surrogate.bursts import carries_trace, trace_wait_gaps_at
 from sweep.latency.surrogate.chunks import prefill_work
 from sweep.latency.surrogate.lengths import (
     BAND_EDGES,
@@ -128,7 +128,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
-    trace_gaps = trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util)
+    trace_gaps = (trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util)
+                  if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
                         jnp.asarray(arrival_scv, dtype))
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)

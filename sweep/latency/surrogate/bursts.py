@@ -51,11 +51,20 @@ WINDOW_GRID = 2.0 ** np.arange(-2.0, 12.25, 0.5)
 _SEED = 0  # the prompts drawn for sampled replay
 
 
-def no_trace(dtype=jnp.float32) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """The tables of Poisson arrivals: none (``LatencyWorkload.trace_wait_gaps``,
-    ``trace_counts``)."""
-    return (jnp.zeros((len(RHO_GRID), len(WAIT_EDGES) - 1), dtype),
-            jnp.zeros((len(WINDOW_GRID), len(WAIT_EDGES) - 1), dtype))
+def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The tables of Poisson arrivals (``LatencyWorkload.trace_wait_gaps``,
+    ``trace_counts``): without rows, so that the surrogate compiles none of
+    the trace's terms (``carries_trace``), or, with ``rows``, zero rows of a
+    trace's shape, for a Poisson workload stacked with traced ones."""
+    return (jnp.zeros((len(RHO_GRID) if rows else 0, len(WAIT_EDGES) - 1), dtype),
+            jnp.zeros((len(WINDOW_GRID) if rows else 0, len(WAIT_EDGES) - 1), dtype))
+
+
+def carries_trace(wl) -> bool:
+    """Whether a ``LatencyWorkload``'s tables have rows (static: a shape).
+    Where some stacked workload has them, each one's ``trace_arrivals``
+    selects its own law."""
+    return wl.trace_wait_gaps.shape[-2] > 0
 
 
 def _band_means(values: np.ndarray) -> np.ndarray:

@@ -57,11 +57,11 @@ class LatencyWorkload(NamedTuple):
     slot_kv_tokens: jax.Array  # mean KV tokens a running request holds
     slot_kv_cv: jax.Array  # their coefficient of variation (time-weighted)
     # shape=(len(RHO_GRID), len(WAIT_EDGES) - 1): the FCFS wait on a trace's
-    # recorded arrivals, in mean gaps (``bursts.trace_waits``); zero when
-    # arrivals are Poisson
+    # recorded arrivals, in mean gaps (``bursts.trace_waits``); no rows when
+    # arrivals are Poisson (zero rows beside traced workloads: ``no_trace``)
     trace_wait_gaps: jax.Array
     # shape=(len(WINDOW_GRID), len(WAIT_EDGES) - 1): earlier arrivals within
-    # a window before each (``bursts.trace_counts``); zero when Poisson
+    # a window before each (``bursts.trace_counts``); as above when Poisson
     trace_counts: jax.Array
     trace_arrivals: jax.Array  # 1.0 when arrivals replay a trace's, else 0.0
 
@@ -122,7 +122,8 @@ def _context_moments(e: dict[str, float]) -> tuple[float, ...]:
 
 def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
                      pairs: np.ndarray | None = None,
-                     arrival_s: np.ndarray | None = None) -> LatencyWorkload:
+                     arrival_s: np.ndarray | None = None,
+                     trace_rows: bool = False) -> LatencyWorkload:
     """Summarises a workload's lengths once, in float64 NumPy.
 
     Args:
@@ -136,9 +137,12 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
         one per pair when ``pairs`` is given, the prompts then arriving in
         recorded order; otherwise prompts drawn from ``tables`` arrive at them
         (``bursts``).
+      trace_rows: without ``arrival_s``, give the (zero) trace tables their
+        rows all the same, to be stacked with traced workloads
+        (``bursts.no_trace``).
     """
     if arrival_s is None:
-        (waits, counts), trace = no_trace(dtype), 0.0
+        (waits, counts), trace = no_trace(dtype, trace_rows), 0.0
     elif pairs is None:
         waits, counts, trace = trace_waits(arrival_s, sampled_prompts(
             tables.prompt_values, tables.prompt_probs, len(arrival_s))), trace_counts(

@@ -124,7 +124,8 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     Args:
       d_pre: the slope of ``st.pre`` in the number of decodes (no gradient).
       trace_gaps: ``(atoms, probs)``, a trace's wait law in mean gaps
-        (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace).
+        (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace),
+        or None: no workload of the program has one.
 
     Returns:
       ``(cdf, lo, hi, parts)`` where ``parts`` maps an SLO to the decode steps'
@@ -169,9 +170,11 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     queued = smooth_min(st.prefill_util, 1.0, 0.01)
     # on a trace's recorded arrivals the prompts come in bursts: those that
     # found work ahead (``bursts``, in mean gaps) have their chunks filled
-    gaps, probs = trace_gaps
-    trace = wl.trace_arrivals > 0
-    under_queue = jnp.where(trace, probs @ safe_div(gaps, gaps + 0.01), queued)
+    under_queue = queued
+    if trace_gaps is not None:
+        gaps, probs = trace_gaps
+        trace = wl.trace_arrivals > 0
+        under_queue = jnp.where(trace, probs @ safe_div(gaps, gaps + 0.01), queued)
     # chunk steps per prompt: alone, or under a queue
     chunk_steps = jnp.concatenate([
         (1.0 - under_queue) * st.pre.chunks,
@@ -193,8 +196,9 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     # its work ahead W over the mean service, W / (rho_p x mean gap) prompts,
     # those within the last decode time (n mean gaps) still decoding, in
     # units of n: E[min(W, n)] / (rho_p n), W in mean gaps (``bursts``)
-    ahead = jnp.where(trace, safe_div(
-        probs @ smooth_min(gaps, n, 0.01 * n + 1e-12), st.prefill_util * n), ahead)
+    if trace_gaps is not None:
+        ahead = jnp.where(trace, safe_div(
+            probs @ smooth_min(gaps, n, 0.01 * n + 1e-12), st.prefill_util * n), ahead)
     carried = 1.0 + (1.0 - queued) * ahead
     mixed = jnp.minimum(
         MIXED_SHARE_MARGIN * carried * st.prefill_steps_per_s / st.steps_per_s, 1.0)

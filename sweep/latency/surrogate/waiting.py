@@ -108,7 +108,8 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         trace's recorded arrivals, whose prefill wait law
         (``bursts.trace_wait_gaps_at``) replaces the Pollaczek-Khinchine one
         and whose slot wait law (``bursts.trace_slot_atoms``: its bursts) is
-        added to the admission queue's (its saturation), where ``on`` is 1.
+        added to the admission queue's (its saturation), where ``on`` is 1;
+        None: no workload of the program has recorded arrivals.
     """
     dtype = service_s.dtype
     cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
@@ -237,7 +238,8 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
       per_token_s: ``d service / d P`` per band (the within-band spread).
       lam: the arrival rate (a trace's waits are in mean gaps).
       trace_gaps: ``(atoms, probs)``, the trace's wait law in mean gaps
-        (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace).
+        (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace),
+        or None: no workload of the program has one.
       arrival_scv: the arrivals' squared coefficient of variation
         (``_wait_lattice``).
     """
@@ -249,15 +251,17 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
     # on a trace's recorded arrivals: its own prefill queue, and the
     # requests holding slots are those that arrived within a holding time
     # that waits in that queue (``bursts``)
-    # at zero load the table's rows are zero: no wait, and a finite gradient
-    atoms_s, atom_probs = safe_div(trace_gaps[0], lam), trace_gaps[1]
-    traced = atom_probs @ atoms_s - st.mean_wait_s
-    slot_atoms = trace_slot_atoms(wl.trace_counts, lam * (w @ holding + traced),
-                                  slots, w @ holding_full + traced * full)
+    trace = None
+    if trace_gaps is not None:
+        # at zero load the table's rows are zero: no wait, and a finite gradient
+        atoms_s, atom_probs = safe_div(trace_gaps[0], lam), trace_gaps[1]
+        traced = atom_probs @ atoms_s - st.mean_wait_s
+        slot_atoms = trace_slot_atoms(wl.trace_counts, lam * (w @ holding + traced),
+                                      slots, w @ holding_full + traced * full)
+        trace = (atoms_s, atom_probs, *slot_atoms, wl.trace_arrivals)
     return _wait_lattice(st.prefill_util, st.service_s,
                          per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
-                         sq.full_util, holding_full / slots, w, arrival_scv,
-                         (atoms_s, atom_probs, *slot_atoms, wl.trace_arrivals))
+                         sq.full_util, holding_full / slots, w, arrival_scv, trace)
 
 
 def wait_cdf_beyond_zero(wait: Wait, s):
