@@ -9,6 +9,7 @@ import pytest
 
 from sweep.latency.surrogate.bursts import (
     RHO_GRID,
+    SPLIT_GRID,
     WAIT_EDGES,
     WINDOW_GRID,
     trace_counts,
@@ -16,11 +17,11 @@ from sweep.latency.surrogate.bursts import (
 )
 
 
-def _lindley(t: np.ndarray, p: np.ndarray, rho: float) -> np.ndarray:
-    """FCFS waits, one request at a time: service ``rho`` mean gaps times the
-    prompt over the mean prompt."""
-    gap = (t[-1] - t[0]) / (len(t) - 1)
-    s = rho * gap * p / p.mean()
+def _lindley(t: np.ndarray, p: np.ndarray, rho: float, gap: float,
+             mean_prompt: float) -> np.ndarray:
+    """FCFS waits, one request at a time, in units of ``gap``: service ``rho``
+    gaps times the prompt over ``mean_prompt``."""
+    s = rho * gap * p / mean_prompt
     w = np.zeros(len(t))
     for i in range(1, len(t)):
         w[i] = max(0.0, w[i - 1] + s[i - 1] - (t[i] - t[i - 1]))
@@ -30,47 +31,68 @@ def _lindley(t: np.ndarray, p: np.ndarray, rho: float) -> np.ndarray:
 def _bursty_trace(n: int = 10_000):
     """Bursts of up to 30 requests at one instant between quiet spells, and
     lognormal prompts; ``n`` a multiple of 10,000, so every band of
-    ``WAIT_EDGES`` is whole order statistics."""
+    ``WAIT_EDGES`` is whole order statistics (on 1, 4 or 16 instances too)."""
     rng = np.random.default_rng(3)
     sizes = rng.integers(1, 31, size=n)
     t = np.repeat(np.cumsum(rng.exponential(15.0, size=n)), sizes)[:n]
     return t, rng.lognormal(7.0, 1.0, size=n)
 
 
-def test_wait_table_is_lindley_band_by_band():
+def _band_means(samples: np.ndarray) -> list[float]:
+    """Each ``WAIT_EDGES`` band's mean of samples whose count makes every band
+    whole order statistics."""
+    w, n = np.sort(samples), len(samples)
+    cuts = np.round(WAIT_EDGES * n).astype(int)
+    return [w[a:b].mean() for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+@pytest.mark.parametrize("split", [1, 4, 16])
+def test_wait_table_is_lindley_band_by_band(split):
+    """Dealt round-robin over ``split`` instances: each instance's FCFS queue
+    on every ``split``-th arrival, in its mean gaps (``split`` of the
+    stream's), the waits of all instances pooled."""
     t, p = _bursty_trace()
-    n = len(t)
+    gap = split * (t[-1] - t[0]) / (len(t) - 1)
     table = trace_waits(t, p)
-    assert table.shape == (len(RHO_GRID), len(WAIT_EDGES) - 1)
-    cuts = np.round(WAIT_EDGES * n).astype(int)
+    assert table.shape == (len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1)
+    j = list(SPLIT_GRID).index(split)
     for i in (0, 8, 20, 32, 40):
-        w = np.sort(_lindley(t, p, RHO_GRID[i]))
-        want = [w[a:b].mean() for a, b in zip(cuts[:-1], cuts[1:])]
-        np.testing.assert_allclose(table[i], want, rtol=1e-9, atol=1e-9)
-    assert (table[0] == 0).all()
-    assert table[20, -1] > 10.0  # bursts of 30: the last waits ~15 mean gaps
+        w = np.concatenate([_lindley(t[k::split], p[k::split], RHO_GRID[i], gap,
+                                     p.mean()) for k in range(split)])
+        np.testing.assert_allclose(table[j, i], _band_means(w), rtol=1e-9, atol=1e-9)
+    assert (table[:, 0] == 0).all()
+    # bursts of 30: the last waits ~15 mean gaps; shared out over 4
+    # instances a quarter as long, and so (in each one's mean gaps) the waits
+    assert table[0, 20, -1] > 10.0
+    mean = table[:, 20] @ np.diff(WAIT_EDGES)
+    assert 0.2 < mean[3] / mean[0] < 0.3
 
 
-def test_count_table_counts_earlier_arrivals_band_by_band():
+@pytest.mark.parametrize("split", [1, 4])
+def test_count_table_counts_earlier_arrivals_band_by_band(split):
+    """Per instance of a round-robin deal over ``split``: its own earlier
+    arrivals within the window, in its mean gaps."""
     t, _ = _bursty_trace()
-    n = len(t)
-    gap = (t[-1] - t[0]) / (n - 1)
+    gap = split * (t[-1] - t[0]) / (len(t) - 1)
     table = trace_counts(t)
-    assert table.shape == (len(WINDOW_GRID), len(WAIT_EDGES) - 1)
-    cuts = np.round(WAIT_EDGES * n).astype(int)
+    assert table.shape == (len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)
+    j = list(SPLIT_GRID).index(split)
     for m in (0, 4, 12, 28):
         window = WINDOW_GRID[m] * gap
-        counts, first = np.zeros(n), 0  # first: the oldest arrival within it
-        for i in range(n):
-            while t[first] <= t[i] - window:
-                first += 1
-            counts[i] = i - first
-        counts = np.sort(counts)
-        want = [counts[a:b].mean() for a, b in zip(cuts[:-1], cuts[1:])]
-        np.testing.assert_allclose(table[m], want, rtol=1e-9, atol=1e-9)
+        counts = []
+        for k in range(split):
+            u = t[k::split]
+            first = 0  # the oldest arrival within the window
+            for i in range(len(u)):
+                while u[first] <= u[i] - window:
+                    first += 1
+                counts.append(i - first)
+        np.testing.assert_allclose(table[j, m], _band_means(np.array(counts)),
+                                   rtol=1e-9, atol=1e-9)
     # within a quarter gap the last of a burst of 30 finds its 29 others
-    # (and a burst just before, now and then)
-    assert table[0, -1] >= 29
+    # (and a burst just before, now and then); one of 4 instances, 7 of them
+    assert table[0, 0, -1] >= 29
+    assert table[3, 0, -1] >= 7
 
 
 @pytest.mark.parametrize("n", [2, 3, 7])
@@ -82,9 +104,9 @@ def test_one_burst_by_hand(n):
     gap = 1000.0 * n / n  # span / (rows - 1)
     rho = RHO_GRID[20]
     waits = np.array([k * rho * gap for k in range(n)] + [0.0]) / gap
-    assert np.isclose(table[20] @ np.diff(WAIT_EDGES), waits.mean())
+    assert np.isclose(table[0, 20] @ np.diff(WAIT_EDGES), waits.mean())
     # the top band lies within the largest order statistic
-    assert np.isclose(table[20, -1], waits.max())
+    assert np.isclose(table[0, 20, -1], waits.max())
 
 
 def test_surrogate_queues_each_burst_behind_its_first_prompts():
@@ -93,7 +115,8 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     k-th of a burst waits for the k prefills ahead of it, so the p99 TTFT is
     about 20 prefills by hand (the last of each burst are 5 % of the
     prompts) and the p50 about 10.5, where Poisson arrivals at the same rate
-    barely queue (under 2.5 prefills)."""
+    barely queue (under 2.5 prefills); dealt round-robin over 4 engines,
+    bursts of 5: p99 5 prefills, p50 3."""
     import jax
     from helpers import compose_app, step
 
@@ -110,25 +133,29 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     t = np.repeat(np.arange(250) * 1000.0, burst)
     prefill = step(prompt, 0, prompt * (prompt + 1) / 2)
     lam = 0.05 / prefill
-    wls = stack([latency_workload(tables, trace_rows=True),
-                 latency_workload(tables, arrival_s=t)])
+    traced = latency_workload(tables, arrival_s=t)
+    wls = stack([latency_workload(tables, trace_rows=True), traced, traced])
+    # the third: one of 4 engines dealt the stream round-robin (bursts of 5),
+    # each offered lam
+    splits = np.array([1.0, 1.0, 4.0], np.float32)
 
-    def run(wls):
-        return jax.jit(jax.vmap(lambda wl: surrogate(
-            hw, model, wl, 1.0, 64.0, 2048.0, lam)))(wls)
+    def run(wls, splits):
+        return jax.jit(jax.vmap(lambda wl, split: surrogate(
+            hw, model, wl, 1.0, 64.0, 2048.0, lam, split=split)))(wls, splits)
 
-    out = run(wls)
+    out = run(wls, splits)
     # a Poisson workload alone compiles without the trace's terms, and reads
     # what it reads beside a traced one
-    alone = run(stack([latency_workload(tables)]))
+    alone = run(stack([latency_workload(tables)]), splits[:1])
     for k in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s"):
         np.testing.assert_allclose(alone[k][0], out[k][0], rtol=1e-6)
     p50, p99 = (np.asarray(out[k]) for k in ("ttft_p50_s", "ttft_p99_s"))
     assert p99[0] < 2.5 * prefill
-    np.testing.assert_allclose(p99[1], burst * prefill, rtol=0.05)
-    np.testing.assert_allclose(p50[1], 10.5 * prefill, rtol=0.05)
+    np.testing.assert_allclose(p99[1:], [burst * prefill, burst / 4 * prefill],
+                               rtol=0.05)
+    np.testing.assert_allclose(p50[1:], [10.5 * prefill, 3.0 * prefill], rtol=0.05)
     # p99 ITL: a step with one prompt's 1,500 tokens, where Poisson prompts
     # come one at a time; a step filled to the budget, where they queue
     itl = np.asarray(out["itl_p99_s"])
-    np.testing.assert_allclose(itl, [prefill, step(2048, 0, 2048 * 2049 / 2)],
+    np.testing.assert_allclose(itl[:2], [prefill, step(2048, 0, 2048 * 2049 / 2)],
                                rtol=0.05)

@@ -25,9 +25,11 @@ it is prefilled, in chunks filled to the budget.
 
 Prompts follow the trace's arrivals as the simulator sends them: the
 recorded pairs in recorded order under exact replay, independent draws from
-the length tables otherwise (with a fixed seed). Not modelled: a stream
-split over replicas or prefill instances (the table is the whole stream's,
-read at one instance's utilisation and gap: on the high side).
+the length tables otherwise (with a fixed seed). A stream dealt round-robin
+over replicas or prefill instances is smoother on each (a burst shared out):
+every table is computed per split of ``SPLIT_GRID`` on the instances' own
+streams (``split_workload``). A random deal reads the whole stream's (on
+the high side).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.latency.surrogate.bands import membership
 from sweep.model._numerics import softplus
 
 RHO_GRID = np.linspace(0.0, 1.0, 41)
@@ -48,6 +51,11 @@ WAIT_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85,
 WINDOW_GRID = 2.0 ** np.arange(-2.0, 12.25, 0.5)
 """Windows (in mean gaps) over which a trace's arrivals are counted (static)."""
 
+SPLIT_GRID = np.array([1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256])
+"""Instances a trace's stream is dealt round-robin over, each with its own
+tables (static; between them linear in the logarithm, beyond the last the
+last's: on the high side)."""
+
 _SEED = 0  # the prompts drawn for sampled replay
 
 
@@ -56,8 +64,9 @@ def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, jnp.nd
     ``trace_counts``): without rows, so that the surrogate compiles none of
     the trace's terms (``carries_trace``), or, with ``rows``, zero rows of a
     trace's shape, for a Poisson workload stacked with traced ones."""
-    return (jnp.zeros((len(RHO_GRID) if rows else 0, len(WAIT_EDGES) - 1), dtype),
-            jnp.zeros((len(WINDOW_GRID) if rows else 0, len(WAIT_EDGES) - 1), dtype))
+    return tuple(jnp.zeros((len(SPLIT_GRID), len(grid) if rows else 0,
+                            len(WAIT_EDGES) - 1), dtype)
+                 for grid in (RHO_GRID, WINDOW_GRID))
 
 
 def carries_trace(wl) -> bool:
@@ -69,54 +78,74 @@ def carries_trace(wl) -> bool:
 
 def _band_means(values: np.ndarray) -> np.ndarray:
     """Conditional means of each ``WAIT_EDGES`` band of each row's values,
-    from the integral of the quantile function, linear between order
-    statistics: mean-preserving, and defined for any number of values."""
+    each value of a row equally likely (``bands``)."""
     n = values.shape[1]
-    w = np.sort(values, axis=1)
-    integral = np.concatenate([np.zeros((len(w), 1)), np.cumsum(w, axis=1)], axis=1)
-    at = np.stack([np.interp(WAIT_EDGES * n, np.arange(n + 1), row)
-                   for row in integral])
-    return np.diff(at, axis=1) / (np.diff(WAIT_EDGES) * n)
+    member = membership(np.full(n, 1.0 / n), WAIT_EDGES)  # by rank
+    return np.sort(values, axis=1) @ member / member.sum(axis=0)
+
+
+def _splits(n: int) -> list[int]:
+    """The ``SPLIT_GRID`` entries a stream of ``n`` arrivals can be dealt
+    over with at least two arrivals per instance; the rest read the last."""
+    return [s for s in SPLIT_GRID if n >= 2 * s] or [1]
+
+
+def _per_split(table: list[np.ndarray]) -> np.ndarray:
+    """One table per ``SPLIT_GRID`` entry, splits a stream is too short for
+    repeating its last (fewer instances: on the high side)."""
+    return np.stack(table + table[-1:] * (len(SPLIT_GRID) - len(table)))
 
 
 def trace_counts(arrival_s: np.ndarray) -> np.ndarray:
     """Band means of the number of earlier arrivals within a window before
     each arrival, per window of ``WINDOW_GRID`` mean gaps: the requests that
     would still hold a slot if each held one for that long (the slot queue's
-    occupancy, ``trace_slot_atoms``).
+    occupancy, ``trace_slot_atoms``); per split of ``SPLIT_GRID``, on one
+    instance's stream of a round-robin deal (every ``s``-th arrival: of the
+    ``d`` earlier arrivals within ``s`` windows, ``floor(d / s)`` are its own),
+    in its own mean gaps.
 
     Returns:
-      float64 ``(len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
+      float64 ``(len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
     """
     t = np.asarray(arrival_s, np.float64)
     n = len(t)
     mean_gap = (t[-1] - t[0]) / (n - 1)
     i = np.arange(n)
-    return _band_means(np.stack([
-        i - np.searchsorted(t, t - m * mean_gap, side="right")
-        for m in WINDOW_GRID]).astype(np.float64))
+    return _per_split([_band_means(np.stack([
+        (i - np.searchsorted(t, t - m * s * mean_gap, side="right")) // s
+        for m in WINDOW_GRID]).astype(np.float64)) for s in _splits(n)])
 
 
 def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
-    """Band means of the FCFS wait on a trace's arrivals, in mean gaps.
+    """Band means of the FCFS wait on a trace's arrivals, in mean gaps; per
+    split of ``SPLIT_GRID``, on the instances of a round-robin deal (each
+    every ``s``-th arrival, in its own mean gaps: ``s`` of the stream's).
 
     Args:
       arrival_s: the arrival times, in recorded order (seconds).
       prompt_tokens: each arrival's prompt (its service is proportional).
 
     Returns:
-      float64 ``(len(RHO_GRID), len(WAIT_EDGES) - 1)``: row ``i`` is the wait
-      law at utilisation ``RHO_GRID[i]``, the conditional mean of each band.
+      float64 ``(len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1)``: row
+      ``(j, i)`` is the wait law on ``SPLIT_GRID[j]`` instances at
+      utilisation ``RHO_GRID[i]``, the conditional mean of each band.
     """
     t = np.asarray(arrival_s, np.float64)
     p = np.asarray(prompt_tokens, np.float64)
     n = len(t)
     mean_gap = (t[-1] - t[0]) / (n - 1)
-    gaps = np.diff(t) / mean_gap
-    s = p / p.mean()
-    x = np.concatenate([np.zeros((len(RHO_GRID), 1)), np.cumsum(
-        RHO_GRID[:, None] * s[None, :-1] - gaps[None, :], axis=1)], axis=1)
-    return _band_means(x - np.minimum.accumulate(x, axis=1))
+    service = p / p.mean()
+    table = []
+    for s in _splits(n):
+        m = n // s  # each instance's first m arrivals: column k is instance k's
+        gaps = np.diff(t[:m * s].reshape(m, s), axis=0) / (s * mean_gap)
+        work = service[:m * s].reshape(m, s)[:-1]
+        x = np.concatenate([np.zeros((len(RHO_GRID), 1, s)), np.cumsum(
+            RHO_GRID[:, None, None] * work[None] - gaps[None], axis=1)], axis=1)
+        table.append(_band_means(
+            (x - np.minimum.accumulate(x, axis=1)).reshape(len(RHO_GRID), -1)))
+    return _per_split(table)
 
 
 def sampled_prompts(values: np.ndarray, probs: np.ndarray, n: int) -> np.ndarray:
@@ -132,6 +161,18 @@ def _interp_rows(table, x):
     i0 = jnp.clip(jnp.floor(x), 0.0, table.shape[0] - 2.0)
     i = i0.astype(jnp.int32)
     return table[i] + (x - i0) * (table[i + 1] - table[i])
+
+
+def split_workload(wl, split):
+    """The workload as one of ``split`` instances dealt the stream round-robin
+    sees it: its trace tables (``SPLIT_GRID`` by rows) at that split, linear
+    in its logarithm; unchanged without a trace (``carries_trace``)."""
+    if not carries_trace(wl):
+        return wl
+    x = jnp.interp(jnp.log(jnp.maximum(split, 1.0)), np.log(SPLIT_GRID),
+                   np.arange(len(SPLIT_GRID), dtype=np.float64))
+    return wl._replace(trace_wait_gaps=_interp_rows(wl.trace_wait_gaps, x),
+                       trace_counts=_interp_rows(wl.trace_counts, x))
 
 
 def trace_slot_atoms(table, occupancy, slots, full_holding_s):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.latency.surrogate.bands import band_stats, membership
 from sweep.latency.surrogate.bursts import (
     no_trace,
     sampled_prompts,
@@ -56,30 +57,16 @@ class LatencyWorkload(NamedTuple):
     decode_context_cv: jax.Array  # its coefficient of variation
     slot_kv_tokens: jax.Array  # mean KV tokens a running request holds
     slot_kv_cv: jax.Array  # their coefficient of variation (time-weighted)
-    # shape=(len(RHO_GRID), len(WAIT_EDGES) - 1): the FCFS wait on a trace's
-    # recorded arrivals, in mean gaps (``bursts.trace_waits``); no rows when
-    # arrivals are Poisson (zero rows beside traced workloads: ``no_trace``)
+    # shape=(len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1): the FCFS
+    # wait on a trace's recorded arrivals, in mean gaps, per round-robin
+    # split (``bursts.trace_waits``); no rows when arrivals are Poisson
+    # (zero rows beside traced workloads: ``no_trace``); one split's
+    # ``(len(RHO_GRID), ...)`` inside the surrogate (``split_workload``)
     trace_wait_gaps: jax.Array
-    # shape=(len(WINDOW_GRID), len(WAIT_EDGES) - 1): earlier arrivals within
-    # a window before each (``bursts.trace_counts``); as above when Poisson
+    # shape=(len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1): earlier
+    # arrivals within a window before each (``bursts.trace_counts``); as above
     trace_counts: jax.Array
     trace_arrivals: jax.Array  # 1.0 when arrivals replay a trace's, else 0.0
-
-
-def _membership(values: np.ndarray, probs: np.ndarray) -> np.ndarray:
-    """``(V, J)``: the probability of each value that falls in each band."""
-    hi = np.cumsum(probs)
-    lo = hi - probs
-    return np.clip(np.minimum(hi[:, None], BAND_EDGES[None, 1:])
-                   - np.maximum(lo[:, None], BAND_EDGES[None, :-1]), 0.0, None)
-
-
-def _band_stats(values: np.ndarray, member: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Conditional mean and std of each band."""
-    mass = member.sum(axis=0)
-    mean = values @ member / mass
-    var = ((values[:, None] - mean[None]) ** 2 * member).sum(axis=0) / mass
-    return mean, np.sqrt(np.maximum(var, 0.0))
 
 
 def _table(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -156,7 +143,7 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
     if pairs is None:
         pv, pp = tables.prompt_values, tables.prompt_probs
         ov, op = tables.output_values, tables.output_probs
-        mp, mo = _membership(pv, pp), _membership(ov, op)
+        mp, mo = membership(pp, BAND_EDGES), membership(op, BAND_EDGES)
         joint = np.outer(mp.sum(axis=0), mo.sum(axis=0))
         e = {k: op @ v for k, v in _sums(np.maximum(ov - 1.0, 0.0)).items()}
         e["P"], e["P2"] = pv @ pp, pv**2 @ pp
@@ -167,7 +154,7 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
         pairs = pairs[(pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)]
         pv, pp, ip = _table(pairs[:, 0])
         ov, op, io = _table(pairs[:, 1])
-        mp, mo = _membership(pv, pp), _membership(ov, op)
+        mp, mo = membership(pp, BAND_EDGES), membership(op, BAND_EDGES)
         # each pair carries its values' band memberships (a value spanning
         # several bands splits its mass)
         joint = (mp[ip] / pp[ip, None]).T @ (mo[io] / op[io, None]) / len(pairs)
@@ -177,8 +164,8 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
         e.update(P=p.mean(), P2=(p * p).mean(), PD=(p * sums["D"]).mean(),
                  PG1=(p * sums["G1"]).mean(), P2D=(p * p * sums["D"]).mean())
     ctx, ctx_cv, kv, kv_cv = _context_moments(e)
-    p_mean, p_std = _band_stats(pv, mp)
-    o_mean, _ = _band_stats(ov, mo)
+    p_mean, p_std = band_stats(pv, mp)
+    o_mean, _ = band_stats(ov, mo)
     ep, ep2, eo = pv @ pp, pv**2 @ pp, ov @ op
     return LatencyWorkload(
         *(jnp.asarray(x, dtype) for x in (
