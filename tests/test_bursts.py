@@ -13,6 +13,7 @@ from sweep.latency.surrogate.bursts import (
     WAIT_EDGES,
     WINDOW_GRID,
     trace_counts,
+    trace_overlaps,
     trace_waits,
 )
 
@@ -95,6 +96,28 @@ def test_count_table_counts_earlier_arrivals_band_by_band(split):
     assert table[3, 0, -1] >= 7
 
 
+@pytest.mark.parametrize("split", [1, 4])
+def test_overlap_table_sums_each_decode_beside_it(split):
+    """Per instance of a round-robin deal over ``split``: the others' shares
+    of its decode window spent beside it, ``max(0, 1 - |t_a - t_b| / T)``
+    summed over every pair by brute force."""
+    t, _ = _bursty_trace()
+    gap = split * (t[-1] - t[0]) / (len(t) - 1)
+    table = trace_overlaps(t)
+    assert table.shape == (len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)
+    j = list(SPLIT_GRID).index(split)
+    for m in (0, 12, 28):
+        window = WINDOW_GRID[m] * gap
+        sums = [np.clip(1.0 - np.abs(u[a:a + 1000, None] - u[None, :]) / window,
+                        0.0, None).sum(axis=1) - 1.0  # 1,000 rows at a time
+                for u in (t[k::split] for k in range(split))
+                for a in range(0, len(u), 1000)]
+        np.testing.assert_allclose(table[j, m], _band_means(np.concatenate(sums)),
+                                   rtol=1e-6, atol=1e-9)
+    # within a quarter gap a burst of 30's members all decode together
+    assert table[0, 0, -1] >= 29
+
+
 @pytest.mark.parametrize("n", [2, 3, 7])
 def test_one_burst_by_hand(n):
     # n requests at once, then one a long time later: waits 0, s, 2s, ...
@@ -111,14 +134,23 @@ def test_one_burst_by_hand(n):
 
 def test_surrogate_queues_each_burst_behind_its_first_prompts():
     """Bursts of 20 prompts of 1,500 tokens at one instant, far apart, at a
-    load of 0.05 (the seed scenario: H100 SXM, Qwen3-8B, budget 2,048): the
-    k-th of a burst waits for the k prefills ahead of it, so the p99 TTFT is
-    about 20 prefills by hand (the last of each burst are 5 % of the
-    prompts) and the p50 about 10.5, where Poisson arrivals at the same rate
-    barely queue (under 2.5 prefills); dealt round-robin over 4 engines,
-    bursts of 5: p99 5 prefills, p50 3."""
+    load of 0.05 (the seed scenario: H100 SXM, Qwen3-8B, budget 2,048).
+
+    The engine prefills each burst in chunks filled to the budget, so by hand
+    the k-th prompt's first token comes after ``1,500 k / 2,048`` full steps:
+    p99 (the 20th) 14.6 full steps, p50 (the 10th and 11th: 8 and 9 steps)
+    8.5; the simulator gives 14.6 and 8.4 full steps (20.1 and 11.6 prefills
+    of one prompt), the prompts served one at a time 20 and 10-11 prefills.
+    Poisson arrivals at the same rate barely queue (under 2.5 prefills).
+    Dealt round-robin over 4 engines, bursts of 5: p99 3.66 full steps.
+
+    Bursts of 40 prompts of 16 tokens with outputs of 1,000 decode together:
+    the median gap is a decode step of 40 sequences at the mean context (the
+    simulator's to 0.01 %), where Poisson(n) others would make it one of
+    about 1.
+    """
     import jax
-    from helpers import compose_app, step
+    from helpers import compose_app, decode, step
 
     from sweep.config.convert import hardware_params, model_params
     from sweep.latency.surrogate import latency_workload, surrogate
@@ -134,28 +166,39 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     prefill = step(prompt, 0, prompt * (prompt + 1) / 2)
     lam = 0.05 / prefill
     traced = latency_workload(tables, arrival_s=t)
-    wls = stack([latency_workload(tables, trace_rows=True), traced, traced])
+    short, long_out, together = 16.0, 1000.0, 40
+    t_decode = np.repeat(np.arange(40) * 100.0, together)
+    decoders = latency_workload(WorkloadTables(
+        "fixed", np.array([short]), np.array([1.0]), np.array([long_out]),
+        np.array([1.0])), arrival_s=t_decode)
+    wls = stack([latency_workload(tables, trace_rows=True), traced, traced, decoders])
     # the third: one of 4 engines dealt the stream round-robin (bursts of 5),
     # each offered lam
-    splits = np.array([1.0, 1.0, 4.0], np.float32)
+    splits = np.array([1.0, 1.0, 4.0, 1.0], np.float32)
+    lams = np.array([lam] * 3 + [(len(t_decode) - 1) / t_decode[-1]], np.float32)
 
-    def run(wls, splits):
-        return jax.jit(jax.vmap(lambda wl, split: surrogate(
-            hw, model, wl, 1.0, 64.0, 2048.0, lam, split=split)))(wls, splits)
+    def run(wls, splits, lams):
+        return jax.jit(jax.vmap(lambda wl, split, lam: surrogate(
+            hw, model, wl, 1.0, 64.0, 2048.0, lam, split=split)))(wls, splits, lams)
 
-    out = run(wls, splits)
+    out = run(wls, splits, lams)
     # a Poisson workload alone compiles without the trace's terms, and reads
     # what it reads beside a traced one
-    alone = run(stack([latency_workload(tables)]), splits[:1])
+    alone = run(stack([latency_workload(tables)]), splits[:1], lams[:1])
     for k in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s"):
         np.testing.assert_allclose(alone[k][0], out[k][0], rtol=1e-6)
     p50, p99 = (np.asarray(out[k]) for k in ("ttft_p50_s", "ttft_p99_s"))
     assert p99[0] < 2.5 * prefill
-    np.testing.assert_allclose(p99[1:], [burst * prefill, burst / 4 * prefill],
-                               rtol=0.05)
-    np.testing.assert_allclose(p50[1:], [10.5 * prefill, 3.0 * prefill], rtol=0.05)
+    full = step(2048, 0, 2048 * 2049 / 2)
+    np.testing.assert_allclose(p99[1:3], np.array([burst, burst / 4]) * prompt / 2048
+                               * full, rtol=0.05)
+    # the median falls between the 10th and the 11th of a burst, where the
+    # CDF is flat: from the 10th served one prompt at a time (10 prefills,
+    # the surrogate's queue) to the 11th's packed chunks (9 full steps)
+    assert 0.95 * 10 * prefill < p50[1] < 1.05 * 9 * full
     # p99 ITL: a step with one prompt's 1,500 tokens, where Poisson prompts
     # come one at a time; a step filled to the budget, where they queue
     itl = np.asarray(out["itl_p99_s"])
-    np.testing.assert_allclose(itl[:2], [prefill, step(2048, 0, 2048 * 2049 / 2)],
-                               rtol=0.05)
+    np.testing.assert_allclose(itl[:2], [prefill, full], rtol=0.05)
+    np.testing.assert_allclose(out["itl_p50_s"][3],
+                               decode(together, short + long_out / 2), rtol=0.01)

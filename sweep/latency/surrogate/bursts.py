@@ -21,7 +21,10 @@ Pollaczek-Khinchine wait (``sweep.latency.surrogate.waiting``): the trace's
 queue is a whole G/G/1 (its gaps and its services), not a correction of M/G/1.
 The same law gives the ITL's chunk steps (``percentiles.itl_law``) their
 decoders and their fill: a burst's prompts start decoding while the rest of
-it is prefilled, in chunks filled to the budget.
+it is prefilled, in chunks filled to the budget. The requests a slot waits
+for are the earlier arrivals within a holding time (``trace_counts``), and
+those a decode step carries are the others decoding beside each request
+(``trace_overlaps``), both tabulated by window.
 
 Prompts follow the trace's arrivals as the simulator sends them: the
 recorded pairs in recorded order under exact replay, independent draws from
@@ -30,6 +33,11 @@ over replicas or prefill instances is smoother on each (a burst shared out):
 every table is computed per split of ``SPLIT_GRID`` on the instances' own
 streams (``split_workload``). A random deal reads the whole stream's (on
 the high side).
+
+Not modelled: short prompts of one burst sharing a step. The queue serves
+them one at a time, on the high side: bursts of 40 prompts of 16 tokens
+(seed scenario) have a p99 TTFT of 197 ms here against the simulator's
+10.6 ms, where prompts of 1,500 tokens (a step each) agree within 2 %.
 """
 
 from __future__ import annotations
@@ -59,14 +67,15 @@ last's: on the high side)."""
 _SEED = 0  # the prompts drawn for sampled replay
 
 
-def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, jnp.ndarray]:
+def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, ...]:
     """The tables of Poisson arrivals (``LatencyWorkload.trace_wait_gaps``,
-    ``trace_counts``): without rows, so that the surrogate compiles none of
-    the trace's terms (``carries_trace``), or, with ``rows``, zero rows of a
-    trace's shape, for a Poisson workload stacked with traced ones."""
+    ``trace_counts``, ``trace_overlaps``): without rows, so that the
+    surrogate compiles none of the trace's terms (``carries_trace``), or,
+    with ``rows``, zero rows of a trace's shape, for a Poisson workload
+    stacked with traced ones."""
     return tuple(jnp.zeros((len(SPLIT_GRID), len(grid) if rows else 0,
                             len(WAIT_EDGES) - 1), dtype)
-                 for grid in (RHO_GRID, WINDOW_GRID))
+                 for grid in (RHO_GRID, WINDOW_GRID, WINDOW_GRID))
 
 
 def carries_trace(wl) -> bool:
@@ -115,6 +124,43 @@ def trace_counts(arrival_s: np.ndarray) -> np.ndarray:
     return _per_split([_band_means(np.stack([
         (i - np.searchsorted(t, t - m * s * mean_gap, side="right")) // s
         for m in WINDOW_GRID]).astype(np.float64)) for s in _splits(n)])
+
+
+def trace_overlaps(arrival_s: np.ndarray) -> np.ndarray:
+    """Band means of the other arrivals decoding beside each one, all
+    decoding for a window of ``WINDOW_GRID`` mean gaps: the sum over the
+    others of ``max(0, 1 - |t_a - t_b| / T)``, the share of its decode each
+    spends beside it (``lam T`` on Poisson arrivals; ``k - 1`` for ``k`` at
+    one instant); per split of ``SPLIT_GRID``, on one instance's stream of a
+    round-robin deal, in its own mean gaps. Prefix sums give each window's
+    sum in ``O(n log n)``.
+
+    Returns:
+      float64 ``(len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
+    """
+    t = np.asarray(arrival_s, np.float64)
+    n = len(t)
+    mean_gap = (t[-1] - t[0]) / (n - 1)
+    table = []
+    for s in _splits(n):
+        m = n // s
+        u = t[:m * s].reshape(m, s).T / (s * mean_gap)  # row k: instance k's
+        u = u - u[:, :1]
+        # the instances' streams end to end, beyond each other's windows
+        shift = np.concatenate([[0.0],
+                                np.cumsum(u[:, -1] + 2.0 * WINDOW_GRID[-1])[:-1]])
+        x = (u + shift[:, None]).ravel()
+        c = np.concatenate([[0.0], np.cumsum(x)])
+        i = np.arange(len(x))
+        rows = []
+        for w in WINDOW_GRID:
+            lo = np.searchsorted(x, x - w, side="right")
+            hi = np.searchsorted(x, x + w, side="left")
+            before, after = i - lo, hi - i - 1
+            distance = (before * x - (c[i] - c[lo])) + ((c[hi] - c[i + 1]) - after * x)
+            rows.append(before + after - distance / w)
+        table.append(_band_means(np.stack(rows)))
+    return _per_split(table)
 
 
 def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
@@ -172,21 +218,29 @@ def split_workload(wl, split):
     x = jnp.interp(jnp.log(jnp.maximum(split, 1.0)), np.log(SPLIT_GRID),
                    np.arange(len(SPLIT_GRID), dtype=np.float64))
     return wl._replace(trace_wait_gaps=_interp_rows(wl.trace_wait_gaps, x),
-                       trace_counts=_interp_rows(wl.trace_counts, x))
+                       trace_counts=_interp_rows(wl.trace_counts, x),
+                       trace_overlaps=_interp_rows(wl.trace_overlaps, x))
+
+
+def trace_counts_at(table, occupancy):
+    """A row of a table by window (``trace_counts``, ``trace_overlaps``) at a
+    window of ``occupancy`` mean gaps, linear in its logarithm between the
+    rows of ``WINDOW_GRID``: ``(counts, probs)``, each of shape
+    ``(len(WAIT_EDGES) - 1,)``."""
+    x = (jnp.log2(jnp.maximum(occupancy, WINDOW_GRID[0])) - np.log2(WINDOW_GRID[0])
+         ) / (np.log2(WINDOW_GRID[1]) - np.log2(WINDOW_GRID[0]))
+    return _interp_rows(table, x), jnp.asarray(np.diff(WAIT_EDGES), table.dtype)
 
 
 def trace_slot_atoms(table, occupancy, slots, full_holding_s):
     """The wait for a slot on a trace's recorded arrivals: ``(atoms_s,
     probs)``. An arrival finding ``N`` earlier arrivals within the mean
-    holding time (``occupancy`` mean gaps; ``trace_counts``) waits for the
+    holding time (``occupancy`` mean gaps; ``trace_counts_at``) waits for the
     ``N + 1 - slots``-th release, the slots releasing one per
     ``full_holding_s / slots`` (a fluid M/G/infinity occupancy: the burst's
     requests hold the slots together)."""
-    x = (jnp.log2(jnp.maximum(occupancy, WINDOW_GRID[0])) - np.log2(WINDOW_GRID[0])
-         ) / (np.log2(WINDOW_GRID[1]) - np.log2(WINDOW_GRID[0]))
-    counts = _interp_rows(table, x)
-    return (softplus(counts + 1.0 - slots, 0.05) * full_holding_s / slots,
-            jnp.asarray(np.diff(WAIT_EDGES), table.dtype))
+    counts, probs = trace_counts_at(table, occupancy)
+    return softplus(counts + 1.0 - slots, 0.05) * full_holding_s / slots, probs
 
 
 def trace_wait_gaps_at(table, rho):

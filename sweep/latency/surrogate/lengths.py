@@ -26,6 +26,7 @@ from sweep.latency.surrogate.bursts import (
     no_trace,
     sampled_prompts,
     trace_counts,
+    trace_overlaps,
     trace_waits,
 )
 from sweep.latency.workload import WorkloadTables
@@ -66,6 +67,9 @@ class LatencyWorkload(NamedTuple):
     # shape=(len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1): earlier
     # arrivals within a window before each (``bursts.trace_counts``); as above
     trace_counts: jax.Array
+    # shape as ``trace_counts``: the others decoding beside each arrival
+    # (``bursts.trace_overlaps``)
+    trace_overlaps: jax.Array
     trace_arrivals: jax.Array  # 1.0 when arrivals replay a trace's, else 0.0
 
 
@@ -129,17 +133,17 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
         (``bursts.no_trace``).
     """
     if arrival_s is None:
-        (waits, counts), trace = no_trace(dtype, trace_rows), 0.0
-    elif pairs is None:
-        waits, counts, trace = trace_waits(arrival_s, sampled_prompts(
-            tables.prompt_values, tables.prompt_probs, len(arrival_s))), trace_counts(
-            arrival_s), 1.0
+        traced, trace = no_trace(dtype, trace_rows), 0.0
     else:
-        served = (pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)
-        arrival_s = np.asarray(arrival_s)[served]
-        waits, counts, trace = trace_waits(
-            arrival_s, np.asarray(pairs, np.float64)[served, 0]), trace_counts(
-            arrival_s), 1.0
+        if pairs is None:
+            prompts = sampled_prompts(tables.prompt_values, tables.prompt_probs,
+                                      len(arrival_s))
+        else:
+            served = (pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)
+            arrival_s = np.asarray(arrival_s)[served]
+            prompts = np.asarray(pairs, np.float64)[served, 0]
+        traced, trace = (trace_waits(arrival_s, prompts), trace_counts(arrival_s),
+                         trace_overlaps(arrival_s)), 1.0
     if pairs is None:
         pv, pp = tables.prompt_values, tables.prompt_probs
         ov, op = tables.output_values, tables.output_probs
@@ -170,7 +174,7 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
     return LatencyWorkload(
         *(jnp.asarray(x, dtype) for x in (
             np.diff(BAND_EDGES), p_mean, p_std, o_mean, joint, ep, ep2, eo,
-            (ov**2 @ op - eo**2) / eo**2, ctx, ctx_cv, kv, kv_cv, waits, counts, trace))
+            (ov**2 @ op - eo**2) / eo**2, ctx, ctx_cv, kv, kv_cv, *traced, trace))
     )
 
 

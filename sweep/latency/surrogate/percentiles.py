@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.latency.surrogate.bursts import trace_counts_at
 from sweep.latency.surrogate.chunks import Prefill, ramp_cdf
 from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
 from sweep.latency.surrogate.state import State
@@ -153,6 +154,25 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     kv_part = decode_s(count * (1.0 + wl.decode_context_cv / jnp.sqrt(count))) - dec
     dec_std = safe_sqrt((edges_s[1:] - edges_s[:-1]) ** 2 / 12.0 + kv_part**2)
     dec_scale = _LOGISTIC_PER_STD * (dec_std + _MIN_REL_SPREAD * dec)
+    dec_w = w
+    if trace_gaps is not None:
+        # on a trace's recorded arrivals the others decoding are its own
+        # crowding, far wider than Poisson(n) in its bursts: those decoding
+        # beside it for a decode time of n mean gaps each (``bursts``), each
+        # band spread to the midpoints of its neighbours
+        on = wl.trace_arrivals
+        others, count_probs = trace_counts_at(wl.trace_overlaps, n)
+        count_tr = 1.0 + smooth_min(softplus(others, 0.05), slots - 1.0, 0.05)
+        dec_tr = decode_s(count_tr)
+        mids = 0.5 * (dec_tr[1:] + dec_tr[:-1])
+        spread_tr = jnp.diff(jnp.concatenate([dec_tr[:1], mids, dec_tr[-1:]]))
+        kv_tr = decode_s(count_tr * (1.0 + wl.decode_context_cv / jnp.sqrt(count_tr))
+                         ) - dec_tr
+        std_tr = safe_sqrt(spread_tr**2 / 12.0 + kv_tr**2)
+        dec = jnp.concatenate([dec, dec_tr])
+        dec_scale = jnp.concatenate([
+            dec_scale, _LOGISTIC_PER_STD * (std_tr + _MIN_REL_SPREAD * dec_tr)])
+        dec_w = jnp.concatenate([w * (1.0 - on), count_probs * on])
 
     # mixed steps beside the tagged request and Poisson(n) others: the ramps
     # at n + 1 decodes, to first order in the decodes (the lines of a chunk
@@ -208,14 +228,14 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
 
     def cdf(t):
         tt = t[:, None]
-        decode_part = jax.nn.sigmoid((tt - dec[None, :]) / dec_scale[None, :]) @ w
+        decode_part = jax.nn.sigmoid((tt - dec[None, :]) / dec_scale[None, :]) @ dec_w
         chunk_part = ramp_cdf(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
         return (1.0 - mixed) * decode_part + mixed * chunk_part / total
 
     def slow(slo):
         """Exceedance of one decode gap; per band, P(a prompt slows a decoder)."""
         t = slo[None]
-        q_dec = 1.0 - jax.nn.sigmoid((t - dec) / dec_scale) @ w
+        q_dec = 1.0 - jax.nn.sigmoid((t - dec) / dec_scale) @ dec_w
         over = chunk_steps * (1.0 - ramp_cdf(t, ramps, ramp_scale))
         steps_over = over[:w.shape[0]] + over[w.shape[0]:]
         return (1.0 - mixed) * q_dec, smooth_min(steps_over, 1.0, 0.05)
