@@ -25,9 +25,7 @@ from sweep.latency.surrogate.bands import band_stats, membership
 from sweep.latency.surrogate.bursts import (
     no_trace,
     sampled_prompts,
-    trace_counts,
-    trace_overlaps,
-    trace_waits,
+    trace_tables,
 )
 from sweep.latency.workload import WorkloadTables
 from sweep.model import roofline
@@ -142,8 +140,7 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
             served = (pairs[:, 0] >= 1) & (pairs[:, 1] >= 1)
             arrival_s = np.asarray(arrival_s)[served]
             prompts = np.asarray(pairs, np.float64)[served, 0]
-        traced, trace = (trace_waits(arrival_s, prompts), trace_counts(arrival_s),
-                         trace_overlaps(arrival_s)), 1.0
+        traced, trace = trace_tables(arrival_s, prompts), 1.0
     if pairs is None:
         pv, pp = tables.prompt_values, tables.prompt_probs
         ov, op = tables.output_values, tables.output_probs
