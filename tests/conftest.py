@@ -141,12 +141,12 @@ def cube_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def jax_cache(tmp_path_factory):
     """One JAX compilation cache (a temporary folder) for every console-script
-    run of the session, however small the program: a run reuses what an
-    earlier one compiled (a rerun of the same grid, the same search). With
+    run of the session and for the test processes themselves, however small
+    the program: a run reuses what an earlier one compiled (a rerun of the
+    same grid, the same search, a program a test compiled in-process). With
     ``-n``, the workers share it (a folder beside theirs, under the session's
     base folder): a program that two test modules run compiles once, not
-    once per worker. This process imported JAX before and keeps compiling in
-    memory only."""
+    once per worker."""
     names = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     old = {n: os.environ.get(n) for n in names}
     if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -156,7 +156,13 @@ def jax_cache(tmp_path_factory):
         folder = tmp_path_factory.mktemp("jax_cache")
     os.environ[names[0]] = str(folder)
     os.environ[names[1]] = "0"
+    settings = [n.lower() for n in names]  # the same settings, in this process
+    before = [getattr(jax.config, s) for s in settings]
+    jax.config.update(settings[0], str(folder))
+    jax.config.update(settings[1], 0.0)
     yield
+    for s, v in zip(settings, before):
+        jax.config.update(s, v)
     for n, v in old.items():
         if v is None:
             os.environ.pop(n)

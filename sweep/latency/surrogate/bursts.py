@@ -243,7 +243,7 @@ def split_workload(wl, split):
                        trace_overlaps=_interp_rows(wl.trace_overlaps, x))
 
 
-def trace_counts_at(table, occupancy):
+def at_window(table, occupancy):
     """A row of a table by window (``trace_counts``, ``trace_overlaps``) at a
     window of ``occupancy`` mean gaps, linear in its logarithm between the
     rows of ``WINDOW_GRID``: ``(counts, probs)``, each of shape
@@ -256,11 +256,11 @@ def trace_counts_at(table, occupancy):
 def trace_slot_atoms(table, occupancy, slots, full_holding_s):
     """The wait for a slot on a trace's recorded arrivals: ``(atoms_s,
     probs)``. An arrival finding ``N`` earlier arrivals within the mean
-    holding time (``occupancy`` mean gaps; ``trace_counts_at``) waits for the
+    holding time (``occupancy`` mean gaps; ``at_window``) waits for the
     ``N + 1 - slots``-th release, the slots releasing one per
     ``full_holding_s / slots`` (a fluid M/G/infinity occupancy: the burst's
     requests hold the slots together)."""
-    counts, probs = trace_counts_at(table, occupancy)
+    counts, probs = at_window(table, occupancy)
     return softplus(counts + 1.0 - slots, 0.05) * full_holding_s / slots, probs
 
 

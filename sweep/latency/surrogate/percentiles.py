@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep.latency.surrogate.bursts import trace_counts_at
+from sweep.latency.surrogate.bursts import at_window
 from sweep.latency.surrogate.chunks import Prefill, ramp_cdf
 from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
 from sweep.latency.surrogate.state import State
@@ -161,7 +161,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         # beside it for a decode time of n mean gaps each (``bursts``), each
         # band spread to the midpoints of its neighbours
         on = wl.trace_arrivals
-        others, count_probs = trace_counts_at(wl.trace_overlaps, n)
+        others, count_probs = at_window(wl.trace_overlaps, n)
         count_tr = 1.0 + smooth_min(softplus(others, 0.05), slots - 1.0, 0.05)
         dec_tr = decode_s(count_tr)
         mids = 0.5 * (dec_tr[1:] + dec_tr[:-1])
