@@ -12,6 +12,7 @@ from sweep.latency.surrogate.bursts import (
     SPLIT_GRID,
     WAIT_EDGES,
     WINDOW_GRID,
+    instances,
     trace_counts,
     trace_overlaps,
     trace_waits,
@@ -47,75 +48,107 @@ def _band_means(samples: np.ndarray) -> list[float]:
     return [w[a:b].mean() for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-@pytest.mark.parametrize("split", [1, 4, 16])
-def test_wait_table_is_lindley_band_by_band(split):
-    """Dealt round-robin over ``split`` instances: each instance's FCFS queue
-    on every ``split``-th arrival, in its mean gaps (``split`` of the
-    stream's), the waits of all instances pooled."""
+DEALS = [(1, False), (4, False), (16, False), (4, True)]
+"""(instances, random) of the tables checked: one engine, round-robin deals
+and a random one."""
+
+
+def _streams(n: int, split: int, random: bool) -> list[np.ndarray]:
+    """Each instance's arrivals: every ``split``-th (round-robin), or the
+    random deal's (``instances``: the deal is the project's, the tables'
+    arithmetic is checked here)."""
+    if random:
+        return instances(n, split, True)
+    return [np.arange(k, n, split) for k in range(split)]
+
+
+def test_deals_partition_the_stream():
+    n = 10_000
+    for split, random in DEALS:
+        parts = instances(n, split, random)
+        assert len(parts) == split
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(n))
+        assert all((np.diff(idx) > 0).all() for idx in parts)
+        sizes = np.array([len(idx) for idx in parts])
+        if not random:
+            assert (sizes == n // split).all()
+        else:  # binomial: 2,500 +- 43 on 4 instances
+            assert (np.abs(sizes - n / split) < 5 * np.sqrt(n / split)).all()
+
+
+@pytest.mark.parametrize("split, random", DEALS)
+def test_wait_table_is_lindley_band_by_band(split, random):
+    """Dealt over ``split`` instances: each instance's FCFS queue on its own
+    arrivals, in its mean gaps (``split`` of the stream's), the waits of all
+    instances pooled."""
     t, p = _bursty_trace()
     gap = split * (t[-1] - t[0]) / (len(t) - 1)
     table = trace_waits(t, p)
-    assert table.shape == (len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1)
+    assert table.shape == (2, len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1)
     j = list(SPLIT_GRID).index(split)
     for i in (0, 8, 20, 32, 40):
-        w = np.concatenate([_lindley(t[k::split], p[k::split], RHO_GRID[i], gap,
-                                     p.mean()) for k in range(split)])
-        np.testing.assert_allclose(table[j, i], _band_means(w), rtol=1e-9, atol=1e-9)
-    assert (table[:, 0] == 0).all()
-    # bursts of 30: the last waits ~15 mean gaps; shared out over 4
-    # instances a quarter as long, and so (in each one's mean gaps) the waits
-    assert table[0, 20, -1] > 10.0
-    mean = table[:, 20] @ np.diff(WAIT_EDGES)
-    assert 0.2 < mean[3] / mean[0] < 0.3
+        w = np.concatenate([_lindley(t[idx], p[idx], RHO_GRID[i], gap, p.mean())
+                            for idx in _streams(len(t), split, random)])
+        np.testing.assert_allclose(table[int(random), j, i], _band_means(w),
+                                   rtol=1e-9, atol=1e-9)
+    assert (table[:, :, 0] == 0).all()
+    # bursts of 30: the last waits ~15 mean gaps; shared out round-robin over
+    # 4 instances a quarter as long, and so (in each one's mean gaps) the
+    # waits; dealt at random, less evenly
+    assert table[0, 0, 20, -1] > 10.0
+    mean = table[:, :, 20] @ np.diff(WAIT_EDGES)
+    assert 0.2 < mean[0, 3] / mean[0, 0] < 0.3
+    assert mean[0, 3] < mean[1, 3] < mean[0, 0]
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_count_table_counts_earlier_arrivals_band_by_band(split):
-    """Per instance of a round-robin deal over ``split``: its own earlier
-    arrivals within the window, in its mean gaps."""
+@pytest.mark.parametrize("split, random", DEALS)
+def test_count_table_counts_earlier_arrivals_band_by_band(split, random):
+    """Per instance of a deal over ``split``: its own earlier arrivals within
+    the window, in its mean gaps."""
     t, _ = _bursty_trace()
     gap = split * (t[-1] - t[0]) / (len(t) - 1)
     table = trace_counts(t)
-    assert table.shape == (len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)
+    assert table.shape == (2, len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)
     j = list(SPLIT_GRID).index(split)
     for m in (0, 4, 12, 28):
         window = WINDOW_GRID[m] * gap
         counts = []
-        for k in range(split):
-            u = t[k::split]
+        for idx in _streams(len(t), split, random):
+            u = t[idx]
             first = 0  # the oldest arrival within the window
             for i in range(len(u)):
                 while u[first] <= u[i] - window:
                     first += 1
                 counts.append(i - first)
-        np.testing.assert_allclose(table[j, m], _band_means(np.array(counts)),
-                                   rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(table[int(random), j, m],
+                                   _band_means(np.array(counts)), rtol=1e-9, atol=1e-9)
     # within a quarter gap the last of a burst of 30 finds its 29 others
     # (and a burst just before, now and then); one of 4 instances, 7 of them
-    assert table[0, 0, -1] >= 29
-    assert table[3, 0, -1] >= 7
+    assert table[0, 0, 0, -1] >= 29
+    assert table[0, 3, 0, -1] >= 7
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_overlap_table_sums_each_decode_beside_it(split):
-    """Per instance of a round-robin deal over ``split``: the others' shares
-    of its decode window spent beside it, ``max(0, 1 - |t_a - t_b| / T)``
-    summed over every pair by brute force."""
+@pytest.mark.parametrize("split, random", DEALS)
+def test_overlap_table_sums_each_decode_beside_it(split, random):
+    """Per instance of a deal over ``split``: the others' shares of its
+    decode window spent beside it, ``max(0, 1 - |t_a - t_b| / T)`` summed
+    over every pair by brute force."""
     t, _ = _bursty_trace()
     gap = split * (t[-1] - t[0]) / (len(t) - 1)
     table = trace_overlaps(t)
-    assert table.shape == (len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)
+    assert table.shape == (2, len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)
     j = list(SPLIT_GRID).index(split)
     for m in (0, 12, 28):
         window = WINDOW_GRID[m] * gap
         sums = [np.clip(1.0 - np.abs(u[a:a + 1000, None] - u[None, :]) / window,
                         0.0, None).sum(axis=1) - 1.0  # 1,000 rows at a time
-                for u in (t[k::split] for k in range(split))
+                for u in (t[idx] for idx in _streams(len(t), split, random))
                 for a in range(0, len(u), 1000)]
-        np.testing.assert_allclose(table[j, m], _band_means(np.concatenate(sums)),
+        np.testing.assert_allclose(table[int(random), j, m],
+                                   _band_means(np.concatenate(sums)),
                                    rtol=1e-6, atol=1e-9)
     # within a quarter gap a burst of 30's members all decode together
-    assert table[0, 0, -1] >= 29
+    assert table[0, 0, 0, -1] >= 29
 
 
 @pytest.mark.parametrize("n", [2, 3, 7])
@@ -127,9 +160,9 @@ def test_one_burst_by_hand(n):
     gap = 1000.0 * n / n  # span / (rows - 1)
     rho = RHO_GRID[20]
     waits = np.array([k * rho * gap for k in range(n)] + [0.0]) / gap
-    assert np.isclose(table[0, 20] @ np.diff(WAIT_EDGES), waits.mean())
+    assert np.isclose(table[0, 0, 20] @ np.diff(WAIT_EDGES), waits.mean())
     # the top band lies within the largest order statistic
-    assert np.isclose(table[0, 20, -1], waits.max())
+    assert np.isclose(table[0, 0, 20, -1], waits.max())
 
 
 def test_surrogate_queues_each_burst_behind_its_first_prompts():
@@ -142,7 +175,8 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     8.5; the simulator gives 14.6 and 8.4 full steps (20.1 and 11.6 prefills
     of one prompt), the prompts served one at a time 20 and 10-11 prefills.
     Poisson arrivals at the same rate barely queue (under 2.5 prefills).
-    Dealt round-robin over 4 engines, bursts of 5: p99 3.66 full steps.
+    Dealt round-robin over 4 engines, bursts of 5: p99 3.66 full steps;
+    dealt at random, between that and one engine's.
 
     Bursts of 40 prompts of 16 tokens with outputs of 1,000 decode together:
     the median gap is a decode step of 40 sequences at the mean context (the
@@ -171,20 +205,23 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     decoders = latency_workload(WorkloadTables(
         "fixed", np.array([short]), np.array([1.0]), np.array([long_out]),
         np.array([1.0])), arrival_s=t_decode)
-    wls = stack([latency_workload(tables, trace_rows=True), traced, traced, decoders])
+    wls = stack([latency_workload(tables, trace_rows=True), traced, traced, decoders,
+                 traced])
     # the third: one of 4 engines dealt the stream round-robin (bursts of 5),
-    # each offered lam
-    splits = np.array([1.0, 1.0, 4.0, 1.0], np.float32)
-    lams = np.array([lam] * 3 + [(len(t_decode) - 1) / t_decode[-1]], np.float32)
+    # each offered lam; the fifth: dealt at random
+    splits = np.array([1.0, 1.0, 4.0, 1.0, 4.0], np.float32)
+    lams = np.array([lam] * 3 + [(len(t_decode) - 1) / t_decode[-1], lam], np.float32)
+    randomly = np.array([False] * 4 + [True])
 
-    def run(wls, splits, lams):
-        return jax.jit(jax.vmap(lambda wl, split, lam: surrogate(
-            hw, model, wl, 1.0, 64.0, 2048.0, lam, split=split)))(wls, splits, lams)
+    def run(wls, splits, lams, randomly):
+        return jax.jit(jax.vmap(lambda wl, split, lam, random: surrogate(
+            hw, model, wl, 1.0, 64.0, 2048.0, lam, split=split,
+            random_split=random)))(wls, splits, lams, randomly)
 
-    out = run(wls, splits, lams)
+    out = run(wls, splits, lams, randomly)
     # a Poisson workload alone compiles without the trace's terms, and reads
     # what it reads beside a traced one
-    alone = run(stack([latency_workload(tables)]), splits[:1], lams[:1])
+    alone = run(stack([latency_workload(tables)]), splits[:1], lams[:1], randomly[:1])
     for k in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s"):
         np.testing.assert_allclose(alone[k][0], out[k][0], rtol=1e-6)
     p50, p99 = (np.asarray(out[k]) for k in ("ttft_p50_s", "ttft_p99_s"))
@@ -196,6 +233,8 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     # CDF is flat: from the 10th served one prompt at a time (10 prefills,
     # the surrogate's queue) to the 11th's packed chunks (9 full steps)
     assert 0.95 * 10 * prefill < p50[1] < 1.05 * 9 * full
+    # dealt at random, the 4 engines' bursts are uneven: between the two
+    assert p99[2] < p99[4] < p99[1]
     # p99 ITL: a step with one prompt's 1,500 tokens, where Poisson prompts
     # come one at a time; a step filled to the budget, where they queue
     itl = np.asarray(out["itl_p99_s"])

@@ -204,17 +204,16 @@ def replica_surrogate(cand: Candidates, c, b, r, round_robin):
     Poisson stream: Erlang-``r`` gaps, squared coefficient of variation
     ``1 / r`` (the surrogate's ``arrival_scv``), as the verification deals
     them (``sweep.latency.arrivals.route``); a random split leaves each
-    replica's stream Poisson. On a trace's recorded arrivals a round-robin
-    replica reads the trace's tables of its split (``surrogate``'s
-    ``split``); a random one, the whole stream's (on the high side).
-    ``round_robin``: a bool, or a traced one.
+    replica's stream Poisson. On a trace's recorded arrivals a replica reads
+    the trace's tables of its split and routing (``surrogate``'s ``split``,
+    ``random_split``). ``round_robin``: a bool, or a traced one.
     """
     return surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
                      cand.arrival_rate_per_s / r, spec_tokens=cand.spec_tokens,
                      spec_acceptance=cand.spec_acceptance,
                      prefix_hit_fraction=cand.prefix_hit_fraction,
                      arrival_scv=jnp.where(round_robin, 1.0 / r, 1.0),
-                     split=jnp.where(round_robin, r, 1.0))
+                     split=r, random_split=jnp.logical_not(round_robin))
 
 
 def objective(theta, cand: Candidates, penalty_scale, penalty_weight,

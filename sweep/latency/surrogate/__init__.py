@@ -65,7 +65,7 @@ __all__ = ["BAND_EDGES", "LatencyWorkload", "cached_workload", "latency_workload
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
               spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-              ttft_delay_s=0.0, arrival_scv=1.0, split=1.0):
+              ttft_delay_s=0.0, arrival_scv=1.0, split=1.0, random_split=False):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -93,9 +93,10 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       arrival_scv: squared coefficient of variation of the times between
         arrivals: 1 for Poisson (default), ``1 / n`` for a Poisson stream
         dealt round-robin over ``n`` engines (``waiting``: the prefill wait).
-      split: where ``wl`` carries a trace's recorded arrivals, the engines
-        its stream is dealt round-robin over, this one among them
-        (``bursts.split_workload``; real-valued); 1: the whole stream.
+      split, random_split: where ``wl`` carries a trace's recorded
+        arrivals, the engines its stream is dealt over, this one among them
+        (``bursts.split_workload``; real-valued; 1: the whole stream), and
+        whether each arrival goes to a random one (default: round-robin).
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
@@ -116,7 +117,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                         spec_tokens, spec_acceptance,
                                         prefix_hit_fraction))
     tokens_out = wl.mean_output_tokens
-    wl = split_workload(wl, jnp.asarray(split, dtype))
+    wl = split_workload(wl, jnp.asarray(split, dtype), random_split)
     wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))
     wl, cached = cached_workload(wl, h)
     w = wl.band_probs

@@ -28,11 +28,11 @@ those a decode step carries are the others decoding beside each request
 
 Prompts follow the trace's arrivals as the simulator sends them: the
 recorded pairs in recorded order under exact replay, independent draws from
-the length tables otherwise (with a fixed seed). A stream dealt round-robin
-over replicas or prefill instances is smoother on each (a burst shared out):
-every table is computed per split of ``SPLIT_GRID`` on the instances' own
-streams (``split_workload``). A random deal reads the whole stream's (on
-the high side).
+the length tables otherwise (with a fixed seed). A stream dealt over
+replicas or prefill instances is smoother on each (a burst shared out):
+every table is computed per routing (round-robin, or each arrival to a
+random instance with a fixed seed) and split of ``SPLIT_GRID`` on the
+instances' own streams (``split_workload``).
 
 Not modelled: short prompts of one burst sharing a step. The queue serves
 them one at a time, on the high side: bursts of 40 prompts of 16 tokens
@@ -66,7 +66,11 @@ SPLIT_GRID = np.array([1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256])
 tables (static; between them linear in the logarithm, beyond the last the
 last's: on the high side)."""
 
-_SEED = 0  # the prompts drawn for sampled replay
+ROUTINGS = ("round_robin", "random")
+"""How a stream is dealt over instances (``search.routing``'s values): the
+tables' first axis."""
+
+_SEED = 0  # the prompts drawn for sampled replay, the random deals
 
 
 def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, ...]:
@@ -75,7 +79,7 @@ def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, ...]:
     surrogate compiles none of the trace's terms (``carries_trace``), or,
     with ``rows``, zero rows of a trace's shape, for a Poisson workload
     stacked with traced ones."""
-    return tuple(jnp.zeros((len(SPLIT_GRID), len(grid) if rows else 0,
+    return tuple(jnp.zeros((len(ROUTINGS), len(SPLIT_GRID), len(grid) if rows else 0,
                             len(WAIT_EDGES) - 1), dtype)
                  for grid in (RHO_GRID, WINDOW_GRID, WINDOW_GRID))
 
@@ -101,31 +105,60 @@ def _splits(n: int) -> list[int]:
     return [s for s in SPLIT_GRID if n >= 2 * s] or [1]
 
 
-def _per_split(table: list[np.ndarray]) -> np.ndarray:
-    """One table per ``SPLIT_GRID`` entry, splits a stream is too short for
-    repeating its last (fewer instances: on the high side)."""
-    return np.stack(table + table[-1:] * (len(SPLIT_GRID) - len(table)))
+def instances(n: int, split: int, random: bool) -> list[np.ndarray]:
+    """The arrivals (indices, in order) each of ``split`` instances is dealt:
+    round-robin, every ``split``-th of the first ``n // split * split``; or
+    random, each arrival to a uniformly random instance (a fixed seed)."""
+    if not random:
+        m = n // split
+        return [np.arange(k, m * split, split) for k in range(split)]
+    deal = np.random.default_rng([_SEED, split]).integers(split, size=n)
+    return [np.flatnonzero(deal == k) for k in range(split)]
+
+
+def _by_deal(n: int, table) -> np.ndarray:
+    """``table(split, parts)`` (``parts``: ``instances``) per routing of
+    ``ROUTINGS`` and split of ``SPLIT_GRID``: shape ``(2, len(SPLIT_GRID),
+    ...)``; splits a stream is too short for repeat the last one's (fewer
+    instances: on the high side)."""
+    out = []
+    for random in (False, True):
+        rows = [table(s, instances(n, s, random)) for s in _splits(n)]
+        out.append(np.stack(rows + rows[-1:] * (len(SPLIT_GRID) - len(rows))))
+    return np.stack(out)
+
+
+def _end_to_end(t: np.ndarray, parts: list[np.ndarray], unit: float) -> np.ndarray:
+    """The instances' arrival times in ``unit``, each from 0, laid end to end
+    beyond each other's windows: one ascending array in which no window of
+    ``WINDOW_GRID`` reaches from one instance's arrivals to another's."""
+    us = [(t[idx] - t[idx[0]]) / unit for idx in parts if len(idx)]
+    starts = np.cumsum([0.0] + [u[-1] + 2.0 * WINDOW_GRID[-1] for u in us[:-1]])
+    return np.concatenate([u + a for u, a in zip(us, starts)])
 
 
 def trace_counts(arrival_s: np.ndarray) -> np.ndarray:
     """Band means of the number of earlier arrivals within a window before
     each arrival, per window of ``WINDOW_GRID`` mean gaps: the requests that
     would still hold a slot if each held one for that long (the slot queue's
-    occupancy, ``trace_slot_atoms``); per split of ``SPLIT_GRID``, on one
-    instance's stream of a round-robin deal (every ``s``-th arrival: of the
-    ``d`` earlier arrivals within ``s`` windows, ``floor(d / s)`` are its own),
-    in its own mean gaps.
+    occupancy, ``trace_slot_atoms``); per routing of ``ROUTINGS`` and split
+    of ``SPLIT_GRID``, on each instance's own stream, in its own mean gaps
+    (``split`` of the stream's).
 
     Returns:
-      float64 ``(len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
+      float64 ``(2, len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
     """
     t = np.asarray(arrival_s, np.float64)
     n = len(t)
     mean_gap = (t[-1] - t[0]) / (n - 1)
-    i = np.arange(n)
-    return _per_split([_band_means(np.stack([
-        (i - np.searchsorted(t, t - m * s * mean_gap, side="right")) // s
-        for m in WINDOW_GRID]).astype(np.float64)) for s in _splits(n)])
+
+    def table(s, parts):
+        x = _end_to_end(t, parts, s * mean_gap)
+        i = np.arange(len(x))
+        return _band_means(np.stack([i - np.searchsorted(x, x - w, side="right")
+                                     for w in WINDOW_GRID]).astype(np.float64))
+
+    return _by_deal(n, table)
 
 
 def trace_overlaps(arrival_s: np.ndarray) -> np.ndarray:
@@ -133,25 +166,18 @@ def trace_overlaps(arrival_s: np.ndarray) -> np.ndarray:
     decoding for a window of ``WINDOW_GRID`` mean gaps: the sum over the
     others of ``max(0, 1 - |t_a - t_b| / T)``, the share of its decode each
     spends beside it (``lam T`` on Poisson arrivals; ``k - 1`` for ``k`` at
-    one instant); per split of ``SPLIT_GRID``, on one instance's stream of a
-    round-robin deal, in its own mean gaps. Prefix sums give each window's
-    sum in ``O(n log n)``.
+    one instant); per routing and split, on each instance's own stream, as
+    ``trace_counts``. Prefix sums give each window's sum in ``O(n log n)``.
 
     Returns:
-      float64 ``(len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
+      float64 ``(2, len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
     """
     t = np.asarray(arrival_s, np.float64)
     n = len(t)
     mean_gap = (t[-1] - t[0]) / (n - 1)
-    table = []
-    for s in _splits(n):
-        m = n // s
-        u = t[:m * s].reshape(m, s).T / (s * mean_gap)  # row k: instance k's
-        u = u - u[:, :1]
-        # the instances' streams end to end, beyond each other's windows
-        shift = np.concatenate([[0.0],
-                                np.cumsum(u[:, -1] + 2.0 * WINDOW_GRID[-1])[:-1]])
-        x = (u + shift[:, None]).ravel()
+
+    def table(s, parts):
+        x = _end_to_end(t, parts, s * mean_gap)
         c = np.concatenate([[0.0], np.cumsum(x)])
         i = np.arange(len(x))
         rows = []
@@ -161,39 +187,43 @@ def trace_overlaps(arrival_s: np.ndarray) -> np.ndarray:
             before, after = i - lo, hi - i - 1
             distance = (before * x - (c[i] - c[lo])) + ((c[hi] - c[i + 1]) - after * x)
             rows.append(before + after - distance / w)
-        table.append(_band_means(np.stack(rows)))
-    return _per_split(table)
+        return _band_means(np.stack(rows))
+
+    return _by_deal(n, table)
 
 
 def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
     """Band means of the FCFS wait on a trace's arrivals, in mean gaps; per
-    split of ``SPLIT_GRID``, on the instances of a round-robin deal (each
-    every ``s``-th arrival, in its own mean gaps: ``s`` of the stream's).
+    routing of ``ROUTINGS`` and split of ``SPLIT_GRID``, on each instance's
+    own queue, in its own mean gaps (``split`` of the stream's).
 
     Args:
       arrival_s: the arrival times, in recorded order (seconds).
       prompt_tokens: each arrival's prompt (its service is proportional).
 
     Returns:
-      float64 ``(len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1)``: row
-      ``(j, i)`` is the wait law on ``SPLIT_GRID[j]`` instances at
-      utilisation ``RHO_GRID[i]``, the conditional mean of each band.
+      float64 ``(2, len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1)``:
+      row ``(r, j, i)`` is the wait law on ``SPLIT_GRID[j]`` instances dealt
+      by ``ROUTINGS[r]`` at utilisation ``RHO_GRID[i]``, the conditional mean
+      of each band.
     """
     t = np.asarray(arrival_s, np.float64)
     p = np.asarray(prompt_tokens, np.float64)
     n = len(t)
     mean_gap = (t[-1] - t[0]) / (n - 1)
     service = p / p.mean()
-    table = []
-    for s in _splits(n):
-        m = n // s  # each instance's first m arrivals: column k is instance k's
-        gaps = np.diff(t[:m * s].reshape(m, s), axis=0) / (s * mean_gap)
-        work = service[:m * s].reshape(m, s)[:-1]
-        x = np.concatenate([np.zeros((len(RHO_GRID), 1, s)), np.cumsum(
-            RHO_GRID[:, None, None] * work[None] - gaps[None], axis=1)], axis=1)
-        table.append(_band_means(
-            (x - np.minimum.accumulate(x, axis=1)).reshape(len(RHO_GRID), -1)))
-    return _per_split(table)
+
+    def table(s, parts):
+        waits = []
+        for idx in (idx for idx in parts if len(idx)):
+            gaps = np.diff(t[idx]) / (s * mean_gap)
+            x = np.concatenate([np.zeros((len(RHO_GRID), 1)), np.cumsum(
+                RHO_GRID[:, None] * service[idx][None, :-1] - gaps[None], axis=1)],
+                axis=1)
+            waits.append(x - np.minimum.accumulate(x, axis=1))
+        return _band_means(np.concatenate(waits, axis=1))
+
+    return _by_deal(n, table)
 
 
 _TABLES: dict[str, tuple[np.ndarray, ...]] = {}
@@ -230,17 +260,22 @@ def _interp_rows(table, x):
     return table[i] + (x - i0) * (table[i + 1] - table[i])
 
 
-def split_workload(wl, split):
-    """The workload as one of ``split`` instances dealt the stream round-robin
-    sees it: its trace tables (``SPLIT_GRID`` by rows) at that split, linear
-    in its logarithm; unchanged without a trace (``carries_trace``)."""
+def split_workload(wl, split, random=False):
+    """The workload as one of ``split`` instances dealt the stream (randomly
+    where ``random``, else round-robin) sees it: its trace tables at that
+    routing and split, linear in the split's logarithm; unchanged without a
+    trace (``carries_trace``)."""
     if not carries_trace(wl):
         return wl
     x = jnp.interp(jnp.log(jnp.maximum(split, 1.0)), np.log(SPLIT_GRID),
                    np.arange(len(SPLIT_GRID), dtype=np.float64))
-    return wl._replace(trace_wait_gaps=_interp_rows(wl.trace_wait_gaps, x),
-                       trace_counts=_interp_rows(wl.trace_counts, x),
-                       trace_overlaps=_interp_rows(wl.trace_overlaps, x))
+
+    def at(table):
+        return _interp_rows(jnp.where(random, table[1], table[0]), x)
+
+    return wl._replace(trace_wait_gaps=at(wl.trace_wait_gaps),
+                       trace_counts=at(wl.trace_counts),
+                       trace_overlaps=at(wl.trace_overlaps))
 
 
 def at_window(table, occupancy):
