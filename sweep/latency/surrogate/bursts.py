@@ -137,6 +137,23 @@ def _end_to_end(t: np.ndarray, parts: list[np.ndarray], unit: float) -> np.ndarr
     return np.concatenate([u + a for u, a in zip(us, starts)])
 
 
+def _by_window(arrival_s: np.ndarray, row) -> np.ndarray:
+    """Band means of ``row(x, w)`` (a value per arrival of ``x``, the
+    instances' streams end to end in their own mean gaps: ``_end_to_end``)
+    at each window ``w`` of ``WINDOW_GRID``, per routing and split
+    (``_by_deal``)."""
+    t = np.asarray(arrival_s, np.float64)
+    n = len(t)
+    mean_gap = (t[-1] - t[0]) / (n - 1)
+
+    def table(s, parts):
+        x = _end_to_end(t, parts, s * mean_gap)
+        return _band_means(np.stack([row(x, w) for w in WINDOW_GRID]
+                                    ).astype(np.float64))
+
+    return _by_deal(n, table)
+
+
 def trace_counts(arrival_s: np.ndarray) -> np.ndarray:
     """Band means of the number of earlier arrivals within a window before
     each arrival, per window of ``WINDOW_GRID`` mean gaps: the requests that
@@ -148,17 +165,8 @@ def trace_counts(arrival_s: np.ndarray) -> np.ndarray:
     Returns:
       float64 ``(2, len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
     """
-    t = np.asarray(arrival_s, np.float64)
-    n = len(t)
-    mean_gap = (t[-1] - t[0]) / (n - 1)
-
-    def table(s, parts):
-        x = _end_to_end(t, parts, s * mean_gap)
-        i = np.arange(len(x))
-        return _band_means(np.stack([i - np.searchsorted(x, x - w, side="right")
-                                     for w in WINDOW_GRID]).astype(np.float64))
-
-    return _by_deal(n, table)
+    return _by_window(arrival_s, lambda x, w: np.arange(len(x)) - np.searchsorted(
+        x, x - w, side="right"))
 
 
 def trace_overlaps(arrival_s: np.ndarray) -> np.ndarray:
@@ -172,24 +180,16 @@ def trace_overlaps(arrival_s: np.ndarray) -> np.ndarray:
     Returns:
       float64 ``(2, len(SPLIT_GRID), len(WINDOW_GRID), len(WAIT_EDGES) - 1)``.
     """
-    t = np.asarray(arrival_s, np.float64)
-    n = len(t)
-    mean_gap = (t[-1] - t[0]) / (n - 1)
-
-    def table(s, parts):
-        x = _end_to_end(t, parts, s * mean_gap)
+    def row(x, w):
         c = np.concatenate([[0.0], np.cumsum(x)])
         i = np.arange(len(x))
-        rows = []
-        for w in WINDOW_GRID:
-            lo = np.searchsorted(x, x - w, side="right")
-            hi = np.searchsorted(x, x + w, side="left")
-            before, after = i - lo, hi - i - 1
-            distance = (before * x - (c[i] - c[lo])) + ((c[hi] - c[i + 1]) - after * x)
-            rows.append(before + after - distance / w)
-        return _band_means(np.stack(rows))
+        lo = np.searchsorted(x, x - w, side="right")
+        hi = np.searchsorted(x, x + w, side="left")
+        before, after = i - lo, hi - i - 1
+        distance = (before * x - (c[i] - c[lo])) + ((c[hi] - c[i + 1]) - after * x)
+        return before + after - distance / w
 
-    return _by_deal(n, table)
+    return _by_window(arrival_s, row)
 
 
 def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
