@@ -148,30 +148,30 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         return roofline.verify_step_s(hw, model, tp, count, wl.decode_context_tokens,
                                       spec_tokens)
 
-    count = tagged(z_mid)
-    dec = decode_s(count)
-    edges_s = decode_s(tagged(z_edges))
-    kv_part = decode_s(count * (1.0 + wl.decode_context_cv / jnp.sqrt(count))) - dec
-    dec_std = safe_sqrt((edges_s[1:] - edges_s[:-1]) ** 2 / 12.0 + kv_part**2)
-    dec_scale = _LOGISTIC_PER_STD * (dec_std + _MIN_REL_SPREAD * dec)
+    def decode_law(count, edges_s=None):
+        """Per band of ``count`` decodes: the step and its logistic scale, from
+        the spread between its edges (``edges_s``; None: the midpoints of its
+        neighbours) and of the KV it reads."""
+        dec = decode_s(count)
+        if edges_s is None:
+            mids = 0.5 * (dec[1:] + dec[:-1])
+            edges_s = jnp.concatenate([dec[:1], mids, dec[-1:]])
+        kv_part = decode_s(count * (1.0 + wl.decode_context_cv / jnp.sqrt(count))) - dec
+        std = safe_sqrt(jnp.diff(edges_s) ** 2 / 12.0 + kv_part**2)
+        return dec, _LOGISTIC_PER_STD * (std + _MIN_REL_SPREAD * dec)
+
+    dec, dec_scale = decode_law(tagged(z_mid), decode_s(tagged(z_edges)))
     dec_w = w
     if trace_gaps is not None:
         # on a trace's recorded arrivals the others decoding are its own
         # crowding, far wider than Poisson(n) in its bursts: those decoding
-        # beside it for a decode time of n mean gaps each (``bursts``), each
-        # band spread to the midpoints of its neighbours
+        # beside it for a decode time of n mean gaps each (``bursts``)
         on = wl.trace_arrivals
         others, count_probs = at_window(wl.trace_overlaps, n)
-        count_tr = 1.0 + smooth_min(softplus(others, 0.05), slots - 1.0, 0.05)
-        dec_tr = decode_s(count_tr)
-        mids = 0.5 * (dec_tr[1:] + dec_tr[:-1])
-        spread_tr = jnp.diff(jnp.concatenate([dec_tr[:1], mids, dec_tr[-1:]]))
-        kv_tr = decode_s(count_tr * (1.0 + wl.decode_context_cv / jnp.sqrt(count_tr))
-                         ) - dec_tr
-        std_tr = safe_sqrt(spread_tr**2 / 12.0 + kv_tr**2)
+        dec_tr, scale_tr = decode_law(
+            1.0 + smooth_min(softplus(others, 0.05), slots - 1.0, 0.05))
         dec = jnp.concatenate([dec, dec_tr])
-        dec_scale = jnp.concatenate([
-            dec_scale, _LOGISTIC_PER_STD * (std_tr + _MIN_REL_SPREAD * dec_tr)])
+        dec_scale = jnp.concatenate([dec_scale, scale_tr])
         dec_w = jnp.concatenate([w * (1.0 - on), count_probs * on])
 
     # mixed steps beside the tagged request and Poisson(n) others: the ramps
