@@ -95,7 +95,7 @@ def test_search_finds_the_enumerated_optimum(scenario, key):
     def one(tp, c, b, r):
         # round-robin (the settings' routing): each replica gets every r-th
         # request, Erlang-r gaps of squared coefficient of variation 1/r
-        return surrogate(hw, model, lw, tp, c, b, RATE / r, arrival_scv=1.0 / r)
+        return surrogate(hw, model, lw, tp, c, b, RATE / r, split=r)
 
     out = jax.jit(jax.vmap(one))(
         jnp.asarray(np.asarray(TP)[t], jnp.float32), jnp.asarray(c, jnp.float32),

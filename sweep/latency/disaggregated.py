@@ -270,9 +270,9 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     group's links).
 
     * the prefill pool: ``p`` engines each offered ``lam / p``, dealt
-      round-robin as the simulator deals them (Erlang-``p`` gaps: the
-      surrogate's ``arrival_scv`` ``1 / p``, and on a trace's recorded
-      arrivals its tables of ``p`` splits), every request one output
+      round-robin as the simulator deals them (the surrogate's ``split``
+      ``p``: Erlang-``p`` gaps, or on a trace's recorded arrivals its
+      tables of ``p`` splits), every request one output
       token; its TTFT per prompt band plus that band's KV transfer
       (``roofline.kv_transfer_s``) is the TTFT;
     * the decode pool: ``d`` engines each offered ``lam / d`` (round-robin
@@ -306,8 +306,7 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
             pair(ttft_slo_s, itl_slo_s), pair(jnp.inf, itl_slo_s),
             pair(0.0, spec_tokens), pair(0.0, spec_acceptance),
             pair(prefix_hit_fraction, RECEIVED_FRACTION),
-            pair(transfer, jnp.zeros_like(transfer)), pair(1.0 / p, 1.0 / d),
-            pair(p, d)))
+            pair(transfer, jnp.zeros_like(transfer)), pair(p, d)))
 
     def share(r):  # of the requests offered to the pool
         return r["goodput_req_per_s"] / jnp.maximum(r["achieved_req_per_s"], 1e-30)

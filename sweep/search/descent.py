@@ -202,17 +202,16 @@ def replica_surrogate(cand: Candidates, c, b, r, round_robin):
 
     A round-robin balancer hands each replica every ``r``-th request of the
     Poisson stream: Erlang-``r`` gaps, squared coefficient of variation
-    ``1 / r`` (the surrogate's ``arrival_scv``), as the verification deals
-    them (``sweep.latency.arrivals.route``); a random split leaves each
+    ``1 / r``, as the verification deals them
+    (``sweep.latency.arrivals.route``); a random split leaves each
     replica's stream Poisson. On a trace's recorded arrivals a replica reads
-    the trace's tables of its split and routing (``surrogate``'s ``split``,
-    ``random_split``). ``round_robin``: a bool, or a traced one.
+    the trace's tables of its split and routing. Both are the surrogate's
+    ``split``, ``random_split``. ``round_robin``: a bool, or a traced one.
     """
     return surrogate(cand.hw, cand.model, cand.workload, cand.tp, c, b,
                      cand.arrival_rate_per_s / r, spec_tokens=cand.spec_tokens,
                      spec_acceptance=cand.spec_acceptance,
                      prefix_hit_fraction=cand.prefix_hit_fraction,
-                     arrival_scv=jnp.where(round_robin, 1.0 / r, 1.0),
                      split=r, random_split=jnp.logical_not(round_robin))
 
 

@@ -65,7 +65,7 @@ __all__ = ["BAND_EDGES", "LatencyWorkload", "cached_workload", "latency_workload
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
               spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-              ttft_delay_s=0.0, arrival_scv=1.0, split=1.0, random_split=False):
+              ttft_delay_s=0.0, split=1.0, random_split=False):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -90,13 +90,14 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       ttft_delay_s: added to every TTFT after the engine's first token, per
         prompt band (``(J,)``) or one for all: a disaggregated prefill
         instance's KV transfer (``sweep.latency.disaggregated.pools``). 0: none.
-      arrival_scv: squared coefficient of variation of the times between
-        arrivals: 1 for Poisson (default), ``1 / n`` for a Poisson stream
-        dealt round-robin over ``n`` engines (``waiting``: the prefill wait).
-      split, random_split: where ``wl`` carries a trace's recorded
-        arrivals, the engines its stream is dealt over, this one among them
-        (``bursts.split_workload``; real-valued; 1: the whole stream), and
-        whether each arrival goes to a random one (default: round-robin).
+      split, random_split: the engines the stream is dealt over, this one
+        among them (real-valued; 1: the whole stream; default), and whether
+        each arrival goes to a random one (default: round-robin). Dealt
+        round-robin, a Poisson stream reaches an engine with Erlang-``split``
+        gaps (squared coefficient of variation ``1 / split``: ``waiting``'s
+        prefill wait), dealt at random it stays Poisson; a trace's recorded
+        arrivals are read from the tables of that split and routing
+        (``bursts.split_workload``).
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
@@ -117,7 +118,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                         spec_tokens, spec_acceptance,
                                         prefix_hit_fraction))
     tokens_out = wl.mean_output_tokens
-    wl = split_workload(wl, jnp.asarray(split, dtype), random_split)
+    split = jnp.asarray(split, dtype)
+    arrival_scv = jnp.where(random_split, 1.0, 1.0 / jnp.maximum(split, 1.0))
+    wl = split_workload(wl, split, random_split)
     wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))
     wl, cached = cached_workload(wl, h)
     w = wl.band_probs
@@ -140,7 +143,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     trace_gaps = (trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util)
                   if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
-                        jnp.asarray(arrival_scv, dtype))
+                        arrival_scv.astype(dtype))
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
     delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)
 
