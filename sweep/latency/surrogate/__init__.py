@@ -143,7 +143,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     trace_gaps = (trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util)
                   if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
-                        arrival_scv.astype(dtype))
+                        arrival_scv)
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
     delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)
 
