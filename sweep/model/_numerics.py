@@ -105,19 +105,19 @@ BETAINC_STEP = 1e-3
 
 @betainc.defjvp
 def _betainc_jvp(primals, tangents):
-    a, b, x = primals
+    a, b, x = jnp.broadcast_arrays(*primals)
     da, db, dx = tangents
-    f = jax.scipy.special.betainc
-
     ha, hb = BETAINC_STEP * a, BETAINC_STEP * b
-    # the four points in one call: one continued-fraction loop, not four
-    pa, ma, pb, mb = f(jnp.stack([a + ha, a - ha, a, a]),
-                       jnp.stack([b, b, b + hb, b - hb]), jnp.stack([x] * 4))
+    # the value and the four shifted points in one call: one continued-fraction
+    # loop, not five
+    value, pa, ma, pb, mb = jax.scipy.special.betainc(
+        jnp.stack([a, a + ha, a - ha, a, a]), jnp.stack([b, b, b, b + hb, b - hb]),
+        jnp.stack([x] * 5))
     d_a = (pa - ma) / (2.0 * ha)
     d_b = (pb - mb) / (2.0 * hb)
     d_x = jnp.exp((a - 1.0) * jnp.log(x) + (b - 1.0) * jnp.log1p(-x)
                   - jax.scipy.special.betaln(a, b))
-    return f(a, b, x), d_a * da + d_b * db + d_x * dx
+    return value, d_a * da + d_b * db + d_x * dx
 
 
 def bisect(g, lo, hi, iters):
