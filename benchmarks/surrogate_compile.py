@@ -3,6 +3,8 @@
 Lowers and compiles ``jit(vmap(sweep.latency.surrogate.surrogate))`` (a grid's
 ``latency=surrogate`` part) and ``jit(vmap(grad))`` of a log-p99 objective in
 (log concurrency, log budget, rate) (what the optax search differentiates),
+by reverse mode and by forward mode (``value_and_grad_fwd``, what the search
+and the calibration use),
 for a batch of 16 points on H100 x Qwen3-8B x seed_chat, at XLA's default
 optimisation level and at level 0 (what tests/test_latency.py uses). Each is
 compiled ``--repeats`` times from scratch (``jax.clear_caches``); the best
@@ -27,6 +29,7 @@ from sweep.config.convert import hardware_params, model_params
 from sweep.config.store import register_configs
 from sweep.latency.surrogate import latency_workload, surrogate
 from sweep.latency.workload import workload_tables
+from sweep.model._numerics import value_and_grad_fwd
 from sweep.model.params import stack
 
 BATCH = 16
@@ -56,6 +59,15 @@ def _objective(hw, model, wl, tp, log_c, log_b, rate):
     return jnp.log(out["ttft_p99_s"]) + jnp.log(out["itl_p99_s"])
 
 
+def _forward_gradient(hw, model, wl, tp, log_c, log_b, rate):
+    """The gradient as the search and the calibration take it:
+    ``value_and_grad_fwd`` over the three as one vector."""
+    def objective(x):
+        return _objective(hw, model, wl, tp, x[0], x[1], x[2])
+
+    return value_and_grad_fwd(objective)(jnp.stack([log_c, log_b, rate]))[1]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -67,6 +79,7 @@ def main():
         "surrogate": lambda hw, model, wl, tp, lc, lb, r: surrogate(
             hw, model, wl, tp, jnp.exp(lc), jnp.exp(lb), r),
         "gradient": jax.grad(_objective, argnums=(4, 5, 6)),
+        "gradient, forward mode": _forward_gradient,
     }
     print(f"{jax.devices()[0].platform}, JAX {jax.__version__}, batch {BATCH}")
     print("| function | XLA level | ops | trace + lower (s) | compile wall (s) | "

@@ -42,6 +42,7 @@ import optax
 from sweep import shapes
 from sweep.latency.surrogate import LatencyWorkload, surrogate
 from sweep.model import roofline
+from sweep.model._numerics import value_and_grad_fwd
 from sweep.model.params import HardwareParams, ModelParams
 
 CONSTANTS = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
@@ -163,7 +164,7 @@ def _fit(hw, model, steps, runs, init, *, n_steps: int, fit_mask: tuple[bool, ..
     mask = jnp.asarray(fit_mask)
     schedule = optax.cosine_decay_schedule(learning_rate, n_steps, alpha=0.1)
     opt = optax.adam(schedule)
-    grad_fn = jax.value_and_grad(loss)
+    grad_fn = value_and_grad_fwd(loss)
 
     def one(x0):
         def step(carry, _):
