@@ -2,9 +2,9 @@
 
 Lowers and compiles ``jit(vmap(sweep.latency.surrogate.surrogate))`` (a grid's
 ``latency=surrogate`` part) and ``jit(vmap(grad))`` of a log-p99 objective in
-(log concurrency, log budget, rate) (what the optax search differentiates),
-by reverse mode and by forward mode (``value_and_grad_fwd``, what the search
-and the calibration use),
+(log concurrency, log budget, rate) (what the optax search differentiates,
+by reverse mode) and the same by
+forward mode (``value_and_grad_fwd``, as the calibration differentiates),
 for a batch of 16 points on H100 x Qwen3-8B x seed_chat, at XLA's default
 optimisation level and at level 0 (what tests/test_latency.py uses). Each is
 compiled ``--repeats`` times from scratch (``jax.clear_caches``); the best
@@ -60,7 +60,7 @@ def _objective(hw, model, wl, tp, log_c, log_b, rate):
 
 
 def _forward_gradient(hw, model, wl, tp, log_c, log_b, rate):
-    """The gradient as the search and the calibration take it:
+    """The gradient by forward mode, as the calibration takes it:
     ``value_and_grad_fwd`` over the three as one vector."""
     def objective(x):
         return _objective(hw, model, wl, tp, x[0], x[1], x[2])

@@ -67,10 +67,10 @@ def heavy_tail_tables() -> WorkloadTables:
     return WorkloadTables("heavy", pv, pp, ov, op)
 
 
-def _objective(x, hw, model, wl, tp, ttft_slo, itl_slo, spec_k, spec_a):
-    """What the optax search descends, at ``x = (log c, log b, rate)``, with
-    every output as the auxiliary."""
-    out = surrogate(hw, model, wl, tp, jnp.exp(x[0]), jnp.exp(x[1]), x[2],
+def _objective(hw, model, wl, tp, log_c, log_b, rate, ttft_slo, itl_slo, spec_k,
+               spec_a):
+    """What the optax search descends, with every output as the auxiliary."""
+    out = surrogate(hw, model, wl, tp, jnp.exp(log_c), jnp.exp(log_b), rate,
                     ttft_slo, itl_slo, spec_k, spec_a)
     # the rates enter with a small weight: their gradients must be finite, but
     # the latencies' slopes are what the sign checks below read
@@ -82,11 +82,10 @@ def _objective(x, hw, model, wl, tp, ttft_slo, itl_slo, spec_k, spec_a):
 
 
 # LLVM's optimisation passes dominate the compilation and change no checked
-# digit; the tests run a few dozen small batches, for which speed is moot.
-# The gradient is taken as the search takes it (forward mode).
+# digit; the tests run a few dozen small batches, for which speed is moot
 _batched = jax.jit(jax.vmap(
-    nm.value_and_grad_fwd(_objective, has_aux=True),
-    in_axes=(0, 0, None, 0, 0, 0, 0, 0, 0)),
+    jax.value_and_grad(_objective, argnums=(4, 5, 6), has_aux=True),
+    in_axes=(0, None, 0, 0, 0, 0, 0, 0, 0, 0, 0)),
     compiler_options={"xla_backend_optimization_level": 0})
 
 
@@ -116,11 +115,12 @@ def run(setup, rows, memory_bytes=None):
            for i in (4, 5)]
     spec = [np.asarray([float(row[i]) if len(row) > i else 0.0 for row in rows])
             for i in (6, 7)]
-    x = jnp.asarray(np.stack([np.log(c), np.log(b), r], axis=1), jnp.float32)
-    (_, out), grad = _batched(x, hws, model, wl, jnp.ones(BATCH, jnp.float32),
-                              *(jnp.asarray(v, jnp.float32) for v in (*slo, *spec)))
+    (_, out), grad = _batched(hws, model, wl, jnp.ones(BATCH, jnp.float32),
+                              *(jnp.asarray(x, jnp.float32)
+                                for x in (np.log(c), np.log(b), r, *slo,
+                                          *spec)))
     out = {k: np.asarray(v) for k, v in out.items()}
-    out["grad"] = np.asarray(grad)
+    out["grad"] = np.stack([np.asarray(g) for g in grad], axis=1)
     return out
 
 
@@ -362,7 +362,7 @@ def test_numerics_helpers_have_finite_gradients():
 
 
 def test_forward_value_and_grad_is_reverse_mode():
-    """``value_and_grad_fwd`` (the search's and the calibration's gradient)
+    """``value_and_grad_fwd`` (the calibration's gradient)
     against ``jax.value_and_grad`` in float64, through what the surrogate
     differentiates: a bisected quantile's implicit step, a ``custom_jvp``
     (``betainc``), a ``fori_loop`` under ``stop_gradient`` and a maximum."""

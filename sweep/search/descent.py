@@ -69,7 +69,7 @@ from sweep.config.schema import Routing
 from sweep.cube import contract
 from sweep.cube.status import OK
 from sweep.latency.surrogate import LatencyWorkload, surrogate
-from sweep.model._numerics import softplus, value_and_grad_fwd
+from sweep.model._numerics import softplus
 from sweep.model.params import HardwareParams, ModelParams
 
 if TYPE_CHECKING:
@@ -337,7 +337,7 @@ def _scan_step(settings: Settings, opt, cand: Candidates, carry: _Carry, xs):
     r_query = jnp.where(first, r_max, jnp.maximum(mid, 1))
     query = jnp.where(searching, carry.theta,
                       jnp.log(jnp.stack([c_val, b_val, r_query.astype(jnp.float32)])))
-    grad_fn = value_and_grad_fwd(objective, has_aux=True)
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
     (value, out), grad = grad_fn(query, cand, s, settings.penalty_weight,
                                  settings.routing == Routing.round_robin)
 
