@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sweep import exported
 from sweep.config.schema import Routing
 from sweep.cube import contract
 from sweep.cube.status import OK
@@ -405,15 +406,23 @@ def _run_lanes(settings: Settings, cand: Candidates, init):
 
 @functools.lru_cache(maxsize=8)
 def _compiled(settings: Settings):
-    """The jitted search over ``(C, R)`` lanes for these static settings."""
+    """The jitted search over ``(C, R)`` lanes for these static settings: what
+    ``search`` reads of the final carry, as a dict (a result ``sweep.exported``
+    can keep), and the objective along the search."""
 
     def run(cand: Candidates, init):
         num_c, num_r = init.shape[:2]
         lanes = jax.tree.map(lambda x: jnp.repeat(x, num_r, axis=0), cand)
-        out = _run_lanes(settings, lanes, init.reshape(num_c * num_r, 3))
+        carry, values = _run_lanes(settings, lanes, init.reshape(num_c * num_r, 3))
+        out = {f: getattr(carry, f) for f in RESULT_FIELDS} | {"objective": values}
         return jax.tree.map(lambda x: x.reshape(num_c, num_r, *x.shape[1:]), out)
 
     return jax.jit(run)
+
+
+RESULT_FIELDS = ("theta", "max_abs_grad", "nonfinite_steps", "feasible", "concurrency",
+                 "token_budget", "replicas", "metrics", "reach")
+"""The final carry's fields ``search`` returns."""
 
 
 def initial_theta(key, settings: Settings, num_candidates: int,
@@ -453,18 +462,12 @@ def search(candidates: Candidates, init, settings: Settings) -> SearchResult:
       settings: static settings; each distinct value compiles once.
     """
     init = jnp.asarray(init, jnp.float32)
-    carry, values = _compiled(settings)(candidates, init)
+    out = exported.call(_compiled(settings), "search", settings, candidates, init)
+    out = jax.tree.map(np.asarray, out)
     num_c, num_r = init.shape[:2]
     return SearchResult(
-        theta=np.asarray(carry.theta),
-        objective=np.asarray(values),
-        max_abs_grad=np.asarray(carry.max_abs_grad),
-        nonfinite_steps=np.asarray(carry.nonfinite_steps),
-        feasible=np.asarray(carry.feasible),
-        concurrency=np.asarray(carry.concurrency),
-        token_budget=np.asarray(carry.token_budget),
-        replicas=np.asarray(carry.replicas),
-        metrics={m: np.asarray(v) for m, v in carry.metrics.items()},
-        reach={m: np.asarray(v) for m, v in carry.reach.items()},
+        **{f: out[f] for f in RESULT_FIELDS if f not in ("metrics", "reach")},
+        objective=out["objective"], metrics=dict(out["metrics"]),
+        reach=dict(out["reach"]),
         evaluations=num_c * num_r * (settings.steps + settings.integer_steps),
     )

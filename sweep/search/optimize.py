@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import shapes
+from sweep import exported, shapes
 from sweep.config.convert import hardware_params, model_params, models_params
 from sweep.config.schema import (
     ArrivalKind,
@@ -488,10 +488,17 @@ def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: lis
     return rows, shared
 
 
-@functools.partial(jax.jit, static_argnames=("max_slots",))
-def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, cached, owner,
-                       configs, *, max_slots: int):
-    """Every row (one replica's share of a stream), pooled per configuration.
+@functools.lru_cache(maxsize=8)
+def _simulate_replicas(max_slots: int):
+    """The jitted simulation of every row (one replica's share of a stream),
+    pooled per configuration (``_replicas``), for ``max_slots`` slots."""
+    return jax.jit(functools.partial(_replicas, max_slots=max_slots))
+
+
+def _replicas(rows: Engines, shared: Shared, requests, mine, cached, owner, configs,
+              *, max_slots: int):
+    """Every row (one replica's share of a stream), pooled per configuration:
+    ``SimResult``'s fields as a dict.
 
     Args:
       rows, requests, mine: per row (leading axis K).
@@ -508,7 +515,8 @@ def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, cached, ow
             max_slots=max_slots)
 
     pooled = jax.vmap(one)(rows, requests, mine, cached)
-    return jax.vmap(lambda c: summarize(pool(pooled, owner == c)))(configs)
+    # a dict, not the SimResult: a result sweep.exported can keep
+    return jax.vmap(lambda c: summarize(pool(pooled, owner == c))._asdict())(configs)
 
 
 def verification_requests(job: OptimizeJob, replicas: int) -> int:
@@ -578,12 +586,12 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
             for replica in range(c.replicas):
                 cached[at] = _replica_hits(job, c, r, replica, capacity[at], length)
                 at += 1
-    out = _simulate_replicas(
-        rows, shared, jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
-        jnp.asarray(cached), jnp.asarray(owner, jnp.int32),
-        jnp.arange(width, dtype=jnp.int32),
-        max_slots=shapes.slots(max(c.concurrency for c in configs)))
-    out = jax.tree.map(np.asarray, out._asdict())
+    slots = shapes.slots(max(c.concurrency for c in configs))
+    out = exported.call(
+        _simulate_replicas(slots), "verify", slots, rows, shared,
+        jax.tree.map(jnp.asarray, requests), jnp.asarray(mine), jnp.asarray(cached),
+        jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32))
+    out = jax.tree.map(np.asarray, out)
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
             for i, r in enumerate(routes)]
 

@@ -1,0 +1,95 @@
+"""Traced programs kept on disk (``sweep.exported``): a rerun reads the kept
+program instead of tracing, and gets the traced program's results bit for
+bit; the key moves with everything the trace depends on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sweep import exported
+
+
+class Pair(NamedTuple):
+    scale: jax.Array
+    rows: jax.Array
+
+
+def _program(p: Pair, x):
+    # a scan, a custom-jvp function and a dict of results, as the search has
+    def step(c, r):
+        return c * p.scale + jnp.sum(r * x), jax.scipy.special.betainc(2.0, 3.0, c % 1)
+
+    total, path = jax.lax.scan(step, jnp.float32(0.5), p.rows)
+    return {"total": total, "path": {"betainc": path, "sq": jnp.sqrt(path + 1.0)}}
+
+
+def _kept(name: str, static, args) -> Path:
+    return (Path(jax.config.jax_compilation_cache_dir) / "exported"
+            / f"{name}-{exported.key(name, static, args)}.bin")
+
+
+def test_a_kept_program_gives_the_traced_results(tmp_path):
+    # the session's compilation cache folder (conftest.jax_cache) holds it
+    assert jax.config.jax_compilation_cache_dir
+    args = (Pair(jnp.float32(0.9), jnp.asarray(np.linspace(0, 1, 12).reshape(4, 3),
+                                                jnp.float32)),
+            jnp.asarray([0.1, 0.2, 0.3], jnp.float32))
+    jitted = jax.jit(_program)
+    traced = jax.tree.map(np.asarray, jitted(*args))
+    path = _kept("test_program", "v1", args)
+    path.unlink(missing_ok=True)
+    exported._programs.clear()
+    def call():
+        return jax.tree.map(np.asarray, exported.call(jitted, "test_program", "v1",
+                                                      *args))
+
+    first = call()
+    assert path.exists()
+    written = path.stat().st_mtime_ns, path.read_bytes()
+    exported._programs.clear()  # as a new process: read the kept program back
+    second = call()
+    assert (path.stat().st_mtime_ns, path.read_bytes()) == written  # read, not rebuilt
+    for got in (first, second):
+        jax.tree.map(np.testing.assert_array_equal, got, traced)
+    # a file that is not a program is rebuilt, not trusted
+    path.write_bytes(b"not a program")
+    exported._programs.clear()
+    third = call()
+    jax.tree.map(np.testing.assert_array_equal, third, traced)
+    assert path.read_bytes() == written[1]
+
+
+def test_the_key_moves_with_what_the_trace_depends_on():
+    args = (Pair(jnp.float32(0.9), jnp.zeros((4, 3), jnp.float32)),
+            jnp.zeros(3, jnp.float32))
+    base = exported.key("p", "v1", args)
+    assert exported.key("p", "v1", args) == base
+    others = [
+        exported.key("q", "v1", args),  # another program
+        exported.key("p", "v2", args),  # other static settings
+        exported.key("p", "v1", (args[0]._replace(rows=jnp.zeros((5, 3), jnp.float32)),
+                                 args[1])),  # another shape
+        exported.key("p", "v1", (args[0], jnp.zeros(3, jnp.int32))),  # another dtype
+        exported.key("p", "v1", (tuple(args[0]), args[1])),  # another tree
+    ]
+    with jax.enable_x64(True):
+        others.append(exported.key("p", "v1", args))
+    assert len({base, *others}) == len(others) + 1
+
+
+def test_without_a_cache_folder_the_program_is_just_called():
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        args = (Pair(jnp.float32(0.5), jnp.ones((2, 3), jnp.float32)),
+                jnp.ones(3, jnp.float32))
+        out = exported.call(jax.jit(_program), "uncached", "v1", *args)
+        jax.tree.map(np.testing.assert_array_equal, out, jax.jit(_program)(*args))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert not list((Path(before) / "exported").glob("uncached-*"))
