@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -32,6 +30,8 @@ import jax
 import numpy as np
 import optax
 from jax import export
+
+from sweep.cube import outputs
 
 _registered: set[type] = set()
 _programs: dict[str, jax.stages.Wrapped] = {}
@@ -80,19 +80,6 @@ def _folder() -> Path | None:
     return Path(folder) / "exported" if folder else None
 
 
-def _write(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` whole or not at all (a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def call(jitted, name: str, static, *args):
     """``jitted(*args)``, through the exported program kept for this key."""
     folder = _folder()
@@ -111,6 +98,9 @@ def call(jitted, name: str, static, *args):
                 exp = None
         if exp is None:
             exp = export.export(jitted)(*args)
-            _write(path, exp.serialize())
+            try:
+                outputs.write_whole(path, exp.serialize())
+            except OSError:  # a read-only or full cache folder: run uncached
+                pass
         program = _programs[k] = jax.jit(exp.call)
     return program(*args)

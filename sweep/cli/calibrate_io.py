@@ -28,8 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +36,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from sweep.config.schema import MAX_TOKENS, CalibrationProfile
+from sweep.cube import outputs
 from sweep.errors import ConfigError
 
 STEP_COLUMNS = ("batch_size", "context_tokens", "prefill_tokens", "seconds")
@@ -229,12 +228,4 @@ def write_profile(path: Path, name: str, profile: CalibrationProfile) -> None:
                               "profiles": profiles})
     text = (f"{MARK} Select it with hydra.searchpath=[file://<this folder's "
             f"parent>] calibration={name}\n{body}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    outputs.write_whole(path, text)

@@ -67,6 +67,20 @@ class OutputError(ConfigError):
     """An output path the tool must not write: one line for the user."""
 
 
+def write_whole(path: Path, data: bytes | str) -> None:
+    """Writes ``data`` to ``path`` whole or not at all: into a temporary file
+    beside it, renamed over it (a kill leaves the old file or the new)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def mark(folder: Path, kind: str) -> None:
     """Marks ``folder`` (a zarr v2 store, or a report folder) as the tool's
     output of ``kind``; it keeps the mark when renamed or moved, not when copied."""
