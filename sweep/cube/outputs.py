@@ -67,13 +67,13 @@ class OutputError(ConfigError):
     """An output path the tool must not write: one line for the user."""
 
 
-def write_whole(path: Path, data: bytes | str) -> None:
+def write_whole(path: Path, data: bytes | bytearray | str) -> None:
     """Writes ``data`` to ``path`` whole or not at all: into a temporary file
     beside it, renamed over it (a kill leaves the old file or the new)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
