@@ -10,7 +10,8 @@ the program's name and static settings, the package's source, the versions
 of JAX, NumPy and optax, the backend, the x64 setting and the arguments'
 tree and shapes. A rerun reads it back and calls it; the compilation cache
 then holds its compiled code as for any program. The results are the traced
-program's, bit for bit (``tests/test_search.py``).
+program's, bit for bit (``tests/test_exported.py``). The newest ``KEEP``
+programs of each name are kept.
 
 A program's arguments may be NamedTuples (registered for serialization by
 their qualified names as they are met); its result must be built of tuples,
@@ -80,6 +81,17 @@ def _folder() -> Path | None:
     return Path(folder) / "exported" if folder else None
 
 
+KEEP = 8
+"""Programs kept per name: writing another (new source, settings or shapes)
+removes the least recently written beyond these."""
+
+
+def _prune(folder: Path, name: str) -> None:
+    kept = sorted(folder.glob(f"{name}-*.bin"), key=lambda p: p.stat().st_mtime_ns)
+    for path in kept[:-KEEP]:
+        path.unlink(missing_ok=True)
+
+
 def call(jitted, name: str, static, *args):
     """``jitted(*args)``, through the exported program kept for this key."""
     folder = _folder()
@@ -100,6 +112,7 @@ def call(jitted, name: str, static, *args):
             exp = export.export(jitted)(*args)
             try:
                 outputs.write_whole(path, exp.serialize())
+                _prune(folder, name)
             except OSError:  # a read-only or full cache folder: run uncached
                 pass
         program = _programs[k] = jax.jit(exp.call)

@@ -4,6 +4,7 @@ bit; the key moves with everything the trace depends on."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -93,3 +94,19 @@ def test_without_a_cache_folder_the_program_is_just_called():
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
     assert not list((Path(before) / "exported").glob("uncached-*"))
+
+
+def test_the_newest_programs_of_a_name_are_kept():
+    args = (Pair(jnp.float32(0.5), jnp.ones((2, 3), jnp.float32)),
+            jnp.ones(3, jnp.float32))
+    folder = Path(jax.config.jax_compilation_cache_dir) / "exported"
+    for old in folder.glob("pruned-*.bin"):
+        old.unlink()
+    jitted = jax.jit(_program)
+    paths = []
+    for version in range(exported.KEEP + 2):
+        exported.call(jitted, "pruned", f"v{version}", *args)
+        time.sleep(0.02)  # apart by more than the file system's clock tick
+        paths.append(_kept("pruned", f"v{version}", args))
+    kept = sorted(folder.glob("pruned-*.bin"))
+    assert kept == sorted(paths[-exported.KEEP:])

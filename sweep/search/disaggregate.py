@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from sweep import shapes
+from sweep import exported, shapes
 from sweep.config.convert import hardware_params, model_params
 from sweep.cube import engines
 from sweep.latency import prefix_cache
@@ -246,12 +246,19 @@ def _headroom(d: Deployment) -> float:
     return -max(d.prefill_utilization, d.decode_utilization)
 
 
-@functools.partial(jax.jit, static_argnames=("max_prefill", "max_decode", "max_slots"))
+@functools.lru_cache(maxsize=8)
+def _simulation(max_prefill: int, max_decode: int, max_slots: int):
+    """The jitted ``_simulate`` for these pool and slot sizes."""
+    return jax.jit(functools.partial(_simulate, max_prefill=max_prefill,
+                                     max_decode=max_decode, max_slots=max_slots))
+
+
 def _simulate(rows, shared, pre_tp, p, d, requests, cached, *, max_prefill: int,
               max_decode: int, max_slots: int):
     """Every deployment (``rows``, ``pre_tp``, ``p``, ``d``, ``cached``:
     leading axis) over one stream; ``cached``: each request's prefix in its
-    prefill instance's LRU cache (0 without a trace's block hashes)."""
+    prefill instance's LRU cache (0 without a trace's block hashes).
+    ``SimResult``'s fields as a dict (a result ``sweep.exported`` can keep)."""
     def one(e, pre_tp, p, d, cached):
         return simulate_disaggregated(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, requests, p, d,
@@ -260,7 +267,7 @@ def _simulate(rows, shared, pre_tp, p, d, requests, cached, *, max_prefill: int,
             max_prefill_instances=max_prefill, max_decode_instances=max_decode,
             max_slots=max_slots)
 
-    return jax.vmap(one)(rows, pre_tp, p, d, cached)
+    return jax.vmap(lambda *a: one(*a)._asdict())(rows, pre_tp, p, d, cached)
 
 
 def simulate_deployments(job, deps: list[Deployment], stream: Requests,
@@ -286,14 +293,15 @@ def simulate_deployments(job, deps: list[Deployment], stream: Requests,
             table, _ = lru(job, n, job.candidates[dep.candidate].model,
                            dep.prefill_instances)
             cached[i] = prefix_cache.cached_tokens(table, capacity[i], xp=np)
-    out = _simulate(
-        engines, shared, pre_tp, jnp.asarray([d.prefill_instances for d in rows], f32),
+    sizes = (shapes.power_of_two(max(d.prefill_instances for d in deps)),
+             shapes.power_of_two(max(d.decode_instances for d in deps)),
+             shapes.slots(max(d.concurrency for d in deps)))
+    out = exported.call(
+        _simulation(*sizes), "verify_pools", sizes, engines, shared, pre_tp,
+        jnp.asarray([d.prefill_instances for d in rows], f32),
         jnp.asarray([d.decode_instances for d in rows], f32),
-        jax.tree.map(lambda x: jnp.asarray(x[:n]), stream), jnp.asarray(cached),
-        max_prefill=shapes.power_of_two(max(d.prefill_instances for d in deps)),
-        max_decode=shapes.power_of_two(max(d.decode_instances for d in deps)),
-        max_slots=shapes.slots(max(d.concurrency for d in deps)))
-    out = jax.tree.map(np.asarray, out._asdict())
+        jax.tree.map(lambda x: jnp.asarray(x[:n]), stream), jnp.asarray(cached))
+    out = jax.tree.map(np.asarray, out)
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": n}
             for i in range(len(deps))]
 
