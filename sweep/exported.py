@@ -3,7 +3,8 @@
 JAX's persistent compilation cache keys on the lowered program, so every run
 traces and lowers a program before it can find its compiled code there: for
 the optax search of ``sweep-optimize`` that is 3-4 s of each run on a 2-core
-CPU (benchmarks/README.md, "Tracing the search, skipped"). ``call`` keeps the
+CPU, for ``sweep-calibrate``'s fit 6-7 s (benchmarks/README.md, "Tracing the
+search, skipped"). ``call`` keeps the
 lowered program itself (``jax.export``, serialized) in an ``exported`` folder
 of the compilation cache, under a key of everything the trace depends on:
 the program's name and static settings, the package's source, the versions

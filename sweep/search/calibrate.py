@@ -30,7 +30,7 @@ says so. ``kv_mbu`` not fitted follows ``mbu``.
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sweep import shapes
+from sweep import exported, shapes
 from sweep.latency.surrogate import LatencyWorkload, surrogate
 from sweep.model import roofline
 from sweep.model._numerics import value_and_grad_fwd
@@ -155,9 +155,16 @@ class FitResult(NamedTuple):
     loss: jax.Array  # shape=(), its final loss
 
 
-@partial(jax.jit, static_argnames=("n_steps", "fit_mask"))
-def _fit(hw, model, steps, runs, init, *, n_steps: int, fit_mask: tuple[bool, ...],
-         learning_rate):
+@lru_cache(maxsize=8)
+def _fitting(n_steps: int, fit_mask: tuple[bool, ...]):
+    """The jitted ``_fit`` for these static settings."""
+    return jax.jit(partial(_fit, n_steps=n_steps, fit_mask=fit_mask))
+
+
+def _fit(hw, model, steps, runs, init, learning_rate, *, n_steps: int,
+         fit_mask: tuple[bool, ...]) -> dict:
+    """The best start's constants and loss, as a dict (a result
+    ``sweep.exported`` can keep)."""
     tie_kv = not fit_mask[3]
     low = jnp.asarray(LOG_LOW, init.dtype)
     high = jnp.asarray(LOG_HIGH, init.dtype)
@@ -189,7 +196,7 @@ def _fit(hw, model, steps, runs, init, *, n_steps: int, fit_mask: tuple[bool, ..
     xs, losses = jax.vmap(one)(init)
     losses = jnp.where(jnp.isfinite(losses), losses, jnp.inf)
     best = jnp.argmin(losses)
-    return FitResult(xs[best], losses[best])
+    return {"log_constants": xs[best], "loss": losses[best]}
 
 
 def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
@@ -210,14 +217,21 @@ def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
     starts = STARTS if runs is None else STARTS[1:2]
     init = np.array([[math.log(v) if m else o for v, m, o in zip(start, mask, own)]
                      for start in starts], np.float32)
-    return _fit(hw, model, steps, runs, jnp.asarray(init), n_steps=n_steps,
-                fit_mask=mask, learning_rate=jnp.float32(learning_rate))
+    out = exported.call(_fitting(n_steps, mask), "calibrate_fit", (n_steps, mask),
+                        hw, model, steps, runs, jnp.asarray(init),
+                        jnp.float32(learning_rate))
+    return FitResult(out["log_constants"], out["loss"])
+
+
+def predict(hw, model, log_c, steps: Steps | None, runs: Runs | None) -> dict:
+    """Predictions at the fitted constants: per-step seconds, which rows are
+    memory- and compute-bound, and the runs' metrics."""
+    return exported.call(_predict, "calibrate_predict", None, hw, model, log_c,
+                         steps, runs)
 
 
 @jax.jit
-def predict(hw, model, log_c, steps: Steps | None, runs: Runs | None):
-    """Predictions at the fitted constants: per-step seconds, which rows are
-    memory- and compute-bound, and the runs' metrics."""
+def _predict(hw, model, log_c, steps: Steps | None, runs: Runs | None):
     h = with_constants(hw, log_c)
     out = {}
     if steps is not None:
