@@ -49,6 +49,7 @@ import numpy as np
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
+from sweep import exported
 from sweep.config.schema import Routing
 from sweep.config.store import register_configs
 from sweep.cube.status import OK
@@ -287,7 +288,8 @@ def main():
     jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
     init = descent.initial_theta(key, settings, len(owner), args.restarts)
     t0 = time.perf_counter()
-    descent._compiled(settings).lower(cands, init).compile()
+    search = exported.jitted(descent._search, settings=settings)
+    search.lower(cands, init).compile()
     opt_compile = time.perf_counter() - t0
     opt, opt_evals, opt_first = run_optax(jobs, cands, owner, settings,
                                           args.restarts, key)

@@ -4,15 +4,15 @@ JAX's persistent compilation cache keys on the lowered program, so every run
 traces and lowers a program before it can find its compiled code there: for
 the optax search of ``sweep-optimize`` that is 3-4 s of each run on a 2-core
 CPU, for ``sweep-calibrate``'s fit 6-7 s (benchmarks/README.md, "Tracing the
-search, skipped"). ``call`` keeps the
-lowered program itself (``jax.export``, serialized) in an ``exported`` folder
-of the compilation cache, under a key of everything the trace depends on:
-the program's name and static settings, the package's source, the versions
-of JAX, NumPy and optax, the backend, the x64 setting and the arguments'
-tree and shapes. A rerun reads it back and calls it; the compilation cache
-then holds its compiled code as for any program. The results are the traced
-program's, bit for bit (``tests/test_exported.py``). The newest ``KEEP``
-programs of each name are kept.
+search, skipped"). ``call`` keeps the lowered program itself (``jax.export``,
+serialized) in an ``exported`` folder of the compilation cache, under a key
+of everything the trace depends on: the function's name and static keyword
+arguments, the package's source, the versions of JAX, jaxlib, NumPy and
+optax, the backend, the x64 setting and the arguments' tree and shapes. A
+rerun reads it back and calls it; the compilation cache then holds its
+compiled code as for any program. The results are the traced program's, bit
+for bit (``tests/test_exported.py``). The newest ``KEEP`` programs of each
+function are kept.
 
 A program's arguments may be NamedTuples (registered for serialization by
 their qualified names as they are met); its result must be built of tuples,
@@ -40,14 +40,16 @@ _programs: dict[str, jax.stages.Wrapped] = {}
 
 
 @functools.cache
-def _source_digest() -> str:
-    """SHA-256 of every Python file of the package, in path order."""
+def _environment() -> str:
+    """What every key shares in a process: the SHA-256 of the package's Python
+    files (in path order), the library versions and the backend."""
     root = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
-    return h.hexdigest()
+    return repr((h.hexdigest(), jax.__version__, metadata.version("jaxlib"),
+                 np.__version__, optax.__version__, jax.default_backend()))
 
 
 def _register(tree) -> None:
@@ -65,14 +67,31 @@ def _register(tree) -> None:
             _register(x)
 
 
-def key(name: str, static, args) -> str:
-    """The key of ``name``'s program for these static settings and arguments."""
+def _static(static: dict) -> tuple:
+    return tuple(sorted(static.items()))
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(fn, static: tuple) -> jax.stages.Wrapped:
+    return jax.jit(functools.partial(fn, **dict(static)))
+
+
+def jitted(fn, **static) -> jax.stages.Wrapped:
+    """``fn`` with its ``static`` keyword arguments, jitted (once per value)."""
+    return _jitted(fn, _static(static))
+
+
+def name(fn) -> str:
+    """The name of ``fn``'s kept programs."""
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def key(program: str, static, args) -> str:
+    """The key of ``program``'s trace for these static settings and arguments."""
     leaves, treedef = jax.tree.flatten(args)
     shapes = [(np.shape(x), str(jax.numpy.result_type(x)),
                bool(getattr(x, "weak_type", False))) for x in leaves]
-    parts = (name, repr(static), _source_digest(), jax.__version__,
-             metadata.version("jaxlib"), np.__version__, optax.__version__,
-             jax.default_backend(),
+    parts = (program, repr(static), _environment(),
              bool(jax.config.jax_enable_x64), str(treedef), repr(shapes))
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
@@ -82,27 +101,34 @@ def _folder() -> Path | None:
     return Path(folder) / "exported" if folder else None
 
 
+def kept_path(fn, static: dict, args) -> Path | None:
+    """Where ``fn``'s program for these arguments is kept (None: no folder)."""
+    folder = _folder()
+    if folder is None:
+        return None
+    return folder / f"{name(fn)}-{key(name(fn), _static(static), args)}.bin"
+
+
 KEEP = 8
-"""Programs kept per name: writing another (new source, settings or shapes)
-removes the least recently written beyond these."""
+"""Programs kept per function: writing another (new source, settings or
+shapes) removes the least recently written beyond these."""
 
 
-def _prune(folder: Path, name: str) -> None:
-    kept = sorted(folder.glob(f"{name}-*.bin"), key=lambda p: p.stat().st_mtime_ns)
+def _prune(folder: Path, program: str) -> None:
+    kept = sorted(folder.glob(f"{program}-*.bin"), key=lambda p: p.stat().st_mtime_ns)
     for path in kept[:-KEEP]:
         path.unlink(missing_ok=True)
 
 
-def call(jitted, name: str, static, *args):
-    """``jitted(*args)``, through the exported program kept for this key."""
-    folder = _folder()
-    if folder is None:
-        return jitted(*args)
-    k = key(name, static, args)
-    program = _programs.get(k)
+def call(fn, static: dict, *args):
+    """``fn(*args, **static)``, jitted, through the exported program kept for
+    these settings and arguments."""
+    path = kept_path(fn, static, args)
+    if path is None:
+        return jitted(fn, **static)(*args)
+    program = _programs.get(path.name)
     if program is None:
         _register(args)
-        path = folder / f"{name}-{k}.bin"
         exp = None
         if path.exists():
             try:
@@ -110,11 +136,11 @@ def call(jitted, name: str, static, *args):
             except Exception:  # an unreadable file is rebuilt below
                 exp = None
         if exp is None:
-            exp = export.export(jitted)(*args)
+            exp = export.export(jitted(fn, **static))(*args)
             try:
                 outputs.write_whole(path, exp.serialize())
-                _prune(folder, name)
+                _prune(path.parent, name(fn))
             except OSError:  # a read-only or full cache folder: run uncached
                 pass
-        program = _programs[k] = jax.jit(exp.call)
+        program = _programs[path.name] = jax.jit(exp.call)
     return program(*args)

@@ -20,34 +20,29 @@ class Pair(NamedTuple):
     rows: jax.Array
 
 
-def _program(p: Pair, x):
+def _program(p: Pair, x, *, offset: float = 0.0):
     # a scan, a custom-jvp function and a dict of results, as the search has
     def step(c, r):
-        return c * p.scale + jnp.sum(r * x), jax.scipy.special.betainc(2.0, 3.0, c % 1)
+        return (c * p.scale + jnp.sum(r * x) + offset,
+                jax.scipy.special.betainc(2.0, 3.0, c % 1))
 
     total, path = jax.lax.scan(step, jnp.float32(0.5), p.rows)
     return {"total": total, "path": {"betainc": path, "sq": jnp.sqrt(path + 1.0)}}
 
 
-def _kept(name: str, static, args) -> Path:
-    return (Path(jax.config.jax_compilation_cache_dir) / "exported"
-            / f"{name}-{exported.key(name, static, args)}.bin")
-
-
-def test_a_kept_program_gives_the_traced_results(tmp_path):
+def test_a_kept_program_gives_the_traced_results():
     # the session's compilation cache folder (conftest.jax_cache) holds it
     assert jax.config.jax_compilation_cache_dir
     args = (Pair(jnp.float32(0.9), jnp.asarray(np.linspace(0, 1, 12).reshape(4, 3),
                                                 jnp.float32)),
             jnp.asarray([0.1, 0.2, 0.3], jnp.float32))
-    jitted = jax.jit(_program)
-    traced = jax.tree.map(np.asarray, jitted(*args))
-    path = _kept("test_program", "v1", args)
+    traced = jax.tree.map(np.asarray, jax.jit(_program)(*args, offset=1.0))
+    path = exported.kept_path(_program, {"offset": 1.0}, args)
     path.unlink(missing_ok=True)
     exported._programs.clear()
+
     def call():
-        return jax.tree.map(np.asarray, exported.call(jitted, "test_program", "v1",
-                                                      *args))
+        return jax.tree.map(np.asarray, exported.call(_program, {"offset": 1.0}, *args))
 
     first = call()
     assert path.exists()
@@ -89,24 +84,30 @@ def test_without_a_cache_folder_the_program_is_just_called():
     try:
         args = (Pair(jnp.float32(0.5), jnp.ones((2, 3), jnp.float32)),
                 jnp.ones(3, jnp.float32))
-        out = exported.call(jax.jit(_program), "uncached", "v1", *args)
-        jax.tree.map(np.testing.assert_array_equal, out, jax.jit(_program)(*args))
+        out = exported.call(_program, {"offset": -1.0}, *args)
+        jax.tree.map(np.testing.assert_array_equal, out,
+                     jax.jit(_program)(*args, offset=-1.0))
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
-    assert not list((Path(before) / "exported").glob("uncached-*"))
+    assert not exported.kept_path(_program, {"offset": -1.0}, args).exists()
 
 
 def test_the_newest_programs_of_a_name_are_kept():
     args = (Pair(jnp.float32(0.5), jnp.ones((2, 3), jnp.float32)),
             jnp.ones(3, jnp.float32))
     folder = Path(jax.config.jax_compilation_cache_dir) / "exported"
-    for old in folder.glob("pruned-*.bin"):
+    pattern = f"{exported.name(_pruned)}-*.bin"
+    for old in folder.glob(pattern):
         old.unlink()
-    jitted = jax.jit(_program)
     paths = []
     for version in range(exported.KEEP + 2):
-        exported.call(jitted, "pruned", f"v{version}", *args)
+        exported.call(_pruned, {"offset": float(version)}, *args)
         time.sleep(0.02)  # apart by more than the file system's clock tick
-        paths.append(_kept("pruned", f"v{version}", args))
-    kept = sorted(folder.glob("pruned-*.bin"))
+        paths.append(exported.kept_path(_pruned, {"offset": float(version)}, args))
+    kept = sorted(folder.glob(pattern))
     assert kept == sorted(paths[-exported.KEEP:])
+
+
+def _pruned(p: Pair, x, *, offset: float):
+    """Another function than ``_program``: its own programs to prune."""
+    return _program(p, x, offset=offset)

@@ -30,7 +30,7 @@ says so. ``kv_mbu`` not fitted follows ``mbu``.
 from __future__ import annotations
 
 import math
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -155,12 +155,6 @@ class FitResult(NamedTuple):
     loss: jax.Array  # shape=(), its final loss
 
 
-@lru_cache(maxsize=8)
-def _fitting(n_steps: int, fit_mask: tuple[bool, ...]):
-    """The jitted ``_fit`` for these static settings."""
-    return jax.jit(partial(_fit, n_steps=n_steps, fit_mask=fit_mask))
-
-
 def _fit(hw, model, steps, runs, init, learning_rate, *, n_steps: int,
          fit_mask: tuple[bool, ...]) -> dict:
     """The best start's constants and loss, as a dict (a result
@@ -217,20 +211,17 @@ def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
     starts = STARTS if runs is None else STARTS[1:2]
     init = np.array([[math.log(v) if m else o for v, m, o in zip(start, mask, own)]
                      for start in starts], np.float32)
-    out = exported.call(_fitting(n_steps, mask), "calibrate_fit", (n_steps, mask),
-                        hw, model, steps, runs, jnp.asarray(init),
-                        jnp.float32(learning_rate))
+    out = exported.call(_fit, {"n_steps": n_steps, "fit_mask": mask}, hw, model,
+                        steps, runs, jnp.asarray(init), jnp.float32(learning_rate))
     return FitResult(out["log_constants"], out["loss"])
 
 
 def predict(hw, model, log_c, steps: Steps | None, runs: Runs | None) -> dict:
     """Predictions at the fitted constants: per-step seconds, which rows are
     memory- and compute-bound, and the runs' metrics."""
-    return exported.call(_predict, "calibrate_predict", None, hw, model, log_c,
-                         steps, runs)
+    return exported.call(_predict, {}, hw, model, log_c, steps, runs)
 
 
-@jax.jit
 def _predict(hw, model, log_c, steps: Steps | None, runs: Runs | None):
     h = with_constants(hw, log_c)
     out = {}

@@ -404,25 +404,16 @@ def _run_lanes(settings: Settings, cand: Candidates, init):
     return carry, values[:settings.steps].T
 
 
-@functools.lru_cache(maxsize=8)
-def _compiled(settings: Settings):
-    """The jitted search over ``(C, R)`` lanes for these static settings: what
-    ``search`` reads of the final carry, as a dict (a result ``sweep.exported``
-    can keep), and the objective along the search."""
-
-    def run(cand: Candidates, init):
-        num_c, num_r = init.shape[:2]
-        lanes = jax.tree.map(lambda x: jnp.repeat(x, num_r, axis=0), cand)
-        carry, values = _run_lanes(settings, lanes, init.reshape(num_c * num_r, 3))
-        out = {f: getattr(carry, f) for f in RESULT_FIELDS} | {"objective": values}
-        return jax.tree.map(lambda x: x.reshape(num_c, num_r, *x.shape[1:]), out)
-
-    return jax.jit(run)
-
-
-RESULT_FIELDS = ("theta", "max_abs_grad", "nonfinite_steps", "feasible", "concurrency",
-                 "token_budget", "replicas", "metrics", "reach")
-"""The final carry's fields ``search`` returns."""
+def _search(cand: Candidates, init, *, settings: Settings) -> dict:
+    """The search over ``(C, R)`` lanes for these static settings: the
+    ``SearchResult`` fields the final carry and the objective give, as a
+    dict (a result ``sweep.exported`` can keep)."""
+    num_c, num_r = init.shape[:2]
+    lanes = jax.tree.map(lambda x: jnp.repeat(x, num_r, axis=0), cand)
+    carry, values = _run_lanes(settings, lanes, init.reshape(num_c * num_r, 3))
+    out = {f: getattr(carry, f) for f in SearchResult._fields if f in _Carry._fields}
+    out["objective"] = values
+    return jax.tree.map(lambda x: x.reshape(num_c, num_r, *x.shape[1:]), out)
 
 
 def initial_theta(key, settings: Settings, num_candidates: int,
@@ -462,12 +453,9 @@ def search(candidates: Candidates, init, settings: Settings) -> SearchResult:
       settings: static settings; each distinct value compiles once.
     """
     init = jnp.asarray(init, jnp.float32)
-    out = exported.call(_compiled(settings), "search", settings, candidates, init)
-    out = jax.tree.map(np.asarray, out)
+    out = exported.call(_search, {"settings": settings}, candidates, init)
     num_c, num_r = init.shape[:2]
     return SearchResult(
-        **{f: out[f] for f in RESULT_FIELDS if f not in ("metrics", "reach")},
-        objective=out["objective"], metrics=dict(out["metrics"]),
-        reach=dict(out["reach"]),
+        **jax.tree.map(np.asarray, out),
         evaluations=num_c * num_r * (settings.steps + settings.integer_steps),
     )

@@ -42,7 +42,6 @@ disaggregated answer stands alone (``winner``).
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -246,13 +245,6 @@ def _headroom(d: Deployment) -> float:
     return -max(d.prefill_utilization, d.decode_utilization)
 
 
-@functools.lru_cache(maxsize=8)
-def _simulation(max_prefill: int, max_decode: int, max_slots: int):
-    """The jitted ``_simulate`` for these pool and slot sizes."""
-    return jax.jit(functools.partial(_simulate, max_prefill=max_prefill,
-                                     max_decode=max_decode, max_slots=max_slots))
-
-
 def _simulate(rows, shared, pre_tp, p, d, requests, cached, *, max_prefill: int,
               max_decode: int, max_slots: int):
     """Every deployment (``rows``, ``pre_tp``, ``p``, ``d``, ``cached``:
@@ -265,9 +257,9 @@ def _simulate(rows, shared, pre_tp, p, d, requests, cached, *, max_prefill: int,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, e.spec_tokens,
             shared.spec_acceptance, shared.prefix_hit_fraction, cached, pre_tp,
             max_prefill_instances=max_prefill, max_decode_instances=max_decode,
-            max_slots=max_slots)
+            max_slots=max_slots)._asdict()
 
-    return jax.vmap(lambda *a: one(*a)._asdict())(rows, pre_tp, p, d, cached)
+    return jax.vmap(one)(rows, pre_tp, p, d, cached)
 
 
 def simulate_deployments(job, deps: list[Deployment], stream: Requests,
@@ -293,11 +285,11 @@ def simulate_deployments(job, deps: list[Deployment], stream: Requests,
             table, _ = lru(job, n, job.candidates[dep.candidate].model,
                            dep.prefill_instances)
             cached[i] = prefix_cache.cached_tokens(table, capacity[i], xp=np)
-    sizes = (shapes.power_of_two(max(d.prefill_instances for d in deps)),
-             shapes.power_of_two(max(d.decode_instances for d in deps)),
-             shapes.slots(max(d.concurrency for d in deps)))
+    sizes = {"max_prefill": shapes.power_of_two(max(d.prefill_instances for d in deps)),
+             "max_decode": shapes.power_of_two(max(d.decode_instances for d in deps)),
+             "max_slots": shapes.slots(max(d.concurrency for d in deps))}
     out = exported.call(
-        _simulation(*sizes), "verify_pools", sizes, engines, shared, pre_tp,
+        _simulate, sizes, engines, shared, pre_tp,
         jnp.asarray([d.prefill_instances for d in rows], f32),
         jnp.asarray([d.decode_instances for d in rows], f32),
         jax.tree.map(lambda x: jnp.asarray(x[:n]), stream), jnp.asarray(cached))

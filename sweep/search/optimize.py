@@ -43,7 +43,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -488,15 +487,8 @@ def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: lis
     return rows, shared
 
 
-@functools.lru_cache(maxsize=8)
-def _simulate_replicas(max_slots: int):
-    """The jitted simulation of every row (one replica's share of a stream),
-    pooled per configuration (``_replicas``), for ``max_slots`` slots."""
-    return jax.jit(functools.partial(_replicas, max_slots=max_slots))
-
-
-def _replicas(rows: Engines, shared: Shared, requests, mine, cached, owner, configs,
-              *, max_slots: int):
+def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, cached, owner,
+                       configs, *, max_slots: int):
     """Every row (one replica's share of a stream), pooled per configuration:
     ``SimResult``'s fields as a dict.
 
@@ -515,7 +507,6 @@ def _replicas(rows: Engines, shared: Shared, requests, mine, cached, owner, conf
             max_slots=max_slots)
 
     pooled = jax.vmap(one)(rows, requests, mine, cached)
-    # a dict, not the SimResult: a result sweep.exported can keep
     return jax.vmap(lambda c: summarize(pool(pooled, owner == c))._asdict())(configs)
 
 
@@ -586,11 +577,12 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
             for replica in range(c.replicas):
                 cached[at] = _replica_hits(job, c, r, replica, capacity[at], length)
                 at += 1
-    slots = shapes.slots(max(c.concurrency for c in configs))
     out = exported.call(
-        _simulate_replicas(slots), "verify", slots, rows, shared,
-        jax.tree.map(jnp.asarray, requests), jnp.asarray(mine), jnp.asarray(cached),
-        jnp.asarray(owner, jnp.int32), jnp.arange(width, dtype=jnp.int32))
+        _simulate_replicas, {"max_slots": shapes.slots(max(c.concurrency
+                                                            for c in configs))},
+        rows, shared, jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
+        jnp.asarray(cached), jnp.asarray(owner, jnp.int32),
+        jnp.arange(width, dtype=jnp.int32))
     out = jax.tree.map(np.asarray, out)
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
             for i, r in enumerate(routes)]
