@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import hydra_context
+from hydra.types import RunMode
 
 import sweep
 from sweep.config.resolve import compose_object, composed, composing_once, grid_options
@@ -86,7 +87,10 @@ def test_composing_once_shares_one_composition():
     assert again is not first
     assert again[0] == first[0] and again[1] == first[1]
     assert "hydra" not in again[0]
-    assert again[1].startswith("outputs/")
+    assert again[1].run_dir.startswith("outputs/") and again[1].mode is None
+    # the run mode the console scripts hand to @hydra.main (commands.known_mode)
+    with hydra_context():
+        assert composed("grid", ["hydra.mode=MULTIRUN"])[1].mode == RunMode.MULTIRUN
 
 
 @pytest.mark.parametrize("args, pattern", [

@@ -40,11 +40,13 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
@@ -153,20 +155,28 @@ def composing_once() -> Iterator[None]:
         _once = outer
 
 
-def composed(app: str, overrides: list[str]) -> tuple[DictConfig, str]:
+class HydraSettings(NamedTuple):
+    """What the commands read of Hydra's own node of a composition."""
+
+    run_dir: str  # ``hydra.run.dir``, unresolved
+    mode: RunMode | None  # ``hydra.mode`` (None: as the command line says)
+
+
+def composed(app: str, overrides: list[str]) -> tuple[DictConfig, HydraSettings]:
     """Hydra's composition of ``app``: the app's config (without Hydra's node,
-    as ``compose`` returns it) and Hydra's ``run.dir`` setting, unresolved."""
+    as ``compose`` returns it) and Hydra's settings the commands read."""
     key = (app, tuple(overrides))
     if _once is not None and key in _once:
         return _once[key]
     cfg = compose(config_name=app, overrides=overrides, return_hydra_config=True)
-    run_dir = OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"]
+    hydra = HydraSettings(OmegaConf.to_container(cfg.hydra.run, resolve=False)["dir"],
+                          cfg.hydra.mode)
     with open_dict(cfg):
         del cfg["hydra"]
     if _once is not None:
-        _once[key] = cfg, run_dir
+        _once[key] = cfg, hydra
         return _once[key]
-    return cfg, run_dir
+    return cfg, hydra
 
 
 def compose_object(app: str, overrides: list[str]):
