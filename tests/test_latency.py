@@ -421,7 +421,8 @@ def test_quantile_gradient_is_the_implicit_one():
 def test_quantile_is_the_exact_inverse(x64):
     """Against inverses computed outside JAX: a lognormal (NormalDist) and a
     CDF linear between lattice points (as the surrogate's wait is; inverted
-    by NumPy on the lattice; the median at a kink), over a bracket 10^6
+    by NumPy on the lattice; the median at a kink), each at its level plus
+    ``QUANTILE_TIE``, over a bracket 10^6
     wide; and a quantile outside the bracket is its nearer end. Float32 to
     what its CDF's rounding allows at the quantile's density, float64 to
     what 32 halvings of the log bracket give (3e-9)."""
@@ -446,11 +447,34 @@ def test_quantile_is_the_exact_inverse(x64):
         outside = nm.quantile(lognormal, levels, jnp.asarray(10.0, dtype),
                               jnp.asarray(1e3, dtype))
     rtol = 1e-8 if x64 else 2e-5
+    # each level is placed QUANTILE_TIE above itself
+    placed = [u + nm.QUANTILE_TIE for u in levels]
     np.testing.assert_allclose(np.asarray(got[0]), [
-        math.exp(mu + sigma * NormalDist().inv_cdf(u)) for u in levels], rtol=rtol)
-    np.testing.assert_allclose(np.asarray(got[1]), np.interp(levels, probs, grid),
+        math.exp(mu + sigma * NormalDist().inv_cdf(u)) for u in placed], rtol=rtol)
+    np.testing.assert_allclose(np.asarray(got[1]), np.interp(placed, probs, grid),
                                rtol=rtol)
     np.testing.assert_allclose(np.asarray(outside), [10.0, 10.0], rtol=1e-3)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_quantile_on_a_flat_stretch_at_the_level_is_its_far_end(x64):
+    """Two steep logistics, 99 % of the mass in the first: between them the
+    CDF is 0.99 to rounding, so p99 could be anywhere along the flat. Both
+    precisions take its far end: where the second one's share reaches
+    ``QUANTILE_TIE`` of all, ``2 + s logit(1e-6 / 0.01)`` (by hand)."""
+    s = 1e-3
+    with jax.enable_x64(x64):
+        dtype = jnp.float64 if x64 else jnp.float32
+
+        def cdf(t):
+            return (0.99 * jax.nn.sigmoid((t - 1.0) / s)
+                    + 0.01 * jax.nn.sigmoid((t - 2.0) / s))
+
+        got = jax.jit(lambda lo, hi: nm.quantile(cdf, (0.5, 0.99), lo, hi))(
+            jnp.asarray(0.1, dtype), jnp.asarray(10.0, dtype))
+    u = nm.QUANTILE_TIE / 0.01
+    np.testing.assert_allclose(np.asarray(got, np.float64)[1],
+                               2.0 + s * math.log(u / (1.0 - u)), rtol=2e-5)
 
 
 def test_long_prompt_alone_is_the_exact_chunked_prefill(setup):
