@@ -67,11 +67,20 @@ def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
     dtype = service_s.dtype
     k = jnp.arange(WAIT_POINTS + 1, dtype=dtype)
     v = safe_div(probs * service_s, probs @ service_s)
-    # the band sum as a product with v, and one division per band: the
-    # elementwise sum over (WAIT_POINTS + 1, J) with a division in each was
-    # 3.4x slower under vmap on a CPU, the surrogate's costliest step
-    edge_cdf = jnp.clip(k[:, None] * (dt / jnp.maximum(span_s, 1e-30))[None, :],
-                        0.0, 1.0) @ v
+    # the CDF at lattice edge k is sum_j v_j min(1, k s_j), s_j = dt / y_j:
+    # the bands whose uniform ends at or before k (from m_j = ceil(1 / s_j),
+    # at least 1: the edge at 0 holds nothing) count whole, the others k s_j.
+    # Both are running sums over edges, each band entering once (the rising
+    # ones summed from the far end: a total less a running sum, times k,
+    # lost float32's precision); the surrogate's costliest step was this sum
+    # taken over every (edge, band) (benchmarks/README.md, "The wait
+    # lattice's band sum")
+    s = dt / jnp.maximum(span_s, 1e-30)
+    m = jnp.clip(jnp.ceil(1.0 / s), 1.0, WAIT_POINTS + 1.0).astype(jnp.int32)
+    ended = jnp.zeros(WAIT_POINTS + 2, dtype).at[m].add(v)
+    rising = jnp.zeros(WAIT_POINTS + 2, dtype).at[m].add(v * s)
+    edge_cdf = (jnp.cumsum(ended[:-1])
+                + k * jnp.cumsum(rising[::-1])[::-1][1:])
     mass = jnp.diff(edge_cdf)
     r = 0.5 * (mass + jnp.concatenate([jnp.zeros((1,), dtype), mass[:-1]]))
     return jnp.fft.fft((r * damp).astype(cdtype))
