@@ -123,6 +123,11 @@ def _prune(folder: Path, program: str) -> None:
 def call(fn, static: dict, *args):
     """``fn(*args, **static)``, jitted, through the exported program kept for
     these settings and arguments."""
+    # an exported program's results are committed to their device, and a
+    # committed argument lowers (and compiles) a program of its own: one fed
+    # back (the calibration's fitted constants) enters as a fresh one
+    args = jax.tree.map(lambda x: np.asarray(x) if getattr(x, "committed", False)
+                        else x, args)
     path = kept_path(fn, static, args)
     if path is None:
         return jitted(fn, **static)(*args)

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import hydra_context
+from hydra._internal.hydra import Hydra
 from hydra.types import RunMode
 
 import sweep
+from sweep.cli.commands import known_mode
 from sweep.config.resolve import compose_object, composed, composing_once, grid_options
 
 CONF = Path(sweep.__file__).parent.parent / "conf"
@@ -90,7 +92,14 @@ def test_composing_once_shares_one_composition():
     assert again[1].run_dir.startswith("outputs/") and again[1].mode is None
     # the run mode the console scripts hand to @hydra.main (commands.known_mode)
     with hydra_context():
-        assert composed("grid", ["hydra.mode=MULTIRUN"])[1].mode == RunMode.MULTIRUN
+        multirun = composed("grid", ["hydra.mode=MULTIRUN"])[1]
+    assert multirun.mode == RunMode.MULTIRUN
+    own = Hydra.get_mode
+    with known_mode(multirun):
+        assert Hydra.get_mode(None, "grid", []) == RunMode.MULTIRUN
+    assert Hydra.get_mode is own
+    with known_mode(None):  # no preflight: Hydra reads it itself
+        assert Hydra.get_mode is own
 
 
 @pytest.mark.parametrize("args, pattern", [

@@ -52,6 +52,22 @@ def test_a_kept_program_gives_the_traced_results():
     assert (path.stat().st_mtime_ns, path.read_bytes()) == written  # read, not rebuilt
     for got in (first, second):
         jax.tree.map(np.testing.assert_array_equal, got, traced)
+    # arguments committed to a device (a kept program's own results are) run
+    # the program compiled for fresh ones: nothing is lowered and compiled
+    compiled = []
+
+    def listen(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    committed = jax.device_put(args, jax.devices()[0])
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        again = exported.call(_program, {"offset": 1.0}, *committed)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, again), traced)
+    assert compiled == []
     # a file that is not a program is rebuilt, not trusted
     path.write_bytes(b"not a program")
     exported._programs.clear()

@@ -36,7 +36,13 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from sweep.config.resolve import composed, composing_once, config_yaml, stash_lists
+from sweep.config.resolve import (
+    HydraSettings,
+    composed,
+    composing_once,
+    config_yaml,
+    stash_lists,
+)
 from sweep.config.store import register_configs, resolve_lists_to_nodes
 from sweep.cube import outputs
 from sweep.cube.outputs import OutputError
@@ -97,8 +103,8 @@ class Command:
         compilation cache is on from the start: the preflight's checks may
         compile small programs too (``sweep-optimize``'s did, uncached)."""
         enable_compilation_cache()
-        self._checked, mode = start(self.name, self.app, self.check, **self._place)
-        with known_mode(mode):
+        self._checked, hydra = start(self.name, self.app, self.check, **self._place)
+        with known_mode(hydra):
             hydra_app()
 
     def prepared(self):
@@ -127,44 +133,36 @@ def start(command: str, app: str, check, *, kind: str | None, default_name: str,
     (``place_run``), all before Hydra creates a run directory.
 
     Returns:
-      What ``check`` returned and Hydra's run mode setting (``hydra_mode``),
-      or ``(None, SKIPPED)`` when Hydra's own flags skip the preflight.
+      What ``check`` returned and Hydra's settings in the composition
+      (``sweep.config.resolve.HydraSettings``), or ``(None, None)`` when
+      Hydra's own flags skip the preflight.
     """
     argv = stash_lists(sys.argv[1:])
     if "--resolve" in argv:  # Hydra then resolves the config in place
         resolve_lists_to_nodes()
-    checked, placement, mode = preflight(command, app, argv, check, partial(
+    checked, placement, hydra = preflight(command, app, argv, check, partial(
         place_run, command=command, kind=kind, default_name=default_name,
-        resume=resume), hydra_mode)
+        resume=resume), lambda app, argv: composed(app, argv)[1])
     sys.argv[1:] = argv + (placement or [])
-    return checked, SKIPPED if placement is None else mode
-
-
-SKIPPED = object()
-"""``start``'s run mode when the preflight did not compose the config."""
-
-
-def hydra_mode(app: str, argv: list[str]) -> RunMode | None:
-    """The config's ``hydra.mode`` (None unless a config or override sets it)."""
-    return composed(app, argv)[1].mode
+    return checked, hydra
 
 
 @contextmanager
-def known_mode(mode) -> Iterator[None]:
-    """Within: Hydra takes ``mode`` (``hydra_mode``) as the config's run mode.
+def known_mode(hydra: HydraSettings | None) -> Iterator[None]:
+    """Within: Hydra takes ``hydra.mode`` as the config's run mode.
 
     Before the run's own composition, ``@hydra.main`` composes the whole
     config once more only to read ``hydra.mode`` (``Hydra.get_mode``): 0.5 s
     of a 4.4 s warm ``sweep-grid`` on a 2-core CPU. The preflight has read it
     from the same command line (the run's placement overrides only
     ``hydra.run``, ``hydra.output_subdir`` and ``hydra/job_logging``).
-    ``SKIPPED``: Hydra reads it itself.
+    None (no preflight): Hydra reads it itself.
     """
     from hydra._internal.hydra import Hydra
 
     own = Hydra.get_mode
-    if mode is not SKIPPED:
-        Hydra.get_mode = lambda self, config_name, overrides: mode
+    if hydra is not None:
+        Hydra.get_mode = lambda self, config_name, overrides: hydra.mode
     try:
         yield
     finally:

@@ -219,10 +219,7 @@ def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
 def predict(hw, model, log_c, steps: Steps | None, runs: Runs | None) -> dict:
     """Predictions at the fitted constants: per-step seconds, which rows are
     memory- and compute-bound, and the runs' metrics."""
-    # one program for every call: a fit's own output is a committed array, which
-    # would otherwise trace (and compile) the prediction a second time
-    return exported.call(_predict, {}, hw, model, np.asarray(log_c, np.float32),
-                         steps, runs)
+    return exported.call(_predict, {}, hw, model, log_c, steps, runs)
 
 
 def _predict(hw, model, log_c, steps: Steps | None, runs: Runs | None):
