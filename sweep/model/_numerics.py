@@ -157,7 +157,16 @@ its far end, at either precision; elsewhere the quantile moves by about
 ``1e-6 / density``."""
 
 
-def quantile(cdf, levels, lo, hi, iters=32):
+def halvings(dtype) -> int:
+    """Bisection steps that take a bracket of ``log t`` down to the precision's
+    resolution: 24 in float32, whose mantissa holds 24 bits (a bracket of
+    ``e^16`` ends 16 / 2^25 = 5e-7 wide, about an ulp of ``log t`` at
+    ``|log t|`` of 4; further halvings change nothing), and 32 in float64
+    (3e-9 of a bracket of ``e^14``: past what every test compares)."""
+    return min(32, jnp.finfo(dtype).nmant + 1)
+
+
+def quantile(cdf, levels, lo, hi, iters=None):
     """Quantiles of a smooth CDF on ``[lo, hi]`` (``0 < lo``), several at once.
 
     Bisection in ``log t`` without gradients, then ``implicit_step`` so that
@@ -166,7 +175,11 @@ def quantile(cdf, levels, lo, hi, iters=32):
     Args:
       cdf: maps times of shape ``levels.shape`` to probabilities, elementwise.
       levels: probabilities, shape ``(L,)`` (static values).
+      iters: halvings of the bracket (static; default ``halvings`` of the
+        bracket's precision).
     """
+    if iters is None:
+        iters = halvings(jnp.result_type(lo, hi))
     levels = jnp.asarray(levels)
     log_lo = jnp.log(jax.lax.stop_gradient(lo)) + jnp.zeros_like(levels)
     log_hi = jnp.log(jax.lax.stop_gradient(hi)) + jnp.zeros_like(levels)

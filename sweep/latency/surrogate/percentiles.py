@@ -257,11 +257,12 @@ def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
     return jnp.clip(jnp.asarray(ttft_ok @ wl.joint_probs @ gaps_ok, dtype), 0.0, 1.0)
 
 
-E2E_BISECTIONS = 20
-"""Halvings of the E2E quantiles' bracket (in log time): within ~1e-5 of
-the 32 of TTFT and ITL. Their CDF evaluates the TTFT law at every output
-band, and at 32 its bisection was two thirds of the surrogate's time; E2E
-is reported, never held to a target."""
+E2E_BISECTIONS = 16
+"""Halvings of the E2E quantiles' bracket (in log time): within 1.4e-4 of
+the quantile (1.3e-4 at most from 20 halvings over 12,288 configurations of
+three workloads in float32, ``benchmarks/README.md``). Their CDF evaluates
+the TTFT law at every output band, and at 32 its bisection was two thirds
+of the surrogate's time; E2E is reported, never held to a target."""
 
 
 def e2e_quantiles(ttft_band_cdf, wl, gap_s, lo, hi):
