@@ -159,10 +159,11 @@ its far end, at either precision; elsewhere the quantile moves by about
 
 def halvings(dtype) -> int:
     """Bisection steps that take a bracket of ``log t`` down to the precision's
-    resolution: 24 in float32, whose mantissa holds 24 bits (a bracket of
-    ``e^16`` ends 16 / 2^25 = 5e-7 wide, about an ulp of ``log t`` at
-    ``|log t|`` of 4; further halvings change nothing), and 32 in float64
-    (3e-9 of a bracket of ``e^14``: past what every test compares)."""
+    resolution: 24 in float32, whose mantissa holds 24 bits (the midpoint of
+    a bracket of ``e^16`` is then within 16 / 2^25 = 5e-7 of the root, an
+    ulp of ``log t`` at ``|log t|`` of 4; further halvings change nothing),
+    and 32 in float64 (within 2e-9 for a bracket of ``e^14``: past what
+    every test compares)."""
     return min(32, jnp.finfo(dtype).nmant + 1)
 
 
