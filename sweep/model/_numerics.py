@@ -62,14 +62,14 @@ def smooth_max(a, b, scale):
     return jnp.maximum(a, b) + softplus(-jnp.abs(a - b), scale)
 
 
-def ste_ceil(x):
-    """``ceil(x)`` in value with the gradient of ``x`` (straight-through).
+def straight_through(value, x):
+    """``value`` with the gradient of ``x`` (straight-through).
 
     A chunk count is an integer, and rounding it matters to the step count
     (every step reads the weights once); the optimiser still needs the
     derivative of the continuous relaxation, which this passes through.
     """
-    return x + jax.lax.stop_gradient(jnp.ceil(x) - x)
+    return x + jax.lax.stop_gradient(value - x)
 
 
 def slack(one_minus_rho, scale=0.01, floor=1e-3, max_over=9.0):

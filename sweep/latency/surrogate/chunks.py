@@ -25,7 +25,7 @@ from sweep.model import roofline
 from sweep.model._numerics import (
     smooth_max,
     softplus,
-    ste_ceil,
+    straight_through,
 )
 
 
@@ -129,7 +129,7 @@ class Prefill(NamedTuple):
     """Prefill work per prompt band beside ``n`` decodes (arrays of shape (J,))."""
 
     alone_s: jax.Array  # prefilled alone: the exact chunked sum
-    chunks: jax.Array  # ceil(P / b), value of ceil, slope of P / b
+    chunks: jax.Array  # ceil(P / b) (roofline.prefill_chunks), slope of P / b
     alone_ramp: Ramp  # its ceil(P / b) equal chunks
     fluid_s: jax.Array  # under a queue: P / b full-budget chunks
     fluid_ramp: Ramp
@@ -147,7 +147,7 @@ def prefill_work(hw, model, tp, wl, decodes, token_budget, prompt_tokens, spec_t
     alone, _, _ = roofline.chunked_prefill(hw, model, tp, decodes, ctx,
                                            prompt_tokens + cached_tokens, b,
                                            spec_tokens, cached_tokens)
-    k = ste_ceil(prompt_tokens / b)
+    k = straight_through(roofline.prefill_chunks(prompt_tokens, b), prompt_tokens / b)
     m = prompt_tokens / k
     alone_ramp = chunk_ramp(hw, model, tp, decodes, ctx, m, prompt_tokens - m,
                             spec_tokens, cached_tokens)
