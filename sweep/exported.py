@@ -4,15 +4,17 @@ JAX's persistent compilation cache keys on the lowered program, so every run
 traces and lowers a program before it can find its compiled code there: for
 the optax search of ``sweep-optimize`` that is 3-4 s of each run on a 2-core
 CPU, for ``sweep-calibrate``'s fit 6-7 s (benchmarks/README.md, "Tracing the
-search, skipped"). ``call`` keeps the lowered program itself (``jax.export``,
-serialized) in an ``exported`` folder of the compilation cache, under a key
-of everything the trace depends on: the function's name and static keyword
-arguments, the package's source, the versions of JAX, jaxlib, NumPy and
-optax, the backend, the x64 setting and the arguments' tree and shapes. A
-rerun reads it back and calls it; the compilation cache then holds its
-compiled code as for any program. The results are the traced program's, bit
-for bit (``tests/test_exported.py``). The newest ``KEEP`` programs of each
-function are kept.
+search, skipped"); for a grid's block program (``sweep.grid.evaluate``)
+0.6-1.1 s a part. ``call`` (and ``program``) keeps the lowered program
+itself (``jax.export``, serialized) in an ``exported`` folder of the
+compilation cache, under a key of everything the trace depends on: the
+function's name and static keyword arguments (``describe``: a point
+function by its code and what it closes over), the package's source, the
+versions of JAX, jaxlib, NumPy and optax, the backend, the x64 setting and
+the arguments' tree and shapes. A rerun reads it back and calls it; the
+compilation cache then holds its compiled code as for any program. The
+results are the traced program's, bit for bit (``tests/test_exported.py``).
+The newest ``KEEP`` programs of each function are kept.
 
 A program's arguments may be NamedTuples (registered for serialization by
 their qualified names as they are met); its result must be built of tuples,
@@ -23,14 +25,17 @@ simply called.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import hashlib
+import marshal
+import types
 from importlib import metadata
 from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 from jax import export
 
 from sweep.cube import outputs
@@ -49,7 +54,7 @@ def _environment() -> str:
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return repr((h.hexdigest(), jax.__version__, metadata.version("jaxlib"),
-                 np.__version__, optax.__version__, jax.default_backend()))
+                 np.__version__, metadata.version("optax"), jax.default_backend()))
 
 
 def _register(tree) -> None:
@@ -76,7 +81,7 @@ def _jitted(fn, static: tuple) -> jax.stages.Wrapped:
     return jax.jit(functools.partial(fn, **dict(static)))
 
 
-def jitted(fn, **static) -> jax.stages.Wrapped:
+def jitted(fn, /, **static) -> jax.stages.Wrapped:
     """``fn`` with its ``static`` keyword arguments, jitted (once per value)."""
     return _jitted(fn, _static(static))
 
@@ -86,12 +91,49 @@ def name(fn) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
+def describe(obj) -> str:
+    """Text that names ``obj`` the same in every process, for a key: values,
+    enums, tuples, lists and frozensets of them, frozen dataclasses (by their
+    class and fields), functions (by their module, name, code and what they
+    close over) and meshes (by their axes; the devices' kind is the key's
+    backend). Raises ``TypeError`` for anything else, e.g. an array a
+    function closes over: a program whose trace depends on data is not kept.
+    """
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return repr(obj)
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__qualname__}.{obj.name}"
+    if isinstance(obj, tuple | list):
+        return "(" + ", ".join(map(describe, obj)) + ")"
+    if isinstance(obj, frozenset):
+        return "{" + ", ".join(sorted(map(describe, obj))) + "}"
+    if isinstance(obj, types.FunctionType):
+        # the code itself: a function outside the package (whose source the
+        # key does not hash) changes its key when it changes
+        code = hashlib.sha256(marshal.dumps(obj.__code__)).hexdigest()[:16]
+        cells = tuple(c.cell_contents for c in obj.__closure__ or ())
+        return (f"{obj.__module__}.{obj.__qualname__}[{code}]"
+                f"{describe((cells, obj.__defaults__, obj.__kwdefaults__))}")
+    if isinstance(obj, dict):
+        return describe(sorted(obj.items()))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        call = getattr(type(obj), "__call__", None)
+        fields = tuple((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        return (f"{type(obj).__module__}.{type(obj).__qualname__}"
+                f"{describe(call) if isinstance(call, types.FunctionType) else ''}"
+                f"{describe(fields)}")
+    if isinstance(obj, jax.sharding.Mesh):
+        return f"Mesh({describe(tuple(obj.axis_sizes))}, {describe(obj.axis_names)})"
+    raise TypeError(f"{type(obj).__qualname__}: no description across processes")
+
+
 def key(program: str, static, args) -> str:
-    """The key of ``program``'s trace for these static settings and arguments."""
+    """The key of ``program``'s trace for these static settings and arguments
+    (``TypeError``: settings that ``describe`` cannot name)."""
     leaves, treedef = jax.tree.flatten(args)
     shapes = [(np.shape(x), str(jax.numpy.result_type(x)),
                bool(getattr(x, "weak_type", False))) for x in leaves]
-    parts = (program, repr(static), _environment(),
+    parts = (program, describe(static), _environment(),
              bool(jax.config.jax_enable_x64), str(treedef), repr(shapes))
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
@@ -102,11 +144,16 @@ def _folder() -> Path | None:
 
 
 def kept_path(fn, static: dict, args) -> Path | None:
-    """Where ``fn``'s program for these arguments is kept (None: no folder)."""
+    """Where ``fn``'s program for these arguments is kept (None: no folder, or
+    static settings with no description across processes)."""
     folder = _folder()
     if folder is None:
         return None
-    return folder / f"{name(fn)}-{key(name(fn), _static(static), args)}.bin"
+    try:
+        k = key(name(fn), _static(static), args)
+    except TypeError:
+        return None
+    return folder / f"{name(fn)}-{k}.bin"
 
 
 KEEP = 8
@@ -128,11 +175,23 @@ def call(fn, static: dict, *args):
     # back (the calibration's fitted constants) enters as a fresh one
     args = jax.tree.map(lambda x: np.asarray(x) if getattr(x, "committed", False)
                         else x, args)
+    return program(fn, static, args)(*args)
+
+
+def program(fn, static: dict, args):
+    """``fn`` with ``static``, jitted, for arguments like ``args``: the
+    exported program kept for them (read back, or traced and kept now), or
+    the plain jit without a folder to keep it in.
+
+    Its arguments are taken as they are: a caller that places them (on a
+    mesh) places them alike at every call, since a committed argument
+    lowers a program of its own (``call`` hands over fresh ones).
+    """
     path = kept_path(fn, static, args)
     if path is None:
-        return jitted(fn, **static)(*args)
-    program = _programs.get(path.name)
-    if program is None:
+        return jitted(fn, **static)
+    kept = _programs.get(path.name)
+    if kept is None:
         _register(args)
         exp = None
         if path.exists():
@@ -147,5 +206,5 @@ def call(fn, static: dict, *args):
                 _prune(path.parent, name(fn))
             except OSError:  # a read-only or full cache folder: run uncached
                 pass
-        program = _programs[path.name] = jax.jit(exp.call)
-    return program(*args)
+        kept = _programs[path.name] = jax.jit(exp.call)
+    return kept

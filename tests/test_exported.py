@@ -127,3 +127,37 @@ def test_the_newest_programs_of_a_name_are_kept():
 def _pruned(p: Pair, x, *, offset: float):
     """Another function than ``_program``: its own programs to prune."""
     return _program(p, x, offset=offset)
+
+
+def _closing_over(value):
+    def point(x):
+        return x * value
+    return point
+
+
+def test_a_program_is_described_by_its_code_and_what_it_closes_over():
+    """A grid's point functions are closures and dataclasses (static
+    arguments of its block program): the same function and values describe
+    alike in every process, another value otherwise; one that closes over
+    an array is not kept (its trace depends on the data)."""
+    from sweep.cube import contract
+    from sweep.grid.evaluate import Named
+    from sweep.latency.p99 import SurrogatePoint
+    from sweep.model.point import point_function
+
+    plain, sensitive = (point_function(frozenset(o))
+                        for o in ((), {contract.SENSITIVITY_OPTION}))
+    assert exported.describe(Named(plain, ("a",))) == exported.describe(
+        Named(point_function(frozenset()), ("a",)))
+    described = {exported.describe(x) for x in (
+        Named(plain, ("a",)), Named(sensitive, ("a",)), Named(plain, ("b",)),
+        SurrogatePoint(False), SurrogatePoint(True), _closing_over(2.0),
+        _closing_over(3.0), _closing_over(True))}
+    assert len(described) == 8
+    args = (Pair(jnp.float32(0.5), jnp.ones((2, 3), jnp.float32)),
+            jnp.ones(3, jnp.float32))
+    data = _closing_over(np.ones(3))
+    with np.testing.assert_raises(TypeError):
+        exported.describe(data)
+    assert exported.kept_path(_program, {"offset": data}, args) is None
+    assert exported.kept_path(_program, {"offset": 2.0}, args) is not None

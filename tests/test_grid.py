@@ -11,6 +11,7 @@ from helpers import grid_job
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sweep import exported
 from sweep.grid.evaluate import (
     MIN_CHUNK_BYTES,
     blocking,
@@ -54,13 +55,22 @@ def _cube(part):
     return out
 
 
+def _block_programs() -> dict[str, int]:
+    """The block programs this process holds (``sweep.exported`` keeps them
+    beside the session's compilation cache), each with the signatures it
+    compiled."""
+    return {k: p._cache_size() for k, p in exported._programs.items()
+            if k.startswith(exported.name(evaluate_regions))}
+
+
 @pytest.fixture(scope="module")
 def cube(job):
-    """The part's cube, block by block, from an empty compilation cache; and how
-    many programs that compiled."""
-    evaluate_regions.clear_cache()
+    """The part's cube, block by block, from no block program in the process;
+    and the programs that compiled."""
+    for k in _block_programs():
+        del exported._programs[k]
     values = _cube(job.parts[0])
-    return values, evaluate_regions._cache_size()
+    return values, _block_programs()
 
 
 def test_vmap_equals_python_loop_over_points(job, cube):
@@ -90,9 +100,9 @@ def test_several_blocks_one_compiled_shape(job, cube):
     # the last blocks overhang the cube: padded to the one shape, not recompiled
     assert any(tuple(r.stop - r.start for r in plan.region(b)) != plan.chunks
                for b in range(len(plan)))
-    assert compiled == 1
+    assert list(compiled.values()) == [1]
     list(_blocks(job.parts[0]))  # a second sweep compiles nothing
-    assert evaluate_regions._cache_size() == 1
+    assert _block_programs() == compiled
 
 
 def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job, cube):

@@ -18,9 +18,11 @@ import pytest
 import xarray as xr
 from helpers import grid_job, run_script, script
 
+from sweep import exported
 from sweep.cube import outputs, results
 from sweep.errors import ConfigError
 from sweep.grid import job as grid
+from sweep.grid.evaluate import evaluate_regions
 
 ARGS = ["grid=small", "hardware=h100_sxm", "model=qwen3_8b", "latency=surrogate",
         "grid.chunk_points=12"]
@@ -168,7 +170,10 @@ def test_three_shards_at_once_equal_one_process(reference, tmp_path):
     xr.testing.assert_identical(_values(ds), reference)
     assert "shard" not in attrs["hydra_overrides"]
     assert "shard: null" in attrs["config_yaml"]
-    assert any(p.name.startswith("jit_evaluate_region") for p in cache.iterdir())
+    # the block program, kept traced (``sweep.exported``) and compiled
+    assert any((cache / "exported").glob(
+        f"{exported.name(evaluate_regions)}-*.bin"))
+    assert any(p.name.startswith("jit_call") for p in cache.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()
                   if p.name not in ("outputs", "jax")) == ["s.zarr"]
 

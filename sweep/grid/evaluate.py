@@ -54,6 +54,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sweep import exported
 from sweep.cube import contract
 
 
@@ -269,13 +270,13 @@ BLOCKS = "blocks"
 """The mesh axis that blocks are spread over."""
 
 
-@partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims", "mesh",
-                                   "flat"))
-def evaluate_regions(fn: Callable, axes: tuple, tables: tuple, starts, *,
+def evaluate_regions(axes: tuple, tables: tuple, starts, *, fn: Callable,
                      shape: tuple[int, ...], chunks: tuple[int, ...],
                      table_dims: tuple[tuple[int, ...], ...], mesh: Mesh,
                      flat: bool = False):
-    """``evaluate_region`` for one block per device of ``mesh``, at once.
+    """``evaluate_region`` for one block per device of ``mesh``, at once
+    (traced, not compiled, here: ``iterate_blocks`` runs it through
+    ``sweep.exported.program``).
 
     Each device runs the one-block program on its own row of ``starts``
     (``shard_map``): the program a device runs does not depend on how many
@@ -332,15 +333,21 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
     axes, tables = jax.device_put((axes, tables), NamedSharding(mesh, P()))
     values, left = {}, {b: len(within) for b, (_, within) in todo.items()}
     groups = [units[i:i + len(devices)] for i in range(0, len(units), len(devices))]
+    static = dict(fn=fn, shape=plan.shape, chunks=batch, table_dims=table_dims,
+                  mesh=mesh, flat=flat)
+    run = None
 
     def dispatch(group):
+        nonlocal run
         group = group + [group[-1]] * (len(devices) - len(group))  # padding, dropped
         starts = np.array([[r.start + q.start for r, q in
                             zip(todo[b][0], todo[b][1].region(s))]
                            for b, s in group], np.int32)
-        return evaluate_regions(fn, axes, tables, starts, shape=plan.shape,
-                                chunks=batch, table_dims=table_dims, mesh=mesh,
-                                flat=flat)
+        if run is None:
+            # the program kept beside the compilation cache: a rerun skips
+            # tracing it (``sweep.exported``)
+            run = exported.program(evaluate_regions, static, (axes, tables, starts))
+        return run(axes, tables, starts)
 
     # write blocks of several (small) batches: the next batch is dispatched
     # before this one is copied to the host and assembled, so the devices do
