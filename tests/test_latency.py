@@ -480,14 +480,12 @@ def test_quantile_on_a_flat_stretch_at_the_level_is_its_far_end(x64):
                                2.0 + s * math.log(u / (1.0 - u)), rtol=2e-5)
 
 
-def test_float32_p99s_are_float64s_on_a_public_trace():
-    """The surrogate as the console scripts run it (float32) against float64
-    on azure_code_2023's lengths at 0.053 req/s, concurrency 8, budget 512:
-    a configuration whose E2E CDF is flat at p99 (within 1.6e-8, the
-    length bands' edge at 0.99), where float32 read E2E p99 13 % below
-    float64 before ``QUANTILE_TIE``; every p99 within 0.5 %."""
+def _float32_and_float64(workload: str, concurrency, budget, rate):
+    """The surrogate on H100 x Qwen3-8B x ``workload`` at these points (TP
+    1, the default SLOs), batched as the console scripts run it, in float32
+    and in float64: ``{x64: {output: (points,)}}``."""
     app = h.compose_app("grid", ["hardware=h100_sxm", "model=qwen3_8b",
-                                 "workload=azure_code_2023"])
+                                 f"workload={workload}"])
     tables = workload_tables(app.workload)
     got = {}
     for x64 in (False, True):
@@ -497,10 +495,24 @@ def test_float32_p99s_are_float64s_on_a_public_trace():
             hw, model = cast(hardware_params(app.hardware, 0.9)), cast(
                 model_params(app.model))
             wl = cast(latency_workload(tables))
-            point = (1.0, 8.0, 512.0, 0.053, app.slo.ttft_p99_s, app.slo.itl_p99_s)
-            out = jax.jit(surrogate, compiler_options=LEVEL0)(
-                hw, model, wl, *(jnp.asarray(v, dtype) for v in point))
-            got[x64] = {k: float(v) for k, v in out.items()}
+
+            def one(c, b, r, hw=hw, model=model, wl=wl):
+                return surrogate(hw, model, wl, 1.0, c, b, r, app.slo.ttft_p99_s,
+                                 app.slo.itl_p99_s)
+
+            out = jax.jit(jax.vmap(one), compiler_options=LEVEL0)(
+                *(jnp.asarray(v, dtype) for v in (concurrency, budget, rate)))
+            got[x64] = {k: np.asarray(v, np.float64) for k, v in out.items()}
+    return got
+
+
+def test_float32_p99s_are_float64s_on_a_public_trace():
+    """The surrogate as the console scripts run it (float32) against float64
+    on azure_code_2023's lengths at 0.053 req/s, concurrency 8, budget 512:
+    a configuration whose E2E CDF is flat at p99 (within 1.6e-8, the
+    length bands' edge at 0.99), where float32 read E2E p99 13 % below
+    float64 before ``QUANTILE_TIE``; every p99 within 0.5 %."""
+    got = _float32_and_float64("azure_code_2023", [8.0], [512.0], [0.053])
     for k in ("ttft_p99_s", "itl_p99_s", "e2e_p99_s", "ttft_p50_s", "e2e_p50_s"):
         np.testing.assert_allclose(got[False][k], got[True][k], rtol=5e-3, err_msg=k)
 
@@ -514,27 +526,10 @@ def test_float32_p99s_are_float64s_at_a_chunk_count_jump():
     bisection took for its root (p99 TTFT up to 24 % below float64 in 9 of
     2,048 configurations, ``benchmarks/surrogate_precision.py``). Now both
     count ``roofline.prefill_chunks``; every p99 within 0.5 %."""
-    app = h.compose_app("grid", ["hardware=h100_sxm", "model=qwen3_8b",
-                                 "workload=seed_chat"])
-    tables = workload_tables(app.workload)
-    conc = [64.0, 64.0, 32.0, 32.0, 64.0, 32.0, 64.0, 64.0, 64.0]
     rate = [5.4209, 5.4713, 5.4352, 5.5346, 5.54, 5.4755, 5.4877, 5.5047, 5.4213]
-    got = {}
-    for x64 in (False, True):
-        with jax.enable_x64(x64):
-            dtype = jnp.float64 if x64 else jnp.float32
-            cast = partial(jax.tree.map, lambda v: jnp.asarray(v, dtype))
-            hw, model = cast(hardware_params(app.hardware, 0.9)), cast(
-                model_params(app.model))
-            wl = cast(latency_workload(tables))
-
-            def one(c, r, hw=hw, model=model, wl=wl):
-                return surrogate(hw, model, wl, 1.0, c, 512.0, r,
-                                 app.slo.ttft_p99_s, app.slo.itl_p99_s)
-
-            out = jax.jit(jax.vmap(one), compiler_options=LEVEL0)(
-                jnp.asarray(conc, dtype), jnp.asarray(rate, dtype))
-            got[x64] = {k: np.asarray(v, np.float64) for k, v in out.items()}
+    got = _float32_and_float64(
+        "seed_chat", [64.0, 64.0, 32.0, 32.0, 64.0, 32.0, 64.0, 64.0, 64.0],
+        [512.0] * len(rate), rate)
     for k in ("ttft_p99_s", "itl_p99_s", "e2e_p99_s", "ttft_p50_s",
               "prefill_utilization"):
         np.testing.assert_allclose(got[False][k], got[True][k], rtol=5e-3, err_msg=k)
