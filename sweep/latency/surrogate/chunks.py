@@ -125,6 +125,14 @@ def ramp_cdf(t, ramp: Ramp, scale):
             + (1.0 - ramp.w_low) * uniform_cdf(t, ramp.f1, ramp.f2, scale))
 
 
+def ramp_sf(t, ramp: Ramp, scale):
+    """``1 - ramp_cdf``, summed from its own terms (a uniform plus a
+    symmetric logistic mirrored): in float32 the complement of a CDF near 1
+    keeps only its rounding, 6e-8."""
+    return (ramp.w_low * uniform_cdf(-t, -ramp.f1, -ramp.f0, scale)
+            + (1.0 - ramp.w_low) * uniform_cdf(-t, -ramp.f2, -ramp.f1, scale))
+
+
 class Prefill(NamedTuple):
     """Prefill work per prompt band beside ``n`` decodes (arrays of shape (J,))."""
 

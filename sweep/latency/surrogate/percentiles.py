@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sweep.latency.surrogate.bursts import at_window
-from sweep.latency.surrogate.chunks import Prefill, ramp_cdf
+from sweep.latency.surrogate.chunks import Prefill, ramp_cdf, ramp_sf
 from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
 from sweep.latency.surrogate.state import State
 from sweep.latency.surrogate.waiting import WAIT_POINTS, Wait, wait_cdf_beyond_zero
@@ -120,7 +120,8 @@ def _full_step(st: State, wl):
 
 def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
             trace_gaps):
-    """ITL: the CDF (a function), its bracket and the per-gap slow probabilities.
+    """ITL: the CDF and its complement (functions), its bracket and the
+    per-gap slow probabilities.
 
     Args:
       d_pre: the slope of ``st.pre`` in the number of decodes (no gradient).
@@ -129,7 +130,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         or None: no workload of the program has one.
 
     Returns:
-      ``(cdf, lo, hi, parts)`` where ``parts`` maps an SLO to the decode steps'
+      ``(cdf, sf, lo, hi, parts)`` where ``parts`` maps an SLO to the decode steps'
       exceedance and the per-band probability that a prompt's chunk ramp
       exceeds it (for goodput).
     """
@@ -232,6 +233,12 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         chunk_part = ramp_cdf(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
         return (1.0 - mixed) * decode_part + mixed * chunk_part / total
 
+    def sf(t):  # 1 - cdf, from its own terms
+        tt = t[:, None]
+        decode_part = jax.nn.sigmoid((dec[None, :] - tt) / dec_scale[None, :]) @ dec_w
+        chunk_part = ramp_sf(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
+        return (1.0 - mixed) * decode_part + mixed * chunk_part / total
+
     def slow(slo):
         """Exceedance of one decode gap; per band, P(a prompt slows a decoder)."""
         t = slo[None]
@@ -242,7 +249,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
 
     hi = jnp.maximum(jnp.max(dec + 40.0 * dec_scale),
                      jnp.max(ramps.f2 + 40.0 * ramp_scale))
-    return cdf, 0.25 * jnp.min(dec), hi, slow
+    return cdf, sf, 0.25 * jnp.min(dec), hi, slow
 
 
 def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
