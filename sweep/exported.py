@@ -5,7 +5,7 @@ traces and lowers a program before it can find its compiled code there: for
 the optax search of ``sweep-optimize`` that is 3-4 s of each run on a 2-core
 CPU, for ``sweep-calibrate``'s fit 6-7 s (benchmarks/README.md, "Tracing the
 search, skipped"); for a grid's block program (``sweep.grid.evaluate``)
-0.6-1.1 s a part. ``call`` (and ``program``) keeps the lowered program
+0.8-1.1 s a part. ``call`` (and ``program``) keeps the lowered program
 itself (``jax.export``, serialized) in an ``exported`` folder of the
 compilation cache, under a key of everything the trace depends on: the
 function's name and static keyword arguments (``describe``: a point
