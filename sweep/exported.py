@@ -114,8 +114,6 @@ def describe(obj) -> str:
         cells = tuple(c.cell_contents for c in obj.__closure__ or ())
         return (f"{obj.__module__}.{obj.__qualname__}[{code}]"
                 f"{describe((cells, obj.__defaults__, obj.__kwdefaults__))}")
-    if isinstance(obj, dict):
-        return describe(sorted(obj.items()))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         call = getattr(type(obj), "__call__", None)
         fields = tuple((f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))

@@ -525,7 +525,7 @@ def test_float32_p99s_are_float64s_at_a_chunk_count_jump():
     and the chunked prefill 3: a spike in Little's law there that the
     bisection took for its root (p99 TTFT up to 24 % below float64 in 9 of
     2,048 configurations, ``benchmarks/surrogate_precision.py``). Now both
-    count ``roofline.prefill_chunks``; every p99 within 0.5 %."""
+    count ``roofline.chunked_prefill``'s steps; every p99 within 0.5 %."""
     rate = [5.4209, 5.4713, 5.4352, 5.5346, 5.54, 5.4755, 5.4877, 5.5047, 5.4213]
     got = _float32_and_float64(
         "seed_chat", [64.0, 64.0, 32.0, 32.0, 64.0, 32.0, 64.0, 64.0, 64.0],

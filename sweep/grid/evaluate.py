@@ -333,21 +333,22 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
     axes, tables = jax.device_put((axes, tables), NamedSharding(mesh, P()))
     values, left = {}, {b: len(within) for b, (_, within) in todo.items()}
     groups = [units[i:i + len(devices)] for i in range(0, len(units), len(devices))]
-    static = dict(fn=fn, shape=plan.shape, chunks=batch, table_dims=table_dims,
-                  mesh=mesh, flat=flat)
-    run = None
+
+    def starts_of(group):
+        group = group + [group[-1]] * (len(devices) - len(group))  # padding, dropped
+        return np.array([[r.start + q.start for r, q in
+                          zip(todo[b][0], todo[b][1].region(s))]
+                         for b, s in group], np.int32)
+
+    # the program kept beside the compilation cache: a rerun skips tracing
+    # it (``sweep.exported``)
+    run = exported.program(
+        evaluate_regions, dict(fn=fn, shape=plan.shape, chunks=batch,
+                               table_dims=table_dims, mesh=mesh, flat=flat),
+        (axes, tables, starts_of(groups[0])))
 
     def dispatch(group):
-        nonlocal run
-        group = group + [group[-1]] * (len(devices) - len(group))  # padding, dropped
-        starts = np.array([[r.start + q.start for r, q in
-                            zip(todo[b][0], todo[b][1].region(s))]
-                           for b, s in group], np.int32)
-        if run is None:
-            # the program kept beside the compilation cache: a rerun skips
-            # tracing it (``sweep.exported``)
-            run = exported.program(evaluate_regions, static, (axes, tables, starts))
-        return run(axes, tables, starts)
+        return run(axes, tables, starts_of(group))
 
     # write blocks of several (small) batches: the next batch is dispatched
     # before this one is copied to the host and assembled, so the devices do

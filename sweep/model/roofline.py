@@ -516,29 +516,6 @@ def run_s(lines: StepLines, split, steps):
     return sum_linear(0.0, k, a, s) + sum_linear(k, steps, b, r) + steps * lines.fixed_s
 
 
-def prefill_split(left_tokens, token_budget):
-    """``(full, rest)``: a prefill of ``left_tokens`` at ``token_budget`` a
-    step is ``full`` full chunks and a last one of ``rest`` tokens (none
-    where ``rest <= 0``), ``full + (rest > 0)`` chunks in all.
-
-    That count does not depend on how the division rounds: at a ratio within
-    rounding of an integer ``k``, rounded up it is ``k`` full chunks and no
-    rest, rounded down ``k - 1`` and a full-size rest. ``ceil`` of the ratio
-    did: XLA divides by a reciprocal multiply in some fusions, and a float32
-    program read 1,500 tokens at a budget of exactly 500 as 4 chunks where
-    ``chunked_prefill`` summed 3 (``benchmarks/README.md``, "The surrogate
-    in float32 against float64").
-    """
-    full = jnp.floor(left_tokens / token_budget)
-    return full, left_tokens - full * token_budget
-
-
-def prefill_chunks(left_tokens, token_budget):
-    """The chunks of a prefill of ``left_tokens`` (``prefill_split``)."""
-    full, rest = prefill_split(left_tokens, token_budget)
-    return full + jnp.where(rest > 0, 1.0, 0.0)
-
-
 def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
                     token_budget, spec_tokens=0.0, cached_tokens=0.0):
     """A long prompt prefilled in ``token_budget`` chunks beside running decodes.
@@ -559,7 +536,9 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
       users see).
     """
     b = token_budget
-    full, rest = prefill_split(prompt_tokens - cached_tokens, b)
+    left = prompt_tokens - cached_tokens
+    full = jnp.floor(left / b)
+    rest = left - full * b
     ctx = decodes * context_tokens
     kvb = kv_read_bytes_per_token(hw, model)
     dec_new, dec_keys = verified_decodes(decodes, ctx, spec_tokens)
@@ -598,6 +577,10 @@ def chunked_prefill(hw, model, tp, decodes, context_tokens, prompt_tokens,
     partial = mixed_step_s(hw, model, tp, decodes, ctx, rest, cached_tokens + full * b,
                            spec_tokens)
     partial = jnp.where(rest > 0, partial, 0.0)
+    # the same count whichever way the division rounds: at a ratio within
+    # rounding of an integer k, rounded up it is k full chunks and no rest,
+    # rounded down k - 1 and a full-size rest (``ceil`` of the ratio is not:
+    # XLA divides by a reciprocal multiply in some fusions)
     steps = full + jnp.where(rest > 0, 1.0, 0.0)
     return full_sum + partial, steps, jnp.maximum(last_full, partial)
 

@@ -137,7 +137,7 @@ class Prefill(NamedTuple):
     """Prefill work per prompt band beside ``n`` decodes (arrays of shape (J,))."""
 
     alone_s: jax.Array  # prefilled alone: the exact chunked sum
-    chunks: jax.Array  # ceil(P / b) (roofline.prefill_chunks), slope of P / b
+    chunks: jax.Array  # ceil(P / b) (chunked_prefill's steps), slope of P / b
     alone_ramp: Ramp  # its ceil(P / b) equal chunks
     fluid_s: jax.Array  # under a queue: P / b full-budget chunks
     fluid_ramp: Ramp
@@ -152,10 +152,14 @@ def prefill_work(hw, model, tp, wl, decodes, token_budget, prompt_tokens, spec_t
     # a decode's proposals take budget too
     b = smooth_max(token_budget - roofline.verified_decodes(decodes, 0.0,
                                                             spec_tokens)[0], 1.0, 1.0)
-    alone, _, _ = roofline.chunked_prefill(hw, model, tp, decodes, ctx,
-                                           prompt_tokens + cached_tokens, b,
-                                           spec_tokens, cached_tokens)
-    k = straight_through(roofline.prefill_chunks(prompt_tokens, b), prompt_tokens / b)
+    alone, steps, _ = roofline.chunked_prefill(hw, model, tp, decodes, ctx,
+                                               prompt_tokens + cached_tokens, b,
+                                               spec_tokens, cached_tokens)
+    # the chunks of the prefill just summed: a count of its own (``ceil`` of
+    # the ratio) read 1,500 tokens at a budget of exactly 500 as 4 chunks in a
+    # float32 program where the sum had 3 (benchmarks/README.md, "The
+    # surrogate in float32 against float64")
+    k = straight_through(steps, prompt_tokens / b)
     m = prompt_tokens / k
     alone_ramp = chunk_ramp(hw, model, tp, decodes, ctx, m, prompt_tokens - m,
                             spec_tokens, cached_tokens)

@@ -227,17 +227,20 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     def row(v):
         return jax.tree.map(lambda a: a[None, :], v)
 
-    def cdf(t):
+    def mixture(t, below, ramp_fn):
+        """The law's CDF (``below``) or its complement summed from its own
+        terms, mirrored, at times ``t``."""
         tt = t[:, None]
-        decode_part = jax.nn.sigmoid((tt - dec[None, :]) / dec_scale[None, :]) @ dec_w
-        chunk_part = ramp_cdf(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
+        z = (tt - dec[None, :]) if below else (dec[None, :] - tt)
+        decode_part = jax.nn.sigmoid(z / dec_scale[None, :]) @ dec_w
+        chunk_part = ramp_fn(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
         return (1.0 - mixed) * decode_part + mixed * chunk_part / total
 
-    def sf(t):  # 1 - cdf, from its own terms
-        tt = t[:, None]
-        decode_part = jax.nn.sigmoid((dec[None, :] - tt) / dec_scale[None, :]) @ dec_w
-        chunk_part = ramp_sf(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
-        return (1.0 - mixed) * decode_part + mixed * chunk_part / total
+    def cdf(t):
+        return mixture(t, True, ramp_cdf)
+
+    def sf(t):
+        return mixture(t, False, ramp_sf)
 
     def slow(slo):
         """Exceedance of one decode gap; per band, P(a prompt slows a decoder)."""
