@@ -1,4 +1,5 @@
-"""Speculative decoding with a draft model (``grid.spec_proposer=[draft]``).
+"""Speculative decoding with a draft model (``grid.spec_proposer=[draft]``)
+or an EAGLE-3 head (``[eagle3]``: a one-layer draft of its own).
 
 Hand calculations of the draft's steps, its pass over prompt chunks (a
 prefill alone, a chunk beside decodes, a long prompt's chunks in closed
@@ -40,12 +41,21 @@ F_D = 4 * 16 * 32 * 64  # draft attention FLOPs per key
 DRAFT = dict(draft_params=1.24e9, draft_layers=16.0, draft_q_heads=32.0,
              draft_kv_heads=8.0, draft_head_dim=64.0, draft_hidden_size=2048.0,
              draft_weight_dtype_bytes=2.0)
+# Llama-3.1-8B's EAGLE-3 head (H 4096, 32 query and 8 KV heads of 128, MLP
+# 14,336): q, k, v projections from 2H inputs, the output projection, the
+# gated MLP, the fc of 3H x H, an LM head over 32,000 draft tokens
+N_E = (2 * 4096 * 4096 + 2 * 8192 * 1024 + 4096 * 4096 + 3 * 4096 * 14336
+       + 3 * 4096 * 4096 + 32000 * 4096)  # 424,673,280
+W_E = N_E * 2  # bf16
+Q_E = 2 * 1 * 8 * 128 * 2  # one layer's KV per token: 4,096 bytes
+EAGLE3 = dict(DRAFT, draft_params=float(N_E), draft_layers=1.0, draft_q_heads=32.0,
+              draft_kv_heads=8.0, draft_head_dim=128.0, draft_hidden_size=4096.0)
 
 
-def llama(dtype=np.float64, draft=True):
+def llama(dtype=np.float64, draft=True, leaves=DRAFT):
     return ModelParams(*(dtype(x) for x in (
         8.03e9, 0.0, 8.03e9, 32, 32, 8, 128, 4096, 1.0, 2, 2)),
-        **({k: dtype(v) for k, v in DRAFT.items()} if draft else {}))
+        **({k: dtype(v) for k, v in leaves.items()} if draft else {}))
 
 
 def _f(x) -> float:
@@ -357,7 +367,21 @@ def test_surrogate_zero_load_itl_by_hand():
     (["model=llama3_1_8b", "grid.spec_tokens=[0]", "grid.spec_proposer=[draft]"],
      "grid.spec_tokens = [0]: grid.spec_proposer lists draft: needs some k > 0"),
     (["model=llama3_1_8b", "grid.spec_tokens=[4]", "grid.spec_proposer=[eagle]"],
-     "grid.spec_proposer = ['eagle']: allowed: distinct values of ngram, draft"),
+     "grid.spec_proposer = ['eagle']: allowed: distinct values of ngram, draft, "
+     "eagle3"),
+    (["model=mistral_7b", "grid.spec_tokens=[4]", "grid.spec_proposer=[ngram,eagle3]"],
+     "grid.spec_proposer lists eagle3: model[mistral_7b].eagle3_head is empty"),
+    (["model=mixtral_8x7b", "model.eagle3_head=some/head", "grid.spec_tokens=[4]",
+      "grid.spec_proposer=[eagle3]"],
+     "grid.spec_proposer lists eagle3: model[mixtral_8x7b] has 8 experts"),
+    (["model=llama3_1_8b", "model.intermediate_size=0", "grid.spec_tokens=[4]",
+      "grid.spec_proposer=[eagle3]"],
+     "grid.spec_proposer lists eagle3: model[llama3_1_8b].intermediate_size is 0"),
+    (["model=llama3_1_8b", "grid.spec_tokens=[4]", "grid.spec_proposer=[draft,eagle3]"],
+     "grid.spec_proposer = ['draft', 'eagle3']: draft and eagle3 load different "
+     "models: list one of them per grid"),
+    (["model=llama3_1_8b", "grid.spec_tokens=[0]", "grid.spec_proposer=[eagle3]"],
+     "grid.spec_tokens = [0]: grid.spec_proposer lists eagle3: needs some k > 0"),
     (["model=llama3_1_8b", "model.draft_model=llama3_1_70b", "grid.spec_tokens=[4]",
       "grid.spec_proposer=[draft]"],
      "model[llama3_1_8b].draft_model = 'llama3_1_70b': must be a dense model "
@@ -405,38 +429,135 @@ def test_grid_compares_proposers_in_float32(tmp_path):
 
 
 def test_optimize_candidates_per_proposer():
-    """``search.spec_proposer=[ngram,draft]``: k = 0 once, each k > 0 with
-    each proposer; the draft candidate carries Llama-3.2-1B (less KV room)
-    and its flags name it; a draft proposer with every k = 0 is refused."""
+    """``search.spec_proposer=[ngram,draft,eagle3]``: k = 0 once, each k > 0
+    with each proposer; the draft candidate carries Llama-3.2-1B, the EAGLE-3
+    one its head (KV room: draft < head < none) and every engine's flags name
+    them; a draft proposer with every k = 0 is refused."""
     from helpers import optimize_inputs
 
     from sweep.search import optimize
 
     args = ["hardware=h100_sxm", "model=llama3_1_8b", "workload=seed_chat",
             "calibration=roofline", "search=quick", "search.tensor_parallel=[1]",
-            "search.spec_tokens=[0,4]", "search.spec_proposer=[ngram,draft]"]
+            "search.spec_tokens=[0,4]", "search.spec_proposer=[ngram,draft,eagle3]"]
     job = optimize.prepare(*optimize_inputs(args))
     got = [(c.spec_tokens, c.spec_proposer) for c in job.candidates]
-    assert got == [(0, "ngram"), (4, "ngram"), (4, "draft")]
+    assert got == [(0, "ngram"), (4, "ngram"), (4, "draft"), (4, "eagle3")]
     drafts = [c.model.draft for c in job.candidates]
     assert drafts[:2] == [None, None] and drafts[2].name == "llama3_2_1b"
+    assert drafts[3].params == N_E
     assert job.candidates[2].label.endswith("x spec k=4 (draft llama3_2_1b)")
+    assert job.candidates[3].label.endswith("x spec k=4 (EAGLE-3 head)")
     hw = hardware_params(job.candidates[0].hardware, 0.9)
     caps = [_f(roofline.kv_capacity_tokens(hw, model_params(c.model), 1.0))
             for c in job.candidates]
-    assert caps[2] < caps[1] == caps[0]
-    config = optimize.Config(candidate=2, concurrency=64, token_budget=2048,
-                             replicas=1, surrogate={}, cost_per_mtok_out_usd=0.1,
-                             cost_per_month_usd=1.0)
-    assert ('--speculative-config \'{"method": "draft_model", "model": '
-            '"meta-llama/Llama-3.2-1B-Instruct", "num_speculative_tokens": 4}\''
-            in optimize.serving_flags(job, config, "vllm"))
-    assert ("--speculative-algorithm STANDALONE --speculative-draft-model-path "
-            "meta-llama/Llama-3.2-1B-Instruct --speculative-num-steps 4"
-            in optimize.serving_flags(job, config, "sglang"))
-    assert "decoding_type: DraftTarget" in optimize.serving_notes(
-        job, config, "trtllm")[0]
+    assert caps[2] < caps[3] < caps[1] == caps[0]
+    for i, method, algorithm, kind, hf in (
+            (2, "draft_model", "STANDALONE", "DraftTarget",
+             "meta-llama/Llama-3.2-1B-Instruct"),
+            (3, "eagle3", "EAGLE3", "Eagle3", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B")):
+        config = optimize.Config(candidate=i, concurrency=64, token_budget=2048,
+                                 replicas=1, surrogate={}, cost_per_mtok_out_usd=0.1,
+                                 cost_per_month_usd=1.0)
+        assert (f'--speculative-config \'{{"method": "{method}", "model": '
+                f'"{hf}", "num_speculative_tokens": 4}}\''
+                in optimize.serving_flags(job, config, "vllm"))
+        assert (f"--speculative-algorithm {algorithm} --speculative-draft-model-path "
+                f"{hf} --speculative-num-steps 4"
+                in optimize.serving_flags(job, config, "sglang"))
+        assert (f"decoding_type: {kind}, max_draft_len: 4"
+                in optimize.serving_notes(job, config, "trtllm")[0])
     with pytest.raises(ConfigError, match=r"^search\.spec_tokens = \[0\]: "
                        r"search\.spec_proposer lists draft: needs some k > 0"):
         optimize_inputs([*args[:-2], "search.spec_tokens=[0]",
                          "search.spec_proposer=[draft]"])
+
+
+# --- EAGLE-3 heads (grid.spec_proposer=[eagle3]) -------------------------------
+
+EAGLE3_GRID = ["experiment=seed", "hardware=h100_sxm", "model=llama3_1_8b",
+               "grid.hardware=[h100_sxm]", "grid.model=[llama3_1_8b]",
+               "grid.tensor_parallel=[1]", "grid.concurrency=[1,256]",
+               "grid.token_budget=[2048]", "grid.context_tokens=[512]",
+               "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e9]",
+               "grid.spec_tokens=[0,3]", "grid.spec_acceptance=[0.7]",
+               "grid.spec_proposer=[ngram,eagle3]"]
+
+
+def test_eagle3_head_by_hand():
+    """Llama-3.1-8B's head from the shipped config: 424,673,280 parameters
+    (summed above, term by term), one layer, bf16, the target's heads; its
+    three passes at batch 1 and context 1,000 read its weights and its one
+    layer's KV; the KV room loses its weights and every token holds its KV."""
+    assert N_E == 424_673_280
+    assert roofline.eagle3_head_params(4096, 14336, 32, 8, 128) == N_E
+    _, options = grid_inputs(EAGLE3_GRID[1:])
+    (m,) = options["model"]
+    head = m.draft
+    assert head is m.eagle3 and head.hf_id == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+    assert (head.params, head.active_params, head.layers) == (N_E, N_E, 1)
+    assert (head.q_heads, head.kv_heads, head.head_dim, head.hidden_size,
+            head.weight_dtype) == (32, 8, 128, 4096, "bf16")
+    leaves = model_params(m)
+    for k, v in EAGLE3.items():
+        assert float(getattr(leaves, k)) == v, k
+    with jax.enable_x64(True):
+        hw, e = h100(), llama(leaves=EAGLE3)
+        got = _f(roofline.draft_s(hw, e, 1.0, 1.0, 1000.0, 3.0))
+        want = 3 * (W_E + 1000 * Q_E) / BW  # 3 x 0.254759 ms
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        np.testing.assert_allclose(want, 7.642769e-4, rtol=1e-6)
+        cap = _f(roofline.kv_capacity_tokens(hw, e, 1.0))
+        np.testing.assert_allclose(cap, (80e9 - W_T - W_E) / (Q_T + Q_E),
+                                   rtol=1e-12)
+
+
+def test_simulator_matches_reference_with_eagle3(sim_draft64):
+    """The head's passes through the simulator and the step-by-step reference
+    on the hard stream, with preemptions (KV for 43k tokens of both)."""
+    stream = (ARRIVAL, PROMPT, OUTPUT)
+    with jax.enable_x64(True):
+        hw = h100(memory_bytes=W_T + W_E + (Q_T + Q_E) * 43000)
+        m = llama(leaves=EAGLE3)
+        got = sim_draft64(hw, m, 8, 1024, 3, 0.7, stream)
+    ref = simulate_reference(hw, m, 1.0, 8, 1024, *stream, CONTINUOUS,
+                             spec_tokens=3, spec_acceptance=0.7)
+    assert got.status == 0 and ref.preemptions > 0
+    assert (got.steps, got.preemptions) == (ref.steps, ref.preemptions)
+    np.testing.assert_allclose(got.ttft_s, ref.ttft_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.e2e_s, ref.e2e_s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.duration_s, ref.duration_s, rtol=1e-12)
+
+
+def test_grid_compares_ngram_and_eagle3_in_float32(tmp_path):
+    """``sweep-grid`` with n-gram and EAGLE-3 proposals, float32: at batch 1
+    a step with k = 3 takes the n-gram step plus the head's three passes
+    (by hand); EAGLE-3 costs more than n-gram and leaves less KV room, and
+    beats no speculation by less at batch 256 than at batch 1 (at context
+    512 it still pays there: a head's pass is a twentieth of the target's
+    weights); k = 0 is the same for both; the axis holds 0 and 2."""
+    proc = run_script("sweep-grid", [*EAGLE3_GRID, "out=cube.zarr"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "cube.zarr")
+    assert ds.spec_proposer.values.tolist() == [0, 2]
+    v = ds[["step_s", "tpot_s", "cost_per_mtok_out_usd", "max_concurrency_fit"]
+           ].squeeze(drop=True)
+    off = v.sel(spec_tokens=0)
+    assert (off.sel(spec_proposer=0) == off.sel(spec_proposer=2)).all()
+    on = v.sel(spec_tokens=3)
+    passes = float(on.step_s.sel(concurrency=1, spec_proposer=2)
+                   - on.step_s.sel(concurrency=1, spec_proposer=0))
+    np.testing.assert_allclose(passes, 3 * (W_E + 512 * Q_E) / BW, rtol=1e-4)
+    for var in ("tpot_s", "cost_per_mtok_out_usd"):
+        assert (on[var].sel(spec_proposer=2) > on[var].sel(spec_proposer=0)).all()
+    assert (on.max_concurrency_fit.sel(spec_proposer=2)
+            < on.max_concurrency_fit.sel(spec_proposer=0)).all()
+    # the head's gain per token shrinks as the verify step turns compute-bound
+    gain = (v.tpot_s.sel(spec_tokens=3, spec_proposer=2)
+            / v.tpot_s.sel(spec_tokens=0, spec_proposer=0))
+    assert float(gain.sel(concurrency=1)) < float(gain.sel(concurrency=256)) < 1.0
+    # the cube does not hold the head's id: the flags leave speculation to a note
+    point = ds.sweep.to_serving_flags(concurrency=1, spec_tokens=3, spec_proposer=2)
+    assert "--speculative-config" not in point.cli
+    assert ("EAGLE-3 speculation, 3 tokens per step: the flags need the EAGLE-3 "
+            "head's Hugging Face id (the model config's eagle3_head)") in point.notes[0]

@@ -298,11 +298,49 @@ def grid_options(app: str, overrides: list[str], section: str = "grid",
     for g, v in names.items():
         if v is None:
             out[g] = [getattr(base, g)]
-    if "model" in out and "draft" in list(getattr(getattr(base, section),
-                                                  "spec_proposer", [])):
+    proposers = list(getattr(getattr(base, section), "spec_proposer", []))
+    if "model" in out and "draft" in proposers:
         _attach_drafts(app, section, out["model"],
                        [o for o in experiment + kept if _root(o) != "model"])
+    if "model" in out and "eagle3" in proposers:
+        _attach_eagle3_heads(section, out["model"])
     return base, out
+
+
+def _attach_eagle3_heads(section: str, models: list) -> None:
+    """Sets each model's ``eagle3`` to its EAGLE-3 head as a one-layer dense
+    model (``roofline.eagle3_head_params``); in a grid, its ``draft`` too
+    (the draft leaves of the grid's models: one loaded proposer per grid).
+
+    Raises:
+      ConfigError: a model with no head named, no ``intermediate_size``, or
+        experts (one line).
+    """
+    from sweep.config.schema import Model
+    from sweep.model import roofline
+
+    for m in models:
+        key = f"model[{m.name}]"
+        why = (".eagle3_head is empty (no trained EAGLE-3 head is named for it; "
+               "set model.eagle3_head=<its Hugging Face id>)" if not m.eagle3_head else
+               ".intermediate_size is 0 (the head's layer has the model's MLP)"
+               if not m.intermediate_size else
+               f" has {m.num_experts} experts (an EAGLE-3 head is modelled for "
+               "dense targets only)" if m.num_experts > 1 else "")
+        if why:
+            raise ConfigError(f"{section}.spec_proposer lists eagle3: {key}{why}; "
+                              f"allowed for {m.name}: ngram"
+                              + ("" if not m.draft_model else ", draft"))
+        n = float(roofline.eagle3_head_params(m.hidden_size, m.intermediate_size,
+                                              m.q_heads, m.kv_heads, m.head_dim))
+        m.eagle3 = Model(name=f"{m.name}_eagle3", hf_id=m.eagle3_head, params=n,
+                         active_params=n, layers=1, q_heads=m.q_heads,
+                         kv_heads=m.kv_heads, head_dim=m.head_dim,
+                         hidden_size=m.hidden_size,
+                         intermediate_size=m.intermediate_size, weight_dtype="bf16",
+                         kv_dtype=m.kv_dtype)
+        if section == "grid":
+            m.draft = m.eagle3
 
 
 def _attach_drafts(app: str, section: str, models: list, overrides: list[str]) -> None:

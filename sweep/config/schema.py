@@ -88,7 +88,7 @@ class Routing(Enum):
 
 
 def _proposer_indices(names, key: str) -> list[float]:
-    """A proposer list (``roofline.PROPOSERS`` names) as the cube's 0/1 values."""
+    """A proposer list (``roofline.PROPOSERS`` names) as the cube's values (indices)."""
     names = [str(v) for v in names]
     _check(len(names) > 0 and len(set(names)) == len(names)
            and all(v in roofline.PROPOSERS for v in names), key, names,
@@ -97,11 +97,13 @@ def _proposer_indices(names, key: str) -> list[float]:
 
 
 def _check_draft_tokens(obj, section: str, spec_values) -> None:
-    """The draft proposer needs proposals to make: some ``k > 0``."""
-    _check("draft" not in list(obj.spec_proposer) or any(k > 0 for k in spec_values),
-           f"{section}.spec_tokens", [int(k) for k in spec_values],
-           f"{section}.spec_proposer lists draft: needs some k > 0 (k = 0 is "
-           "no speculation, with no draft model)")
+    """A proposer that loads a model (draft, eagle3) needs proposals to
+    make: some ``k > 0``."""
+    for name in ("draft", "eagle3"):
+        _check(name not in list(obj.spec_proposer) or any(k > 0 for k in spec_values),
+               f"{section}.spec_tokens", [int(k) for k in spec_values],
+               f"{section}.spec_proposer lists {name}: needs some k > 0 (k = 0 is "
+               "no speculation, with nothing loaded)")
 
 
 def _check_step_shape(obj, prefix: str) -> None:
@@ -187,6 +189,9 @@ class Model:
     kv_heads: int = MISSING
     head_dim: int = MISSING
     hidden_size: int = MISSING
+    intermediate_size: int = field(default=0, metadata={
+        "help": "MLP width of a layer (of each expert in a MoE model); 0: unknown "
+                "(the eagle3 proposer, whose head has one such layer, is refused)"})
     num_experts: int = 1
     experts_per_token: int = 1
     weight_dtype: str = field(
@@ -210,6 +215,16 @@ class Model:
         default=None, compare=False,
         metadata={"help": "not a config key: the draft_model's config, filled in "
                   "when a sweep lists the draft proposer (sweep.config.resolve)"})
+    eagle3_head: str = field(
+        default="",
+        metadata={"help": "Hugging Face id of a trained EAGLE-3 head for this model "
+                  "(spec_proposer=eagle3: its size follows from the model's own "
+                  "layer, sweep.model.roofline.eagle3_head_params); empty: none "
+                  "(the eagle3 proposer is refused)"})
+    eagle3: Any = field(
+        default=None, compare=False,
+        metadata={"help": "not a config key: the EAGLE-3 head as a one-layer dense "
+                  "model, filled in when a sweep lists the eagle3 proposer"})
 
     def __post_init__(self) -> None:
         p = f"model[{self.name}]"
@@ -225,6 +240,7 @@ class Model:
                            ("experts_per_token", 100_000)):
             _in_range(self, p, name, 1, high)
         _in_range(self, p, "max_context_tokens", 0, MAX_TOKENS)
+        _in_range(self, p, "intermediate_size", 0, 10_000_000)
         _check(self.max_context_tokens == 0 or self.max_context_tokens >= 2,
                f"{p}.max_context_tokens", self.max_context_tokens,
                "must be 0 (no limit) or >= 2")
@@ -483,8 +499,9 @@ class Grid:
         default_factory=lambda: ["ngram"],
         metadata={"help": "who proposes the speculative tokens: ngram (a lookup "
                   "in the sequence, no GPU time) and/or draft (each model's "
-                  "draft_model, whose decode steps and memory are counted); a "
-                  "0/1 cube axis"})
+                  "draft_model, whose decode steps and memory are counted) or "
+                  "eagle3 (each model's EAGLE-3 head, likewise; not beside draft "
+                  "in one grid); a cube axis (0 ngram, 1 draft, 2 eagle3)"})
     prefix_caching: list[bool] = field(
         default_factory=lambda: [False],
         metadata={"help": "automatic prefix caching off (false) and/or on (true, at "
@@ -538,6 +555,11 @@ class Grid:
                 spec = [float(v) for v in spec]
             if a.name == "spec_proposer":
                 spec = _proposer_indices(spec, "grid.spec_proposer")
+                # a model's draft leaves hold one loaded proposer per grid
+                _check(not {"draft", "eagle3"} <= set(self.spec_proposer),
+                       "grid.spec_proposer", list(self.spec_proposer),
+                       "draft and eagle3 load different models: list one of them "
+                       "per grid (sweep-optimize compares all three)")
             self.axes[a.name] = _numeric_axis(
                 spec, f"grid.{a.name}", integer=a.kind == contract.INTEGER,
                 low=a.low, high=MAX_TOKENS if a.high is None else a.high)
@@ -758,8 +780,9 @@ class Search:
                   "compare; 0: off"})
     spec_proposer: list[str] = field(
         default_factory=lambda: ["ngram"],
-        metadata={"help": "speculative proposers to compare at each k > 0: ngram "
-                  "and/or draft (the model's draft_model)"})
+        metadata={"help": "speculative proposers to compare at each k > 0: ngram, "
+                  "draft (the model's draft_model) and/or eagle3 (its EAGLE-3 "
+                  "head, model.eagle3_head)"})
     spec_acceptance: float = field(
         default=0.7,
         metadata={"help": "chance each proposed token is accepted (0-1; measure it "

@@ -419,9 +419,11 @@ class SweepAccessor:
                                                               "kv_dtype"))
         spec = int(value("spec_tokens") or 0)
         cache = bool(value("prefix_caching") or 0)
-        # the cube does not record the draft model's Hugging Face id: its
-        # speculation is said in a note (sweep-optimize prints the flags)
-        drafted = spec > 0 and bool(value("spec_proposer") or 0)
+        # the cube does not record the draft model's or the EAGLE-3 head's
+        # Hugging Face id: its speculation is said in a note (sweep-optimize
+        # prints the flags)
+        proposer = int(value("spec_proposer") or 0)
+        drafted = spec > 0 and proposer > 0
         spec = 0 if drafted else spec
         def flags_at(tp: int) -> dict:
             return engines.flags(
@@ -437,11 +439,14 @@ class SweepAccessor:
         replicas = value("replicas")
         notes = engines.notes(engine, weights, spec, cache)
         if drafted:
+            what, key, name, option = (
+                ("draft-model", "draft model's", "draft_model", "draft"),
+                ("EAGLE-3", "EAGLE-3 head's", "eagle3_head", "eagle3"))[proposer - 1]
             notes.append(
-                f"draft-model speculation, {int(value('spec_tokens'))} tokens per "
-                "step: the flags need the draft model's Hugging Face id (the model "
-                "config's draft_model); sweep-optimize "
-                "'search.spec_proposer=[draft]' prints them")
+                f"{what} speculation, {int(value('spec_tokens'))} tokens per "
+                f"step: the flags need the {key} Hugging Face id (the model "
+                f"config's {name}); sweep-optimize "
+                f"'search.spec_proposer=[{option}]' prints them")
         if value("disaggregated"):
             p, d = int(value("prefill_instances")), int(value("decode_instances"))
             pre_tp = int(value("prefill_tensor_parallel") or tp)

@@ -210,9 +210,11 @@ AXES: tuple[Axis, ...] = (
     Axis("spec_acceptance", "1", "speculative acceptance rate per token", CONFIG,
          REAL, header="accept", low=0, high=1),
     # who proposes them (sweep.model.roofline.PROPOSERS): 0 an n-gram lookup,
-    # 1 the model's draft model (its decode steps and memory counted)
-    Axis("spec_proposer", "1", "speculative proposer (0 n-gram, 1 draft model)",
-         CONFIG, INTEGER, header="proposer", low=0, high=1),
+    # 1 the model's draft model, 2 its EAGLE-3 head (their passes and memory
+    # counted)
+    Axis("spec_proposer", "1",
+         "speculative proposer (0 n-gram, 1 draft model, 2 EAGLE-3 head)",
+         CONFIG, INTEGER, header="proposer", low=0, high=2),
     # automatic prefix caching (sweep.model.roofline.cached_prefix_tokens):
     # 0 off, 1 on at each workload's prefix_hit_fraction
     Axis("prefix_caching", "1", "prefix caching (0 off, 1 on)", CONFIG, INTEGER,

@@ -42,6 +42,17 @@ SGLang; TensorRT-LLM):
   speculative_model_dir: D}`` (its "Speculative Decoding" docs' draft/target
   decoding; the key names were read from the docs, not checked against a
   running server), said in ``notes``
+* spec_tokens ``k > 0`` with the eagle3 proposer (an EAGLE-3 head of
+  Hugging Face id ``E``): ``--speculative-config '{"method": "eagle3",
+  "model": "E", "num_speculative_tokens": k}'`` (vLLM's docs, "EAGLE Draft
+  Models", Eagle3 drafter example); ``--speculative-algorithm EAGLE3
+  --speculative-draft-model-path E --speculative-num-steps k
+  --speculative-eagle-topk 1 --speculative-num-draft-tokens k+1`` (SGLang's
+  docs, "Speculative Decoding", EAGLE decoding: one chain of k steps);
+  TensorRT-LLM in the YAML, ``speculative_config: {decoding_type: Eagle3,
+  max_draft_len: k, speculative_model: E}`` (its LLM API's
+  ``Eagle3DecodingConfig``; not checked against a running server), said in
+  ``notes``
 
 * prefix caching on (a workload's ``prefix_hit_fraction`` > 0):
   ``--enable-prefix-caching`` (vLLM's "Engine Arguments"; 16-token blocks,
@@ -121,9 +132,10 @@ class Engine(NamedTuple):
     speculation: Callable[[int], dict[str, int | str]] | None = None
     # prefix caching on: its flags, or what ``notes`` says where none is needed
     prefix_caching: dict[str, str] | str = ""
-    # draft-model speculation with k proposals from the draft's Hugging Face
-    # id -> its flags (None: no flag; notes)
-    draft_speculation: Callable[[int, str], dict[str, int | str]] | None = None
+    # speculation with k proposals from a draft model or, when the flag is
+    # true, an EAGLE-3 head, of that Hugging Face id -> its flags (None: no
+    # flag; notes)
+    draft_speculation: Callable[[int, str, bool], dict[str, int | str]] | None = None
     # a disaggregated pool ("prefill" or "decode") -> the flags that make an
     # instance one of it
     pools: Callable[[str], dict[str, str]] = lambda pool: {}
@@ -177,9 +189,9 @@ ENGINES = {
         lambda k: {"--speculative-config":
                    f'\'{{"method": "ngram", "num_speculative_tokens": {k}}}\''},
         {"--enable-prefix-caching": ""},
-        lambda k, d: {"--speculative-config":
-                      f'\'{{"method": "draft_model", "model": "{d}", '
-                      f'"num_speculative_tokens": {k}}}\''},
+        lambda k, d, eagle: {"--speculative-config":
+                             f'\'{{"method": "{"eagle3" if eagle else "draft_model"}", '
+                             f'"model": "{d}", "num_speculative_tokens": {k}}}\''},
         pools=lambda pool: {"--kv-transfer-config": (
             f'\'{{"kv_connector":"{KV_CONNECTOR}","kv_role":"{KV_ROLES[pool]}"}}\'')},
         pool_note=_vllm_pool_note),
@@ -193,10 +205,11 @@ ENGINES = {
                    "--speculative-num-draft-tokens": k + 1},
         "prefix caching: SGLang's radix cache is on by default (no flag; "
         "--disable-radix-cache turns it off)",
-        lambda k, d: {"--speculative-algorithm": "STANDALONE",
-                      "--speculative-draft-model-path": d,
-                      "--speculative-num-steps": k, "--speculative-eagle-topk": 1,
-                      "--speculative-num-draft-tokens": k + 1},
+        lambda k, d, eagle: {
+            "--speculative-algorithm": "EAGLE3" if eagle else "STANDALONE",
+            "--speculative-draft-model-path": d,
+            "--speculative-num-steps": k, "--speculative-eagle-topk": 1,
+            "--speculative-num-draft-tokens": k + 1},
         pools=lambda pool: {"--disaggregation-mode": pool,
                             "--disaggregation-transfer-backend": "nixl"},
         pool_note=_sglang_pool_note),
@@ -237,8 +250,8 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
           token_budget: int | None, gpu_memory_utilization: float | None,
           memory_bytes: float | None = None, weight_bytes: float | None = None,
           weight_dtype: str = PLAIN, kv_dtype: str = PLAIN, spec_tokens: int = 0,
-          prefix_caching: bool = False,
-          draft_model: str = "") -> dict[str, int | float | str]:
+          prefix_caching: bool = False, draft_model: str = "",
+          eagle3: bool = False) -> dict[str, int | float | str]:
     """One deployment's arguments for engine ``name`` (``None``: not set).
 
     ``weight_bytes`` is the whole model's; TensorRT-LLM's memory fraction
@@ -246,7 +259,8 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
     A ``weight_dtype`` or ``kv_dtype`` other than bf16 adds the engine's
     flag for it where it has one (``notes``: where it has none); so does
     speculation with ``spec_tokens`` proposals per step (n-gram, or from
-    the draft model of Hugging Face id ``draft_model`` where one is given),
+    the draft model of Hugging Face id ``draft_model`` where one is given,
+    an EAGLE-3 head of that id with ``eagle3``),
     and prefix caching (a flag with the value ``""`` stands alone).
     """
     e = engine(name)
@@ -261,7 +275,7 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
             out[flag] = value
     if spec_tokens and draft_model:
         if e.draft_speculation is not None:
-            out.update(e.draft_speculation(int(spec_tokens), draft_model))
+            out.update(e.draft_speculation(int(spec_tokens), draft_model, eagle3))
     elif spec_tokens and e.speculation is not None:
         out.update(e.speculation(int(spec_tokens)))
     if prefix_caching and isinstance(e.prefix_caching, dict):
@@ -292,7 +306,8 @@ def pool_note(name: str, prefill_instances: int, decode_instances: int,
 
 
 def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0,
-          prefix_caching: bool = False, draft_model: str = "") -> list[str]:
+          prefix_caching: bool = False, draft_model: str = "",
+          eagle3: bool = False) -> list[str]:
     """What the flags cannot say: the checkpoint quantised beforehand that a
     weight dtype needs in engine ``name`` (none for bf16, or where a flag
     quantises at load), and speculation where the engine has no flag."""
@@ -303,11 +318,14 @@ def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0,
                    f"{weight_dtype} as the model loads; serve "
                    f"{e.checkpoints[weight_dtype]}, whose config it reads")
     if spec_tokens and draft_model and e.draft_speculation is None:
-        out.append(f"draft-model speculation ({draft_model}), {int(spec_tokens)} "
+        kind, model_key = (("Eagle3", "speculative_model") if eagle3
+                           else ("DraftTarget", "speculative_model_dir"))
+        out.append(f"{'EAGLE-3' if eagle3 else 'draft-model'} speculation "
+                   f"({draft_model}), {int(spec_tokens)} "
                    f"tokens per step: {e.label} takes it in the "
                    f"--extra_llm_api_options YAML, as speculative_config: "
-                   f"{{decoding_type: DraftTarget, max_draft_len: "
-                   f"{int(spec_tokens)}, speculative_model_dir: {draft_model}}}")
+                   f"{{decoding_type: {kind}, max_draft_len: "
+                   f"{int(spec_tokens)}, {model_key}: {draft_model}}}")
     elif spec_tokens and not draft_model and e.speculation is None:
         out.append(f"n-gram speculation, {int(spec_tokens)} tokens per step: "
                    f"{e.label} takes it in the --extra_llm_api_options YAML, as "

@@ -76,6 +76,24 @@ reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
   point of the program lists the draft proposer) these terms are left out
   of the traced functions, not computed as zeros (``plus_draft_s``).
 
+* ``eagle3``: an EAGLE-3 head (Li et al. 2025, arXiv:2503.01840; vLLM's
+  ``"method": "eagle3"``, SGLang's ``EAGLE3``), counted as a draft model
+  of its own, one layer deep, by the same formulas: a decoder layer of the
+  target's width, heads and MLP whose query, key and value projections
+  read ``2 H`` inputs (the token's embedding beside the fused features), an
+  ``fc`` of ``3 H x H`` that fuses three of the target's layers' hidden
+  states, and an LM head over a draft vocabulary of ``V_d = 32,000`` tokens
+  (its embedding is the target's, a lookup):
+
+      N_d = 2 H (q_heads d) + 2 (2 H) (kv_heads d) + (q_heads d) H
+            + 3 H I + 3 H^2 + V_d H
+
+  (``eagle3_head_params``; ``I`` the target's ``intermediate_size``, its
+  layer's gated MLP ``3 H I``), its weights at bf16 (as the heads are
+  published) and its one layer's KV at the target's KV dtype. A dense
+  target only: the heads of MoE targets differ in their MLP. Llama-3.1-8B:
+  ``N_d`` = 424.7M, 0.85 GB in bf16, against the target's 16.1 GB.
+
 Prefix caching (vLLM's automatic prefix caching, SGLang's RadixAttention):
 a prompt whose first ``c`` tokens are cached (``cached_prefix_tokens``)
 prefills only its last ``P - c`` tokens, as chunks that start after the
@@ -107,9 +125,13 @@ import jax.numpy as jnp
 
 from sweep.model.params import HardwareParams, ModelParams
 
-PROPOSERS = ("ngram", "draft")
+PROPOSERS = ("ngram", "draft", "eagle3")
 """Speculative proposers (``GridPoint.spec_proposer`` indexes them)."""
-NGRAM, DRAFT = range(2)
+NGRAM, DRAFT, EAGLE3 = range(3)
+
+EAGLE3_DRAFT_VOCAB = 32_000
+"""Tokens an EAGLE-3 head's LM head scores (its ``draft_vocab_size``: the
+published heads map them to the target's vocabulary)."""
 
 ACTIVATION_BYTES = 2.0
 """Bytes per activation element in all-reduces (bf16 activations)."""
@@ -143,13 +165,22 @@ def draft_model(model: ModelParams) -> ModelParams | None:
         kv_dtype_bytes=model.kv_dtype_bytes, weight_compute=zero)
 
 
+def eagle3_head_params(hidden_size, intermediate_size, q_heads, kv_heads, head_dim):
+    """Parameters of an EAGLE-3 head for a dense target (module docstring)."""
+    h, q, kv = hidden_size, q_heads * head_dim, kv_heads * head_dim
+    return (2 * h * q + 2 * (2 * h) * kv + q * h + 3 * h * intermediate_size
+            + 3 * h * h + EAGLE3_DRAFT_VOCAB * h)
+
+
 def with_proposer(model: ModelParams, proposer, spec_tokens) -> ModelParams:
-    """``model`` as an engine serves it: its draft model loaded only under the
-    draft proposer with ``k > 0`` (otherwise every draft size is 0, and so is
-    every draft term below); ``model`` itself when it has none."""
+    """``model`` as an engine serves it: its draft leaves (a draft model's,
+    or an EAGLE-3 head's: a program holds one of them per model) loaded only
+    under a proposer other than n-gram with ``k > 0`` (otherwise every draft
+    size is 0, and so is every draft term below); ``model`` itself when it
+    has none."""
     if model.draft_params is None:
         return model
-    on = (jnp.asarray(proposer) == DRAFT) & (jnp.asarray(spec_tokens) > 0)
+    on = (jnp.asarray(proposer) != NGRAM) & (jnp.asarray(spec_tokens) > 0)
     return model._replace(draft_params=jnp.where(on, model.draft_params, 0.0),
                           draft_layers=jnp.where(on, model.draft_layers, 0.0))
 

@@ -424,17 +424,18 @@ SPEC_PANELS = 4
 """Concurrencies the speculative-decoding chart shows, lowest to highest."""
 
 
-PROPOSER_STYLES = {0: ("-", "o", "n-gram"), 1: (":", "s", "draft model")}
+PROPOSER_STYLES = {0: ("-", "o", "n-gram"), 1: (":", "s", "draft model"),
+                   2: ("-.", "^", "EAGLE-3 head")}
 """Line style, marker and name of each ``spec_proposer`` in the speculation chart."""
 
 
 def speculative_decoding(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     """Time per output token and cost against the proposal length k, a line
     per acceptance rate (solid: n-gram proposals; dotted: the draft model's,
-    where the cube has them), one column per concurrency (up to
-    ``SPEC_PANELS``, the lowest to the highest), for one hardware x model at
-    the tensor-parallel size of its cheapest point: where the dashed k = 0
-    level is beaten, speculation pays."""
+    dash-dotted: the EAGLE-3 head's, where the cube has them), one column
+    per concurrency (up to ``SPEC_PANELS``, the lowest to the highest), for
+    one hardware x model at the tensor-parallel size of its cheapest point:
+    where the dashed k = 0 level is beaten, speculation pays."""
     fixed, _ = scenario(fix_tp(ds).sel(hardware=hardware, model=model))
     keep = ("concurrency", "spec_tokens", "spec_acceptance", "spec_proposer")
     over = [d for d in CONFIG_DIMS if d in fixed.dims and d not in keep]
@@ -827,7 +828,9 @@ CHARTS = (
           "With grid.spec_proposer=[ngram,draft] dotted lines add the draft "
           "model's proposals: its k decode steps per verification step and its "
           "weights and KV make it dearer than n-gram at every point, and it "
-          "stops paying at a lower concurrency.",
+          "stops paying at a lower concurrency. With [ngram,eagle3] dash-dotted "
+          "lines add an EAGLE-3 head's: one layer, its passes cheaper than a "
+          "draft model's.",
           varies=("spec_tokens",)),
     Chart("prefix_caching.png", "Prefix caching",
           ("prefix_hit_fraction", "cost_per_mtok_in_usd", "prefill_tokens_per_s",

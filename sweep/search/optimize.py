@@ -106,7 +106,8 @@ class Candidate:
     tp: int
     spec_tokens: int = 0  # speculative proposals per step; 0: off
     # who proposes them (sweep.model.roofline.PROPOSERS); under "draft" the
-    # model carries its draft model's config (Model.draft), else none
+    # model carries its draft model's config (Model.draft), under "eagle3"
+    # its EAGLE-3 head's there, else none
     spec_proposer: str = "ngram"
 
     @property
@@ -119,6 +120,8 @@ class Candidate:
         spec = f" x spec k={self.spec_tokens}" if self.spec_tokens else ""
         if self.spec_tokens and self.spec_proposer == "draft":
             spec += f" (draft {self.model.draft.name})"
+        elif self.spec_tokens and self.spec_proposer == "eagle3":
+            spec += " (EAGLE-3 head)"
         return f"{self.hardware.name} x {model_label(self.model)}{tp}{spec}"
 
 
@@ -212,7 +215,8 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             for tp, k in ((tp, k) for tp in s.tp_values for k in s.spec_values):
                 for proposer in _proposers(s, int(k)):
                     mk = dataclasses.replace(
-                        m, draft=m.draft if proposer == "draft" else None)
+                        m, draft={"draft": m.draft, "eagle3": m.eagle3}.get(proposer),
+                        eagle3=None)
                     cap = float(roofline.kv_capacity_tokens(hp, model_params(mk),
                                                             float(tp)))
                     # each running request holds k more KV slots for its proposals
@@ -767,7 +771,7 @@ def speculation_line(job: OptimizeJob, out: Outcome) -> str:
             best[key] = min(best.get(key, math.inf), a.cost_per_mtok_out_usd)
     per = ", ".join(f"{name(*c)}: " + (f"{best[c]:.4g}" if c in best
                                        else "none meets the SLO") for c in choices)
-    words = {"ngram": "n-gram", "draft": "draft model"}
+    words = {"ngram": "n-gram", "draft": "draft model", "eagle3": "EAGLE-3 head"}
     how = " and ".join(words[p] for p in s.spec_proposer)
     if out.chosen is None:
         win = "no aggregated deployment is confirmed"
@@ -800,13 +804,15 @@ def engine_flags(job: OptimizeJob, cand: Candidate, engine: str, concurrency,
         weight_dtype=cand.model.weight_dtype, kv_dtype=cand.model.kv_dtype,
         spec_tokens=cand.spec_tokens if decode else 0,
         prefix_caching=prefill and caching(job),
-        draft_model=_draft_hf_id(cand) if decode else "")
+        draft_model=_draft_hf_id(cand) if decode else "",
+        eagle3=cand.spec_proposer == "eagle3")
 
 
 def engine_notes(job: OptimizeJob, cand: Candidate, engine: str) -> list[str]:
     """What ``engine_flags`` cannot say (``sweep.cube.engines.notes``)."""
     return engines.notes(engine, cand.model.weight_dtype, cand.spec_tokens,
-                         caching(job), _draft_hf_id(cand))
+                         caching(job), _draft_hf_id(cand),
+                         cand.spec_proposer == "eagle3")
 
 
 def serving_flags(job: OptimizeJob, c: Config, engine: str = "vllm") -> str:
@@ -829,8 +835,9 @@ def _weight_bytes(model) -> float:
 
 
 def _draft_hf_id(cand: Candidate) -> str:
-    """The Hugging Face id of the candidate's draft model ("" under n-gram)."""
-    if cand.spec_proposer != "draft" or cand.model.draft is None:
+    """The Hugging Face id of the candidate's draft model or EAGLE-3 head (""
+    under n-gram)."""
+    if cand.spec_proposer == "ngram" or cand.model.draft is None:
         return ""
     return cand.model.draft.hf_id or cand.model.draft.name
 
