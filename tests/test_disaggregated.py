@@ -483,7 +483,8 @@ def test_each_pool_takes_its_own_tensor_parallelism():
             cost_per_mtok(RATE * OUT_MEAN, gpus=gpus), rel=1e-9)
     mixed = next(d for d in deps if (d.prefill_tp, tp[id(d)]) == (2, 1))
     stream = optimize.verification_stream(job, jax.random.key(0))
-    (sim,) = disaggregate.simulate_deployments(job, [mixed], stream, 1)
+    hits = optimize.verification_hits(job, jax.random.key(0))
+    (sim,) = disaggregate.simulate_deployments(job, [mixed], stream, hits, 1)
     n = sim["requests"]
     ref = simulate_disaggregated_reference(
         h100()._replace(kv_link_bytes_per_s=LINK), qwen3_8b(np.float64), 1,

@@ -366,7 +366,8 @@ def test_sweep_optimize_gives_each_prefill_instance_its_own_cache(tmp_path):
     deps = [disaggregate.Deployment(0, 1, p, 1, 8, 2048, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
             for p in (1, 2)]
     stream = optimize.verification_stream(job, jax.random.key(0))
-    sims = disaggregate.simulate_deployments(job, deps, stream, 2)
+    hits = optimize.verification_hits(job, jax.random.key(0))
+    sims = disaggregate.simulate_deployments(job, deps, stream, hits, 2)
     n = sims[0]["requests"]
     rows = np.arange(n) % ROWS  # the trace repeats, as replayed
     arrival = np.asarray(stream.arrival_s[:n], np.float64)

@@ -331,6 +331,26 @@ class Workload:
                   "when prefix caching is on (grid.prefix_caching), in [0, 1): "
                   "shared system prompts, multi-turn history"},
     )
+    prefix_hit_levels: list[float] = field(
+        default_factory=list,
+        metadata={"help": "a distribution of the share of a prompt found in the "
+                  "cache, in place of prefix_hit_fraction: each request's share "
+                  "is levels[i] with probability prefix_hit_probs[i], e.g. [0, 0.8] "
+                  "for first turns beside later ones"},
+    )
+    prefix_hit_probs: list[float] = field(
+        default_factory=list,
+        metadata={"help": "the probabilities of prefix_hit_levels (summing to 1)"},
+    )
+
+    @property
+    def mean_prefix_hit(self) -> float:
+        """The mean share of a prompt in the cache: ``prefix_hit_fraction``,
+        or the mean of the levels."""
+        if self.prefix_hit_levels:
+            return float(sum(h * q for h, q in zip(self.prefix_hit_levels,
+                                                   self.prefix_hit_probs)))
+        return float(self.prefix_hit_fraction)
 
     def __post_init__(self) -> None:
         p = f"workload[{self.name}]"
@@ -339,6 +359,20 @@ class Workload:
         _check(isinstance(h, (int, float)) and not isinstance(h, bool)
                and math.isfinite(h) and 0 <= h < 1, f"{p}.prefix_hit_fraction", h,
                "must be a finite number in [0, 1)")
+        levels, probs = list(self.prefix_hit_levels), list(self.prefix_hit_probs)
+        if levels or probs:
+            _check(1 <= len(levels) <= MAX_HIT_LEVELS and len(levels) == len(probs),
+                   f"{p}.prefix_hit_levels", levels,
+                   f"must list 1 to {MAX_HIT_LEVELS} shares, as many as "
+                   "prefix_hit_probs")
+            _check(all(math.isfinite(v) and 0 <= v < 1 for v in levels),
+                   f"{p}.prefix_hit_levels", levels, "every share must be in [0, 1)")
+            _check(all(math.isfinite(q) and q > 0 for q in probs)
+                   and abs(sum(probs) - 1) <= 1e-6, f"{p}.prefix_hit_probs", probs,
+                   "must be > 0 and sum to 1")
+            _check(h == 0, f"{p}.prefix_hit_fraction", h,
+                   "prefix_hit_levels gives the shares: leave prefix_hit_fraction "
+                   "at 0")
         if self.trace is not None and self.trace.hash_column:
             t = self.trace
             _check(isinstance(t.hash_block_tokens, int)
@@ -350,9 +384,10 @@ class Workload:
             _check(self.replay == Replay.exact, f"{p}.replay", self.replay.value,
                    "block hashes belong to their rows: hash_column needs "
                    "replay=exact")
-            _check(h == 0, f"{p}.prefix_hit_fraction", h,
+            _check(self.mean_prefix_hit == 0 and not levels, f"{p}.prefix_hit_fraction",
+                   self.mean_prefix_hit,
                    "the hits come from the trace's block hashes (hash_column); "
-                   "leave prefix_hit_fraction at 0")
+                   "leave prefix_hit_fraction at 0 and prefix_hit_levels empty")
         if self.replay == Replay.exact:
             _check(self.prompt.kind == LengthKind.trace
                    and self.output.kind == LengthKind.trace, f"{p}.replay", "exact",
@@ -389,6 +424,8 @@ class Workload:
 
 
 MAX_AXIS_VALUES = 10_000_000
+MAX_HIT_LEVELS = 16
+"""Most shares in a workload's distribution of prefix hits."""
 
 
 def axis_range(start, stop, num, scale="linear") -> list[float]:

@@ -145,6 +145,24 @@ def workload_requests(key, workload: Workload, workload_tables: WorkloadTables,
                            workload_tables.trace_arrival_s if trace else None)
 
 
+HIT_STREAM = 2
+"""``fold_in`` tag of the draws of each request's cached share from its
+stream's key (``request_hits``), apart from its lengths' and arrivals'."""
+
+
+def request_hits(key, workload_tables: WorkloadTables, num_requests: int) -> np.ndarray:
+    """Each request's share of its prompt in the prefix cache (host float32,
+    ``(num_requests,)``): drawn independently from the workload's
+    distribution of shares (``WorkloadTables.hit_levels``), or its one
+    ``prefix_hit_fraction`` for all."""
+    t = workload_tables
+    if t.hit_levels is None:
+        return np.full(num_requests, t.prefix_hit_fraction, np.float32)
+    k = jax.random.choice(jax.random.fold_in(key, HIT_STREAM), len(t.hit_levels),
+                          (num_requests,), p=jnp.asarray(t.hit_probs, jnp.float32))
+    return np.asarray(t.hit_levels, np.float32)[np.asarray(k)]
+
+
 def route(num_requests: int, replicas: int, routing: Routing, key) -> np.ndarray:
     """The replica of each request (in arrival order), as a load balancer picks.
 

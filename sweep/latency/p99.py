@@ -64,7 +64,7 @@ from sweep.config.schema import (
 from sweep.cube import contract
 from sweep.cube import status as flags
 from sweep.grid.evaluate import Part, blocking, write_blocking
-from sweep.latency.arrivals import workload_requests
+from sweep.latency.arrivals import request_hits, workload_requests
 from sweep.latency.disaggregated import (
     pool_workloads,
     pools,
@@ -291,8 +291,8 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
     shared = {d: inputs[d] for d in DIMS if d in inputs and d != "workload"}
     rate_input = rates.astype(np.float32)
     method = app.latency.method
-    # each workload's prefix hit fraction, used where prefix_caching is on
-    prefix_hit = (np.array([w.prefix_hit_fraction for w in workloads], np.float32),
+    # each workload's (mean) prefix hit fraction, used where prefix_caching is on
+    prefix_hit = (np.array([t.prefix_hit_fraction for t in tables], np.float32),
                   ("workload",))
     # an LRU cache of a trace's block hashes (workload.trace.hash_column):
     # one per model and workload, and one per prefill pool size of the
@@ -329,7 +329,11 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
         overlong = np.array([OVERLONG.index(w.overlong.value) for w in workloads],
                             np.int32)
         lookups = {"requests": (requests, ("workload", "arrival_rate_per_s")),
-                   "prefix_hit": prefix_hit,
+                   # each request's own share (one for all, or drawn from the
+                   # workload's distribution; the same requests at every rate)
+                   "prefix_hit": (np.stack([
+                       request_hits(k, t, app.latency.num_requests)
+                       for t, k in zip(tables, keys)]), ("workload",)),
                    "prefix_cache": (jax.tree.map(by_model, padded_tables(
                        [c and c[0] for c in caches], app.latency.num_requests)),
                                     ("model", "workload")),

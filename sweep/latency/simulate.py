@@ -1135,7 +1135,9 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         a request makes ``delivery_count`` deliveries, and the ITL samples are the
         gaps between deliveries (as a streaming client sees them). k = 0: off.
       prefix_hit_fraction: the share ``h < 1`` of each prompt found in the
-        prefix cache (automatic prefix caching): its first ``h P`` tokens in
+        prefix cache (automatic prefix caching; a scalar, or ``(R,)``: each
+        request's own, ``sweep.latency.arrivals.request_hits``): its first
+        ``h P`` tokens in
         whole 16-token blocks (``roofline.cached_prefix_tokens``) are held
         in KV and read, not computed; the prompt's chunks start after them.
         A preempted request finds them again when readmitted. 0: off.

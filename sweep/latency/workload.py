@@ -292,11 +292,16 @@ class WorkloadTables:
     pairs: np.ndarray | None = None
     # shape=(N,): those rows' timestamps (s from the first of them)
     pair_arrival_s: np.ndarray | None = None
-    # share of each prompt in the prefix cache when caching is on
+    # mean share of a prompt in the prefix cache when caching is on
     prefix_hit_fraction: float = 0.0
     # each pair's block hashes (``Trace.hash_column``), aligned with ``pairs``
     pair_hashes: tuple[np.ndarray, ...] | None = None
     hash_block_tokens: int = 0
+    # a distribution of each request's share in the cache (Workload's
+    # prefix_hit_levels and prefix_hit_probs); None: every request at
+    # prefix_hit_fraction
+    hit_levels: np.ndarray | None = None
+    hit_probs: np.ndarray | None = None
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -345,9 +350,12 @@ def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
         _check_span(arrival, w, "every timestamp is equal:")
         if w.replay == Replay.exact:
             _check_span(pair_arrival, w, "the rows with both lengths >= 1 are")
+    levels = (np.asarray(w.prefix_hit_levels, np.float64), np.asarray(
+        w.prefix_hit_probs, np.float64) / sum(w.prefix_hit_probs)) if (
+        w.prefix_hit_levels) else (None, None)
     return WorkloadTables(w.name, pv, pp, ov, op, arrival, pairs, pair_arrival,
-                          float(w.prefix_hit_fraction), pair_hashes,
-                          w.trace.hash_block_tokens if pair_hashes else 0)
+                          w.mean_prefix_hit, pair_hashes,
+                          w.trace.hash_block_tokens if pair_hashes else 0, *levels)
 
 
 def context_limit(prompt, output, max_context_tokens, truncate, xp=np):

@@ -412,12 +412,13 @@ PREFIX_BLOCK_TOKENS = 16.0
 single tokens, so this rounds its hits down by under a block)."""
 
 
-def cached_prefix_tokens(prompt_tokens, hit_fraction):
+def cached_prefix_tokens(prompt_tokens, hit_fraction, xp=jnp):
     """Tokens of a ``prompt_tokens`` prompt found in the prefix cache: its
     first ``h P`` tokens at hit fraction ``h < 1``, rounded down to whole
     blocks of ``PREFIX_BLOCK_TOKENS``; always fewer than the prompt (the
-    last token is computed, as vLLM recomputes it on a full hit). 0 at h = 0."""
-    blocks = jnp.floor(hit_fraction * prompt_tokens / PREFIX_BLOCK_TOKENS)
+    last token is computed, as vLLM recomputes it on a full hit). 0 at h = 0.
+    ``xp``: the array module (``numpy`` for host tables in float64)."""
+    blocks = xp.floor(hit_fraction * prompt_tokens / PREFIX_BLOCK_TOKENS)
     return blocks * PREFIX_BLOCK_TOKENS
 
 

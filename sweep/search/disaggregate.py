@@ -66,6 +66,7 @@ from sweep.search.optimize import (
     lru,
     met,
     simulation_inputs,
+    verification_hits,
     verification_stream,
 )
 
@@ -228,11 +229,11 @@ def enumerate_deployments(job) -> list[Deployment]:
 
 def pool_hit(job, cand, hw, model, tp, prefill_instances: int) -> float:
     """The share of prompt tokens a pool of ``prefill_instances`` finds in
-    their caches: the workload's hit fraction, or with a trace's block hashes
+    their caches: the workload's (mean) hit fraction, or with a trace's block hashes
     what each instance's LRU cache of its own prompts finds in its KV
     capacity over ``verify_requests`` per instance of the verification
     stream (``prefix_cache.pool_table``)."""
-    hit = job.app.workload.prefix_hit_fraction
+    hit = job.app.workload.mean_prefix_hit
     if job.tables.pair_hashes is None:
         return hit
     _, curve = lru(job, job.app.search.verify_requests * prefill_instances,
@@ -245,17 +246,19 @@ def _headroom(d: Deployment) -> float:
     return -max(d.prefill_utilization, d.decode_utilization)
 
 
-def _simulate(rows, shared, pre_tp, p, d, requests, cached, *, max_prefill: int,
+def _simulate(rows, shared, pre_tp, p, d, requests, hits, cached, *, max_prefill: int,
               max_decode: int, max_slots: int):
     """Every deployment (``rows``, ``pre_tp``, ``p``, ``d``, ``cached``:
-    leading axis) over one stream; ``cached``: each request's prefix in its
-    prefill instance's LRU cache (0 without a trace's block hashes).
+    leading axis) over one stream; ``hits``: each request's share of its
+    prompt in the prefix cache (``optimize.verification_hits``); ``cached``:
+    each request's prefix in its prefill instance's LRU cache (0 without a
+    trace's block hashes).
     ``SimResult``'s fields as a dict (a result ``sweep.exported`` can keep)."""
     def one(e, pre_tp, p, d, cached):
         return simulate_disaggregated(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, requests, p, d,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, e.spec_tokens,
-            shared.spec_acceptance, shared.prefix_hit_fraction, cached, pre_tp,
+            shared.spec_acceptance, hits, cached, pre_tp,
             max_prefill_instances=max_prefill, max_decode_instances=max_decode,
             max_slots=max_slots)._asdict()
 
@@ -263,9 +266,10 @@ def _simulate(rows, shared, pre_tp, p, d, requests, cached, *, max_prefill: int,
 
 
 def simulate_deployments(job, deps: list[Deployment], stream: Requests,
-                         width: int) -> list[dict[str, float]]:
+                         hits: np.ndarray, width: int) -> list[dict[str, float]]:
     """Each deployment over the first ``verify_requests x (p + d)`` requests
-    of ``stream`` rounded up to a power of two (at most
+    of ``stream`` (each with its share in the prefix cache, ``hits``)
+    rounded up to a power of two (at most
     ``verify_requests_max``; one length per call, that of the largest), as
     ``SimResult`` fields with ``requests`` added."""
     s = job.app.search
@@ -292,7 +296,8 @@ def simulate_deployments(job, deps: list[Deployment], stream: Requests,
         _simulate, sizes, engines, shared, pre_tp,
         jnp.asarray([d.prefill_instances for d in rows], f32),
         jnp.asarray([d.decode_instances for d in rows], f32),
-        jax.tree.map(lambda x: jnp.asarray(x[:n]), stream), jnp.asarray(cached))
+        jax.tree.map(lambda x: jnp.asarray(x[:n]), stream), jnp.asarray(hits[:n]),
+        jnp.asarray(cached))
     out = jax.tree.map(np.asarray, out)
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": n}
             for i in range(len(deps))]
@@ -307,7 +312,8 @@ def run(job, log=print) -> Result:
       job: the ``OptimizeJob``.
     """
     s = job.app.search
-    stream = verification_stream(job, jax.random.split(jax.random.key(job.app.seed))[1])
+    key = jax.random.split(jax.random.key(job.app.seed))[1]
+    stream, hits = verification_stream(job, key), verification_hits(job, key)
     lines: list[str] = []
 
     def say(line: str) -> None:
@@ -324,7 +330,7 @@ def run(job, log=print) -> Result:
         if not todo:
             break
         t0 = time.perf_counter()
-        sims = simulate_deployments(job, todo, stream, s.verify_top)
+        sims = simulate_deployments(job, todo, stream, hits, s.verify_top)
         simulate_s += time.perf_counter() - t0
         for dep, sim in zip(todo, sims):
             dep.simulated = sim

@@ -70,7 +70,13 @@ from sweep.cube import contract, engines, outputs, status
 from sweep.grid import calibration
 from sweep.grid.plan import optimize_plan
 from sweep.latency import prefix_cache
-from sweep.latency.arrivals import Requests, route, split, workload_requests
+from sweep.latency.arrivals import (
+    Requests,
+    request_hits,
+    route,
+    split,
+    workload_requests,
+)
 from sweep.latency.p99 import served_workload
 from sweep.latency.simulate import pool, simulate_requests, summarize
 from sweep.latency.surrogate import LatencyWorkload
@@ -282,21 +288,22 @@ def _stacked(job: OptimizeJob, cands: list[Candidate]):
 
 
 def caching(job: OptimizeJob) -> bool:
-    """Whether the deployment caches prefixes: a hit fraction, or a trace's
-    block hashes (``sweep.latency.prefix_cache``)."""
-    return (job.app.workload.prefix_hit_fraction > 0
+    """Whether the deployment caches prefixes: a hit fraction (or a
+    distribution of them), or a trace's block hashes
+    (``sweep.latency.prefix_cache``)."""
+    return (job.app.workload.mean_prefix_hit > 0
             or job.tables.pair_hashes is not None)
 
 
 def _prefix_hits(job: OptimizeJob, cands: list[Candidate], hw, model,
                  tp) -> np.ndarray:
     """Each candidate's share of prompt tokens in the prefix cache: the
-    workload's hit fraction, or what an LRU cache of the trace's block hashes
+    workload's (mean) hit fraction, or what an LRU cache of the trace's block hashes
     finds in the candidate's KV capacity (from its stacked ``hw``, ``model``
     and ``tp``) over one replica's verification stream
     (``prefix_cache.hit_curve``; split over replicas, each cache sees fewer of
     the blocks, which the verification simulates)."""
-    hit = np.full(len(cands), job.app.workload.prefix_hit_fraction)
+    hit = np.full(len(cands), job.app.workload.mean_prefix_hit)
     if job.tables.pair_hashes is None:
         return hit
     capacity = np.asarray(jax.vmap(roofline.kv_capacity_tokens)(hw, model, tp))
@@ -468,7 +475,6 @@ class Shared(NamedTuple):
     ttft_slo_s: jax.Array
     itl_slo_s: jax.Array
     overlong: jax.Array
-    prefix_hit_fraction: jax.Array
 
 
 def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: list[int],
@@ -486,31 +492,31 @@ def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: lis
     shared = Shared(
         jnp.asarray(app.search.spec_acceptance, f32),
         jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
-        jnp.int32(OVERLONG.index(app.workload.overlong.value)),
-        jnp.asarray(app.workload.prefix_hit_fraction, f32))
+        jnp.int32(OVERLONG.index(app.workload.overlong.value)))
     return rows, shared
 
 
-def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, cached, owner,
-                       configs, *, max_slots: int):
+def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, hits, cached,
+                       owner, configs, *, max_slots: int):
     """Every row (one replica's share of a stream), pooled per configuration:
     ``SimResult``'s fields as a dict.
 
     Args:
       rows, requests, mine: per row (leading axis K).
+      hits: per row, each request's share of its prompt in the prefix cache
+        (``verification_hits``).
       cached: per row, each request's cached prefix (tokens) from an LRU cache
         of the trace's block hashes (0 without them).
       owner: int ``(K,)``, each row's configuration (-1: padding).
       configs: int ``(W,)``, ``arange(W)``.
     """
-    def one(e: Engines, req, mine, cached):
+    def one(e: Engines, req, mine, hits, cached):
         return simulate_requests(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, req, CONTINUOUS,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, mine, e.spec_tokens,
-            shared.spec_acceptance, shared.prefix_hit_fraction, cached,
-            max_slots=max_slots)
+            shared.spec_acceptance, hits, cached, max_slots=max_slots)
 
-    pooled = jax.vmap(one)(rows, requests, mine, cached)
+    pooled = jax.vmap(one)(rows, requests, mine, hits, cached)
     return jax.vmap(lambda c: summarize(pool(pooled, owner == c))._asdict())(configs)
 
 
@@ -527,6 +533,15 @@ def verification_stream(job: OptimizeJob, key) -> Requests:
     return jax.tree.map(np.asarray, workload_requests(
         jax.random.fold_in(key, 0), app.workload, job.tables,
         app.search.verify_requests_max, app.workload.arrival_rate_per_s))
+
+
+def verification_hits(job: OptimizeJob, key) -> np.ndarray:
+    """Each request of ``verification_stream`` (same key): its share of its
+    prompt in the prefix cache (``request_hits``; 0 without caching)."""
+    if not caching(job):
+        return np.zeros(job.app.search.verify_requests_max, np.float32)
+    return request_hits(jax.random.fold_in(key, 0), job.tables,
+                        job.app.search.verify_requests_max)
 
 
 def simulate_configs(job: OptimizeJob, configs: list[Config], key,
@@ -550,13 +565,14 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
     """
     s = job.app.search
     stream = verification_stream(job, key)
+    hits = verification_hits(job, key)
     routes = [route(verification_requests(job, c.replicas), c.replicas, s.routing,
                     jax.random.fold_in(key, 1)) for c in configs]
     longest = max(int(np.bincount(r).max()) for r in routes)
     length = -(-longest // 64) * 64
     subs, mines, owner, row_config = [], [], [], []
     for i, (c, r) in enumerate(zip(configs, routes)):
-        sub, mine = split(jax.tree.map(lambda x, n=len(r): x[:n], stream), r,
+        sub, mine = split(jax.tree.map(lambda x, n=len(r): x[:n], (stream, hits)), r,
                           c.replicas, length)
         subs.append(sub)
         mines.append(mine)
@@ -564,7 +580,7 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
         row_config += [c] * c.replicas
     rows = shapes.power_of_two(len(owner), width)
     pad = rows - len(owner)
-    requests = jax.tree.map(
+    requests, row_hits = jax.tree.map(
         lambda *x: np.concatenate([*x, np.repeat(x[0][:1], pad, 0)]), *subs)
     mine = np.concatenate([*mines, np.zeros((pad, length), bool)])
     owner += [-1] * pad
@@ -585,7 +601,7 @@ def simulate_configs(job: OptimizeJob, configs: list[Config], key,
         _simulate_replicas, {"max_slots": shapes.slots(max(c.concurrency
                                                             for c in configs))},
         rows, shared, jax.tree.map(jnp.asarray, requests), jnp.asarray(mine),
-        jnp.asarray(cached), jnp.asarray(owner, jnp.int32),
+        jnp.asarray(row_hits), jnp.asarray(cached), jnp.asarray(owner, jnp.int32),
         jnp.arange(width, dtype=jnp.int32))
     out = jax.tree.map(np.asarray, out)
     return [{**{k: float(v[i]) for k, v in out.items()}, "requests": len(r)}
