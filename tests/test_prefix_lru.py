@@ -453,3 +453,52 @@ def test_sweep_optimize_gives_each_replica_its_own_cache(tmp_path):
     assert (f"--random-prefix-len {shared} --random-input-len "
             f"{round(prompts.mean()) - shared} ") in optimize.bench_command(
                 job, configs[0])
+
+
+def test_surrogate_bands_follow_the_lru_cache():
+    """The surrogate's bands of an LRU cache (``lru_bands``), at each of its
+    capacity rows, hold the reference LRU's hits there: the mean work is the
+    prompts less their hits, the bands' cached prefixes average to the
+    hits, and the share is the hit curve's; a capacity between two rows
+    reads the smaller one's bands, and no caching none."""
+    import jax.numpy as jnp
+
+    from sweep.latency.surrogate.lengths import (
+        BAND_EDGES,
+        HIT_ROWS,
+        cached_workload,
+        latency_workload,
+        lru_bands,
+    )
+    from sweep.latency.workload import WorkloadTables
+
+    rng = np.random.default_rng(11)
+    hashes, prompts, outputs = conversation_stream(rng, 300)
+    everyone = np.ones(300, bool)
+    table = prefix_cache.lru_table(hashes, prompts, outputs, everyone, everyone, BLOCK)
+    curve = prefix_cache.hit_curve(table, prompts, everyone)
+    cap, work, _, cached, joint, mean, _ = lru_bands(table, curve, prompts, outputs,
+                                                     everyone)
+    assert cap[0] == -np.inf and (np.diff(cap) > 0).all()
+    assert len(cap) == HIT_ROWS < len(curve[0])
+    band = np.diff(BAND_EDGES)
+    for m in range(len(cap)):
+        hits = online(hashes, prompts, outputs, everyone, everyone, max(cap[m], 0))
+        assert mean[m] == pytest.approx((prompts - hits).mean(), rel=1e-12)
+        assert band @ cached[m] == pytest.approx(hits.mean(), rel=1e-9, abs=1e-9)
+        share = roofline.lru_hit_fraction(max(cap[m], 0), *curve)
+        assert float(share) == pytest.approx(hits.sum() / prompts.sum(), rel=1e-6)
+        np.testing.assert_allclose(joint[m].sum(axis=1), band, atol=1e-12)
+    wl = latency_workload(
+        WorkloadTables("lru", np.unique(prompts), np.full(len(np.unique(prompts)),
+                       1 / len(np.unique(prompts))), np.array([20.0]), np.array([1.0])),
+        lru=(table, curve, prompts, outputs, everyone))
+    m = len(cap) // 2
+    between = 0.5 * (cap[m] + cap[m + 1])
+    on, got = cached_workload(wl, jnp.float32(0.3), jnp.float32(between))
+    np.testing.assert_allclose(float(on.mean_prompt_tokens), mean[m], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), cached[m], rtol=1e-6)
+    off, none = cached_workload(wl, jnp.float32(0.0), jnp.float32(between))
+    assert not np.asarray(none).any()
+    assert float(off.mean_prompt_tokens) == float(wl.mean_prompt_tokens)
+

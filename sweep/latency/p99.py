@@ -70,10 +70,11 @@ from sweep.latency.disaggregated import (
     pools,
     simulate_disaggregated,
 )
+from sweep.latency.prefix_cache import Streams, padded_curves, padded_tables
 from sweep.latency.prefix_cache import cached_tokens as prefix_cache_hits
-from sweep.latency.prefix_cache import padded_curves, padded_tables
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
+from sweep.latency.surrogate.lengths import pad_hit_rows
 from sweep.latency.workload import WorkloadTables, served_tables
 from sweep.model import precision, roofline, sensitivity
 from sweep.model.batching import is_continuous
@@ -246,24 +247,37 @@ def served_requests(tables: WorkloadTables, workload: Workload, model: Model
     return served, exact, rejected, arrival_s
 
 
-def served_workload(tables: WorkloadTables, workload: Workload,
-                    model: Model) -> tuple[LatencyWorkload, float]:
+def served_workload(tables: WorkloadTables, workload: Workload, model: Model,
+                    streams: Streams | None = None,
+                    ) -> tuple[LatencyWorkload, float]:
     """The surrogate's summary of the requests ``model`` serves, and the share
     it rejects (``served_requests``).
 
     Under exact replay the summary takes the trace's recorded (prompt, output)
     pairs (their joint law); sampled streams draw the lengths independently.
     Recorded arrivals come with their own wait law
-    (``sweep.latency.surrogate.bursts``).
+    (``sweep.latency.surrogate.bursts``). ``streams``: the stream an LRU
+    cache of the trace's block hashes sees (its bands by capacity,
+    ``lengths.lru_bands``), or None.
     """
     served, joint, rejected, arrival_s = served_requests(tables, workload, model)
-    return _summary_of(served, joint, arrival_s), rejected
+    return _summary_of(served, joint, arrival_s,
+                       lru=_lru(streams, model, workload)), rejected
+
+
+def _lru(streams, model: Model, workload: Workload):
+    """``lengths.lru_bands``' arguments for ``model``'s stream, or None."""
+    if streams is None:
+        return None
+    limit, truncate = (float(model.max_context_tokens),
+                       workload.overlong == Overlong.truncate)
+    return (*streams(limit, truncate), *streams.served_requests(limit, truncate)[:3])
 
 
 def _summary_of(served: WorkloadTables, joint: bool, arrival_s: np.ndarray | None,
-                trace_rows: bool = False) -> LatencyWorkload:
+                trace_rows: bool = False, lru=None) -> LatencyWorkload:
     return latency_workload(served, pairs=served.pairs if joint else None,
-                            arrival_s=arrival_s, trace_rows=trace_rows)
+                            arrival_s=arrival_s, trace_rows=trace_rows, lru=lru)
 
 
 def _rates(app: GridApp, workloads) -> np.ndarray:
@@ -356,18 +370,26 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
         # one that mixes them with Poisson ones stacks zero tables beside them
         traced = any(s[3] is not None for row in served for s in row)
 
-        def by_model_workload(summary):
-            return (stack([stack([summary(*s) for s in row]) for row in served]),
+        def by_model_workload(summary, pad=pad_hit_rows):
+            flat = pad([summary(i, *s) for i, s in enumerate(
+                s for row in served for s in row)])
+            return (stack([stack(flat[i:i + len(workloads)])
+                           for i in range(0, len(flat), len(workloads))]),
                     ("model", "workload"))
 
         lookups = {
+            # the engine's requests, with an LRU cache's bands by capacity
+            # where the workload has block hashes
             "served": by_model_workload(
-                lambda t, joint, _, arrival_s: _summary_of(t, joint, arrival_s,
-                                                           traced)),
+                lambda i, t, joint, _, arrival_s: _summary_of(
+                    t, joint, arrival_s, traced, _lru(
+                        streams[i % len(workloads)], models[i // len(workloads)],
+                        workloads[i % len(workloads)]))),
             # the pools' summaries, read only where the grid has such points
             "pooled": by_model_workload(
-                lambda t, joint, _, arrival_s: pool_workloads(t, joint, arrival_s,
-                                                              traced)),
+                lambda i, t, joint, _, arrival_s: pool_workloads(t, joint, arrival_s,
+                                                                 traced),
+                pad=list),
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
             "prefix_hit": prefix_hit,

@@ -215,6 +215,24 @@ class Streams:
                 else stream_table(self.tables, self.requests, *key[:2]))
         return self._built[key]
 
+    def served_requests(self, max_context_tokens: float, truncate: bool):
+        """``served_requests`` of this stream through this limit."""
+        return served_requests(self.tables, np.arange(self.requests),
+                               max_context_tokens, truncate)
+
+
+def served_requests(tables: WorkloadTables, index: np.ndarray,
+                    max_context_tokens: float, truncate: bool):
+    """``(prompt, output, served)`` of a trace's rows ``index`` (repeated past
+    its end, as replayed) through a model's context limit (0: none), and
+    whether each prompt is as recorded (not truncated)."""
+    rows = index % len(tables.pairs)
+    prompt, output = tables.pairs[rows, 0], tables.pairs[rows, 1]
+    limit = max_context_tokens if max_context_tokens > 0 else np.inf
+    served_prompt, served_output, served = context_limit(prompt, output, limit,
+                                                         truncate)
+    return served_prompt, served_output, served, served_prompt == prompt
+
 
 def stream_table(tables: WorkloadTables, requests, max_context_tokens: float,
                  truncate: bool, prefill_only: bool = False,
@@ -231,15 +249,12 @@ def stream_table(tables: WorkloadTables, requests, max_context_tokens: float,
         prefill instance's: its KV goes to a decode instance).
     """
     index = np.arange(requests) if np.ndim(requests) == 0 else np.asarray(requests)
-    rows = index % len(tables.pairs)
-    prompt, output = tables.pairs[rows, 0], tables.pairs[rows, 1]
-    limit = max_context_tokens if max_context_tokens > 0 else np.inf
-    served_prompt, served_output, served = context_limit(prompt, output, limit,
-                                                         truncate)
+    served_prompt, served_output, served, whole = served_requests(
+        tables, index, max_context_tokens, truncate)
     if prefill_only:
         served_output = np.ones_like(served_output)
-    table = lru_table([tables.pair_hashes[r] for r in rows], served_prompt,
-                      served_output, served, served_prompt == prompt,
+    table = lru_table([tables.pair_hashes[r] for r in index % len(tables.pairs)],
+                      served_prompt, served_output, served, whole,
                       tables.hash_block_tokens)
     return table, hit_curve(table, served_prompt, served)
 
@@ -254,10 +269,8 @@ def pool_table(tables: WorkloadTables, requests: int, max_context_tokens: float,
     ``prefill_only``); rows in stream order, a rejected request's finding
     nothing."""
     index = np.arange(requests)
-    rows = index % len(tables.pairs)
-    limit = max_context_tokens if max_context_tokens > 0 else np.inf
-    served_prompt, _, served = context_limit(tables.pairs[rows, 0],
-                                             tables.pairs[rows, 1], limit, truncate)
+    served_prompt, _, served, _ = served_requests(tables, index, max_context_tokens,
+                                                  truncate)
     rank = np.cumsum(served) - 1
     parts = [(mine, stream_table(tables, mine, max_context_tokens, truncate,
                                  prefill_only=True)[0])

@@ -80,6 +80,7 @@ from sweep.latency.arrivals import (
 from sweep.latency.p99 import served_workload
 from sweep.latency.simulate import pool, simulate_requests, summarize
 from sweep.latency.surrogate import LatencyWorkload
+from sweep.latency.surrogate.lengths import pad_hit_rows
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import precision, roofline
 from sweep.model.batching import CONTINUOUS
@@ -172,7 +173,13 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"options ({e})") from None
     check_tensor_parallel("search.tensor_parallel", s.tp_values, hardware, models)
     tables = workload_tables(app.workload, app.data_dir)
-    served = {m.name: served_workload(tables, app.workload, m) for m in models}
+    # an LRU cache of the trace's block hashes sees one replica's verification
+    # stream (``lru``): the surrogate's bands by capacity come from it
+    streams = ({s.verify_requests: prefix_cache.Streams(tables, s.verify_requests)}
+               if tables.pair_hashes is not None else {})
+    served = {m.name: served_workload(tables, app.workload, m,
+                                      streams.get(s.verify_requests))
+              for m in models}
     limit = app.slo.max_rejected_fraction
     too_long = [m for m in models if served[m.name][1] > limit]
     if len(too_long) == len(models):
@@ -241,7 +248,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
             f"(now {[int(t) for t in s.tp_values]}) or hardware with more memory")
     job = OptimizeJob(app, keep, excluded, tables, served, settings,
                       {"hardware": hardware, "model": models,
-                       "workload": [app.workload]})
+                       "workload": [app.workload]}, streams=streams)
     optimize_plan(app, len(keep), job.settings).check_memory()
     return job
 
@@ -268,7 +275,8 @@ def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candid
     rate = job.app.workload.arrival_rate_per_s
     hw, model, tp = _stacked(job, cands)
     return descent.Candidates(
-        hw=hw, model=model, workload=stack([lw for lw, _ in served]), tp=tp,
+        hw=hw, model=model, workload=stack(pad_hit_rows([lw for lw, _ in served])),
+        tp=tp,
         # rejected requests never reach the replicas
         arrival_rate_per_s=jnp.asarray([rate * (1.0 - r) for _, r in served], f32),
         ttft_target_s=jnp.asarray(np.resize(ttft_target_s, n), f32),

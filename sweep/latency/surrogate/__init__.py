@@ -122,7 +122,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     arrival_scv = jnp.where(random_split, 1.0, 1.0 / jnp.maximum(split, 1.0))
     wl = split_workload(wl, split, random_split)
     wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))
-    wl, cached = cached_workload(wl, h)
+    wl, cached = cached_workload(wl, h, roofline.kv_capacity_tokens(hw, model, tp))
     w = wl.band_probs
     mean_decodes = wl.mean_output_tokens - 1.0
     slots, kv_mean_slots = slot_count(hw, model, tp, wl, conc)

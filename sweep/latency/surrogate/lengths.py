@@ -69,18 +69,23 @@ class LatencyWorkload(NamedTuple):
     # (``bursts.trace_overlaps``)
     trace_overlaps: jax.Array
     trace_arrivals: jax.Array  # 1.0 when arrivals replay a trace's, else 0.0
-    # with a distribution of prefix hits (``WorkloadTables.hit_levels``): the
-    # prefill work ``P - c`` of every (prompt, share) by probability band,
-    # its spread, the band's mean cached prefix ``c``, the joint of work and
-    # output bands, E[P - c] and E[(P - c)^2] (``hit_bands``); without one,
-    # the prompts' own bands and no cache (unused: ``hit_distribution`` 0)
-    hit_work_tokens: jax.Array  # shape=(J,)
-    hit_work_spread_tokens: jax.Array  # shape=(J,)
-    hit_cached_tokens: jax.Array  # shape=(J,)
-    hit_joint_probs: jax.Array  # shape=(J, J)
-    hit_mean_work_tokens: jax.Array
-    hit_mean_work_sq_tokens: jax.Array
-    hit_distribution: jax.Array  # 1.0 with a distribution of hits, else 0.0
+    # prefix hits that differ between requests, by capacity row m (the rows
+    # of ascending ``hit_capacity_tokens``, the first -inf, apply from their
+    # KV capacity on): a distribution of shares (``WorkloadTables.hit_levels``;
+    # one row) or an LRU cache of a trace's block hashes (a row per capacity
+    # on its hit curve, ``lru_bands``). Each row: the prefill work ``P - c``
+    # of every request by probability band, its spread, the band's mean
+    # cached prefix ``c``, the joint of work and output bands, E[P - c] and
+    # E[(P - c)^2] (``work_bands``). Without either: one row of the prompts'
+    # own bands and no cache (unused: ``hit_distribution`` 0)
+    hit_capacity_tokens: jax.Array  # shape=(M,)
+    hit_work_tokens: jax.Array  # shape=(M, J)
+    hit_work_spread_tokens: jax.Array  # shape=(M, J)
+    hit_cached_tokens: jax.Array  # shape=(M, J)
+    hit_joint_probs: jax.Array  # shape=(M, J, J)
+    hit_mean_work_tokens: jax.Array  # shape=(M,)
+    hit_mean_work_sq_tokens: jax.Array  # shape=(M,)
+    hit_distribution: jax.Array  # 1.0 with hits that differ, else 0.0
 
 
 def _table(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -124,7 +129,7 @@ def _context_moments(e: dict[str, float]) -> tuple[float, ...]:
 def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
                      pairs: np.ndarray | None = None,
                      arrival_s: np.ndarray | None = None,
-                     trace_rows: bool = False) -> LatencyWorkload:
+                     trace_rows: bool = False, lru=None) -> LatencyWorkload:
     """Summarises a workload's lengths once, in float64 NumPy.
 
     Args:
@@ -141,6 +146,9 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
       trace_rows: without ``arrival_s``, give the (zero) trace tables their
         rows all the same, to be stacked with traced workloads
         (``bursts.no_trace``).
+      lru: ``lru_bands``' arguments: the prefill work through an LRU cache of
+        the trace's block hashes, by capacity; None: none (or the tables'
+        distribution of shares).
     """
     if arrival_s is None:
         traced, trace = no_trace(dtype, trace_rows), 0.0
@@ -180,13 +188,17 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
     p_mean, p_std = band_stats(pv, mp)
     o_mean, _ = band_stats(ov, mo)
     ep, ep2, eo = pv @ pp, pv**2 @ pp, ov @ op
-    if tables.hit_levels is None:
-        hits = (p_mean, p_std, np.zeros_like(p_mean), joint, ep, ep2, 0.0)
+    if lru is not None:
+        hits = (*lru_bands(*lru), 1.0)
+    elif tables.hit_levels is None:
+        hits = (*_rows([-np.inf], p_mean, p_std, np.zeros_like(p_mean), joint, ep,
+                       ep2), 0.0)
     else:
         rows = (pairs[:, 0], np.full(len(pairs), 1.0 / len(pairs)),
                 mo[io] / op[io, None]) if pairs is not None else (
             pv, pp, np.broadcast_to(mo.sum(axis=0), (len(pv), mo.shape[1])))
-        hits = (*hit_bands(*rows, tables.hit_levels, tables.hit_probs), 1.0)
+        hits = (*_rows([-np.inf], *hit_bands(*rows, tables.hit_levels,
+                                             tables.hit_probs)), 1.0)
     return LatencyWorkload(
         *(jnp.asarray(x, dtype) for x in (
             np.diff(BAND_EDGES), p_mean, p_std, o_mean, joint, ep, ep2, eo,
@@ -195,51 +207,126 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
     )
 
 
-def hit_bands(prompts: np.ndarray, probs: np.ndarray, output_bands: np.ndarray,
-              levels: np.ndarray, level_probs: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The prefill work of prompts whose cached share is drawn from a
-    distribution, by probability band, in float64.
+def _rows(capacity, *parts) -> tuple[np.ndarray, ...]:
+    """One capacity row of ``work_bands``' results (their leading axis)."""
+    return (np.asarray(capacity, np.float64), *(np.asarray(x)[None] for x in parts))
 
-    Every (prompt, level) is a row of work ``P - c``, ``c`` its cached prefix
-    (``roofline.cached_prefix_tokens``, whole blocks), of probability
-    ``probs x level_probs``; the rows sorted by work fall into the bands. A
-    band's spread is that of the work within each level, pooled: a band
-    that straddles the gap between two levels' works (all 1,500-token
-    prompts at shares 0 and 0.9: works of 1,500 and 156) keeps its mean,
-    without a kernel that reaches past the larger (a p99 TTFT at zero load
-    12 % above the whole prompt's prefill).
+
+def work_bands(prompts: np.ndarray, cached: np.ndarray, mass: np.ndarray,
+               output_bands: np.ndarray, group: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The prefill work ``P - c`` of rows of requests, by probability band,
+    in float64: the rows sorted by work fall into the bands.
+
+    A band's spread is that of the work within each ``group`` (a share, or
+    cached or not), pooled: a band that straddles the gap between two
+    groups' works (all 1,500-token prompts at shares 0 and 0.9: works of
+    1,500 and 156) keeps its mean, without a kernel that reaches past the
+    larger (a p99 TTFT at zero load 12 % above the whole prompt's prefill).
 
     Args:
-      prompts, probs: the prompts (a table's values or a trace's pairs) and
-        their probabilities.
-      output_bands: ``(len(prompts), J)``, each prompt's output-band law (the
-        output table's band masses under independence, its pair's output
-        band for a trace's pairs).
-      levels, level_probs: the shares and their probabilities.
+      prompts, cached, mass: each row's prompt, cached prefix (``c < P``)
+        and probability.
+      output_bands: ``(rows, J)``, each row's output-band law (the output
+        table's band masses under independence, its pair's output band for
+        a trace's pairs).
+      group: each row's group (integers).
 
     Returns:
       ``(work, work spread, cached, joint of work and output bands, E[work],
       E[work^2])``, per band where they are per band.
     """
-    cached = roofline.cached_prefix_tokens(prompts[:, None], levels[None, :], xp=np)
-    work = (prompts[:, None] - cached).ravel()
-    mass = (probs[:, None] * level_probs[None, :]).ravel()
+    work = prompts - cached
     order = np.argsort(work, kind="stable")
     member = membership(mass[order], BAND_EDGES)
     w_mean, _ = band_stats(work[order], member)
-    c_mean, _ = band_stats(cached.ravel()[order], member)
-    level = np.tile(np.arange(len(levels)), len(prompts))[order]
+    c_mean, _ = band_stats(cached[order], member)
     pooled = np.zeros_like(w_mean)
-    for k in range(len(levels)):
-        part = member * (level == k)[:, None]
+    for k in np.unique(group):
+        part = member * (group[order] == k)[:, None]
         share = part.sum(axis=0)
         _, std = band_stats(work[order], np.where(share > 0, part, member))
         pooled += np.where(share > 0, share * std**2, 0.0)
     w_std = np.sqrt(pooled / member.sum(axis=0))
-    outputs = np.repeat(output_bands, len(levels), axis=0)[order]
-    joint = member.T @ outputs
+    joint = member.T @ output_bands[order]
     return (w_mean, w_std, c_mean, joint / joint.sum(), work @ mass,
             work**2 @ mass)
+
+
+def hit_bands(prompts: np.ndarray, probs: np.ndarray, output_bands: np.ndarray,
+              levels: np.ndarray, level_probs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``work_bands`` of prompts whose cached share is drawn from a
+    distribution: every (prompt, level) a row, its cached prefix
+    ``roofline.cached_prefix_tokens`` (whole blocks), its probability
+    ``probs x level_probs``, grouped by level.
+
+    Args:
+      prompts, probs: the prompts (a table's values or a trace's pairs) and
+        their probabilities.
+      output_bands: ``(len(prompts), J)``, as ``work_bands``'.
+      levels, level_probs: the shares and their probabilities.
+    """
+    cached = roofline.cached_prefix_tokens(prompts[:, None], levels[None, :], xp=np)
+    return work_bands(
+        np.repeat(prompts, len(levels)), cached.ravel(),
+        (probs[:, None] * level_probs[None, :]).ravel(),
+        np.repeat(output_bands, len(levels), axis=0),
+        np.tile(np.arange(len(levels)), len(prompts)))
+
+
+HIT_ROWS = 32
+"""Most capacity rows of an LRU cache's bands (``lru_bands``)."""
+
+
+def lru_bands(table, curve, prompts: np.ndarray, outputs: np.ndarray,
+              served: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``work_bands`` of a stream through an LRU cache of its block hashes
+    (``sweep.latency.prefix_cache``), at up to ``HIT_ROWS`` capacities of its
+    hit curve, evenly spaced along it (the first, -inf: no hit): a capacity
+    between two rows reads the smaller's, a few hits short.
+
+    Args:
+      table, curve: the stream's ``CacheTable`` and ``hit_curve``.
+      prompts, outputs, served: the stream's requests as the model serves
+        them (``prefix_cache.served_requests``).
+
+    Returns:
+      ``(capacities, *work_bands)``, each with a leading row axis.
+    """
+    from sweep.latency.prefix_cache import cached_tokens
+
+    capacity = curve[0]
+    at = np.unique(np.round(np.linspace(0, len(capacity) - 1,
+                                        min(HIT_ROWS, len(capacity)))).astype(int))
+    p, o = prompts[served], outputs[served]
+    ov, op, io = _table(o)
+    mo = membership(op, BAND_EDGES)
+    out_bands = mo[io] / op[io, None]
+    mass = np.full(len(p), 1.0 / len(p))
+    rows = []
+    for c in capacity[at]:
+        cached = cached_tokens(table, c, xp=np)[served]
+        rows.append(work_bands(p, cached, mass, out_bands, (cached > 0).astype(int)))
+    return (capacity[at], *(np.stack(x) for x in zip(*rows)))
+
+
+def pad_hit_rows(workloads: list[LatencyWorkload]) -> list[LatencyWorkload]:
+    """The workloads with as many capacity rows each (to be stacked): the
+    last row repeated at capacity inf, never read."""
+    rows = max(len(w.hit_capacity_tokens) for w in workloads)
+
+    def pad(w: LatencyWorkload) -> LatencyWorkload:
+        extra = rows - len(w.hit_capacity_tokens)
+        if not extra:
+            return w
+        rowed = [f for f in w._fields if f.startswith("hit_")][:-1]
+        fields = {f: jnp.concatenate([getattr(w, f), jnp.repeat(getattr(w, f)[-1:],
+                                                               extra, axis=0)])
+                  for f in rowed}
+        fields["hit_capacity_tokens"] = fields["hit_capacity_tokens"].at[-extra:].set(
+            jnp.inf)
+        return w._replace(**fields)
+
+    return [pad(w) for w in workloads]
 
 
 def speculative_workload(wl: LatencyWorkload, spec_tokens, gain) -> LatencyWorkload:
@@ -263,35 +350,39 @@ def speculative_workload(wl: LatencyWorkload, spec_tokens, gain) -> LatencyWorkl
                              wl.slot_kv_cv))
 
 
-def cached_workload(wl: LatencyWorkload, hit_fraction):
+def cached_workload(wl: LatencyWorkload, hit_fraction, capacity_tokens=jnp.inf):
     """The workload's prefill work with prefix caching at hit fraction ``h``
-    (the mean share, where the workload has a distribution of them).
+    (the mean share, where the shares differ between requests).
 
     One share for all: each band's prompt less its cached prefix
     (``roofline.cached_prefix_tokens`` of the band's mean prompt), the spread
     of the work ``(1 - h)`` times the prompts' and its second moment
-    ``(1 - h)^2`` times theirs. A distribution of shares: the bands of the
-    work itself (``hit_bands``), each with its mean cached prefix, and their
-    joint law with the outputs. The KV a request holds and the decode
+    ``(1 - h)^2`` times theirs. Shares that differ: the bands of the work
+    itself (``work_bands``) at the row of ``capacity_tokens`` (the KV
+    capacity, for an LRU cache's), each with its mean cached prefix, and
+    their joint law with the outputs. The KV a request holds and the decode
     contexts keep the whole prompt.
 
     Returns ``(workload, cached tokens per band)``; exactly ``wl`` at h = 0.
     """
     on = hit_fraction > 0
     spread = on & (wl.hit_distribution > 0)
+    rows = wl.hit_capacity_tokens
+    row = jnp.clip(jnp.searchsorted(rows, capacity_tokens, side="right") - 1, 0,
+                   len(rows) - 1)
     cached = roofline.cached_prefix_tokens(wl.prompt_tokens, hit_fraction)
     work = wl.prompt_tokens - cached
     keep = 1.0 - hit_fraction
 
     def pick(from_spread, from_one, off):
-        return jnp.where(spread, from_spread, jnp.where(on, from_one, off))
+        return jnp.where(spread, from_spread[row], jnp.where(on, from_one, off))
 
     return wl._replace(
         prompt_tokens=pick(wl.hit_work_tokens, work, wl.prompt_tokens),
         prompt_spread_tokens=pick(wl.hit_work_spread_tokens,
                                   keep * wl.prompt_spread_tokens,
                                   wl.prompt_spread_tokens),
-        joint_probs=jnp.where(spread, wl.hit_joint_probs, wl.joint_probs),
+        joint_probs=jnp.where(spread, wl.hit_joint_probs[row], wl.joint_probs),
         mean_prompt_tokens=pick(wl.hit_mean_work_tokens, wl.band_probs @ work,
                                 wl.mean_prompt_tokens),
         mean_prompt_sq_tokens=pick(wl.hit_mean_work_sq_tokens,
