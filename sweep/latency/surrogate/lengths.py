@@ -126,7 +126,7 @@ def _context_moments(e: dict[str, float]) -> tuple[float, ...]:
     return ctx, cv(ctx, ctx2), kv, cv(kv, kv2)
 
 
-def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
+def latency_workload(tables: WorkloadTables | None, dtype=jnp.float32,
                      pairs: np.ndarray | None = None,
                      arrival_s: np.ndarray | None = None,
                      trace_rows: bool = False, lru=None) -> LatencyWorkload:
@@ -134,7 +134,8 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
 
     Args:
       tables: the marginal length tables (used when ``pairs`` is None: prompt
-        and output independent).
+        and output independent), and a distribution of prefix hits; may be
+        None with ``pairs``.
       dtype: of the summaries.
       pairs: optional ``(N, 2)`` recorded (prompt, output) pairs of a trace;
         when given, every summary comes from them, with the empirical joint
@@ -190,7 +191,7 @@ def latency_workload(tables: WorkloadTables, dtype=jnp.float32,
     ep, ep2, eo = pv @ pp, pv**2 @ pp, ov @ op
     if lru is not None:
         hits = (*lru_bands(*lru), 1.0)
-    elif tables.hit_levels is None:
+    elif tables is None or tables.hit_levels is None:
         hits = (*_rows([-np.inf], p_mean, p_std, np.zeros_like(p_mean), joint, ep,
                        ep2), 0.0)
     else:
