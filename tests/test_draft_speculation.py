@@ -438,9 +438,10 @@ def test_grid_compares_proposers_in_float32(tmp_path):
 
 def test_optimize_candidates_per_proposer():
     """``search.spec_proposer=[ngram,draft,eagle3]``: k = 0 once, each k > 0
-    with each proposer; the draft candidate carries Llama-3.2-1B, the EAGLE-3
-    one its head (KV room: draft < head < none) and every engine's flags name
-    them; a draft proposer with every k = 0 is refused."""
+    with each proposer at its own acceptance; the draft candidate carries
+    Llama-3.2-1B, the EAGLE-3 one its head (KV room: draft < head < none)
+    and every engine's flags name them; a draft proposer with every k = 0,
+    and acceptances not one per proposer, are refused."""
     from helpers import optimize_inputs
 
     from sweep.search import optimize
@@ -448,9 +449,13 @@ def test_optimize_candidates_per_proposer():
     args = ["hardware=h100_sxm", "model=llama3_1_8b", "workload=seed_chat",
             "calibration=roofline", "search=quick", "search.tensor_parallel=[1]",
             "search.spec_tokens=[0,4]", "search.spec_proposer=[ngram,draft,eagle3]"]
-    job = optimize.prepare(*optimize_inputs(args))
-    got = [(c.spec_tokens, c.spec_proposer) for c in job.candidates]
-    assert got == [(0, "ngram"), (4, "ngram"), (4, "draft"), (4, "eagle3")]
+    job = optimize.prepare(*optimize_inputs(
+        [*args, "search.spec_acceptance=[0.5,0.6,0.8]"]))
+    got = [(c.spec_tokens, c.spec_proposer, c.spec_acceptance) for c in job.candidates]
+    assert got == [(0, "ngram", 0.5), (4, "ngram", 0.5), (4, "draft", 0.6),
+                   (4, "eagle3", 0.8)]
+    rows, _ = optimize.simulation_inputs(job, job.candidates, [8] * 4, [2048] * 4)
+    np.testing.assert_allclose(rows.spec_acceptance, [0.5, 0.5, 0.6, 0.8], rtol=1e-7)
     drafts = [c.model.draft for c in job.candidates]
     assert drafts[:2] == [None, None] and drafts[2].name == "llama3_2_1b"
     assert drafts[3].params == N_E
@@ -479,6 +484,10 @@ def test_optimize_candidates_per_proposer():
                        r"search\.spec_proposer lists draft: needs some k > 0"):
         optimize_inputs([*args[:-2], "search.spec_tokens=[0]",
                          "search.spec_proposer=[draft]"])
+    with pytest.raises(ConfigError) as e:
+        optimize_inputs([*args, "search.spec_acceptance=[0.5,0.6]"])
+    assert str(e.value) == ("search.spec_acceptance = [0.5, 0.6]: one number in "
+                            "[0, 1], or one per search.spec_proposer (3)")
 
 
 # --- EAGLE-3 heads (grid.spec_proposer=[eagle3]) -------------------------------

@@ -202,7 +202,8 @@ def test_report_draws_the_trade_off(spec_cube_path, tmp_path):
     ("optimize", ["search.spec_tokens=[0,-2]"],
      "search.spec_tokens = -2.0: every value must be in [0, 64]"),
     ("optimize", ["search.spec_acceptance=1.5"],
-     "search.spec_acceptance = 1.5: must be a finite number in [0, 1]"),
+     "search.spec_acceptance = 1.5: one number in [0, 1], or one per "
+     "search.spec_proposer (1)"),
 ])
 def test_bad_speculation_is_one_line(app, args, message):
     with pytest.raises(ConfigError) as e:

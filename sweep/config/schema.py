@@ -820,10 +820,12 @@ class Search:
         metadata={"help": "speculative proposers to compare at each k > 0: ngram, "
                   "draft (the model's draft_model) and/or eagle3 (its EAGLE-3 "
                   "head, model.eagle3_head)"})
-    spec_acceptance: float = field(
+    spec_acceptance: Any = field(
         default=0.7,
         metadata={"help": "chance each proposed token is accepted (0-1; measure it "
-                  "on the workload: vLLM's spec-decode acceptance metrics)"})
+                  "on the workload: vLLM's spec-decode acceptance metrics): one "
+                  "for every proposer, or a list, one per spec_proposer (a "
+                  "trained head accepts more than an n-gram lookup)"})
     optimizer: str = field(default="adam", metadata={"help": "an optax alias name"})
     optimizer_options: dict[str, float] = field(
         default_factory=lambda: {"b2": 0.9},
@@ -878,9 +880,17 @@ class Search:
                                        integer=True, low=1)
         self.spec_values = _numeric_axis(self.spec_tokens, "search.spec_tokens",
                                          integer=True, low=0, high=64)
-        _in_range(self, "search", "spec_acceptance", 0.0, 1.0)
         self.proposer_values = _proposer_indices(self.spec_proposer,
                                                  "search.spec_proposer")
+        a, count = self.spec_acceptance, len(self.spec_proposer)
+        rates = list(a) if isinstance(a, (list, tuple)) else [a] * count
+        _check(len(rates) == count
+               and all(isinstance(r, (int, float)) and not isinstance(r, bool)
+                       and math.isfinite(r) and 0 <= r <= 1 for r in rates),
+               "search.spec_acceptance", a,
+               f"one number in [0, 1], or one per search.spec_proposer ({count})")
+        # each proposer's acceptance
+        self.acceptance = dict(zip(self.spec_proposer, map(float, rates)))
         _check_draft_tokens(self, "search", self.spec_values)
         for name, high in (("steps", 100_000), ("restarts", 10_000),
                            ("concurrency_min", MAX_TOKENS),

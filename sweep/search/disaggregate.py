@@ -179,7 +179,7 @@ def enumerate_deployments(job) -> list[Deployment]:
         tp, k = float(cand.tp), float(cand.spec_tokens)
         step = np.asarray(roofline.verify_step_s(hw, model, tp, N,
                                                  prompt + out_mean / 2, k), float)
-        gain = float(roofline.tokens_per_step(k, s.spec_acceptance))
+        gain = float(roofline.tokens_per_step(k, cand.spec_acceptance))
         decode_rps = N * gain / step / after_first
         fits = np.asarray(roofline.kv_fits(hw, model, tp, N, prompt + out_mean + k))
         usd = cand.hardware.usd_per_gpu_hour
@@ -258,7 +258,7 @@ def _simulate(rows, shared, pre_tp, p, d, requests, hits, cached, *, max_prefill
         return simulate_disaggregated(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, requests, p, d,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, e.spec_tokens,
-            shared.spec_acceptance, hits, cached, pre_tp,
+            e.spec_acceptance, hits, cached, pre_tp,
             max_prefill_instances=max_prefill, max_decode_instances=max_decode,
             max_slots=max_slots)._asdict()
 

@@ -116,6 +116,7 @@ class Candidate:
     # model carries its draft model's config (Model.draft), under "eagle3"
     # its EAGLE-3 head's there, else none
     spec_proposer: str = "ngram"
+    spec_acceptance: float = 0.0  # the proposer's (search.spec_acceptance)
 
     @property
     def label(self) -> str:
@@ -234,7 +235,7 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                                                             float(tp)))
                     # each running request holds k more KV slots for its proposals
                     c = Candidate(calibration.hardware_for(h, choice), mk, int(tp),
-                                  int(k), proposer)
+                                  int(k), proposer, s.acceptance.get(proposer, 0.0))
                     if cap >= request_kv + k:
                         keep.append(c)
                     else:
@@ -282,7 +283,7 @@ def _candidates(job: OptimizeJob, ttft_target_s, itl_target_s) -> descent.Candid
         ttft_target_s=jnp.asarray(np.resize(ttft_target_s, n), f32),
         itl_target_s=jnp.asarray(np.resize(itl_target_s, n), f32),
         spec_tokens=jnp.asarray([c.spec_tokens for c in cands], f32),
-        spec_acceptance=jnp.full(n, job.app.search.spec_acceptance, f32),
+        spec_acceptance=jnp.asarray([c.spec_acceptance for c in cands], f32),
         prefix_hit_fraction=jnp.asarray(_prefix_hits(job, cands, hw, model, tp), f32),
     )
 
@@ -474,12 +475,12 @@ class Engines(NamedTuple):
     concurrency: jax.Array
     token_budget: jax.Array
     spec_tokens: jax.Array
+    spec_acceptance: jax.Array
 
 
 class Shared(NamedTuple):
     """Scalars every row of one job's simulation shares."""
 
-    spec_acceptance: jax.Array
     ttft_slo_s: jax.Array
     itl_slo_s: jax.Array
     overlong: jax.Array
@@ -496,9 +497,9 @@ def simulation_inputs(job: OptimizeJob, cands: list[Candidate], concurrency: lis
         models_params([c.model for c in cands]),
         jnp.asarray([c.tp for c in cands], f32), jnp.asarray(concurrency, f32),
         jnp.asarray(token_budget, f32),
-        jnp.asarray([c.spec_tokens for c in cands], f32))
+        jnp.asarray([c.spec_tokens for c in cands], f32),
+        jnp.asarray([c.spec_acceptance for c in cands], f32))
     shared = Shared(
-        jnp.asarray(app.search.spec_acceptance, f32),
         jnp.asarray(app.slo.ttft_p99_s, f32), jnp.asarray(app.slo.itl_p99_s, f32),
         jnp.int32(OVERLONG.index(app.workload.overlong.value)))
     return rows, shared
@@ -522,7 +523,7 @@ def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, hits, cach
         return simulate_requests(
             e.hw, e.model, e.tp, e.concurrency, e.token_budget, req, CONTINUOUS,
             shared.ttft_slo_s, shared.itl_slo_s, shared.overlong, mine, e.spec_tokens,
-            shared.spec_acceptance, hits, cached, max_slots=max_slots)
+            e.spec_acceptance, hits, cached, max_slots=max_slots)
 
     pooled = jax.vmap(one)(rows, requests, mine, hits, cached)
     return jax.vmap(lambda c: summarize(pool(pooled, owner == c))._asdict())(configs)
@@ -796,13 +797,17 @@ def speculation_line(job: OptimizeJob, out: Outcome) -> str:
     per = ", ".join(f"{name(*c)}: " + (f"{best[c]:.4g}" if c in best
                                        else "none meets the SLO") for c in choices)
     words = {"ngram": "n-gram", "draft": "draft model", "eagle3": "EAGLE-3 head"}
-    how = " and ".join(words[p] for p in s.spec_proposer)
+    rates = set(s.acceptance.values())
+    how = (" and ".join(words[p] for p in s.spec_proposer)
+           + (f", acceptance {rates.pop():g}" if len(rates) == 1 else
+              ", acceptance " + ", ".join(f"{a:g} ({words[p]})"
+                                          for p, a in s.acceptance.items())))
     if out.chosen is None:
         win = "no aggregated deployment is confirmed"
     else:
         c = job.candidates[out.chosen.candidate]
         win = f"{name(c.spec_tokens, c.spec_proposer)} wins"
-    return (f"speculative decoding ({how}, acceptance {s.spec_acceptance:g}): "
+    return (f"speculative decoding ({how}): "
             f"{win}; cheapest USD / 1M output tokens per k"
             f"{' and proposer' if several else ''} (surrogate): {per}")
 
@@ -1025,7 +1030,9 @@ def _global_attrs(job: OptimizeJob, out: Outcome, attrs: dict) -> dict:
         "arrival_rate_per_s": job.app.workload.arrival_rate_per_s,
         "slo_ttft_p99_s": slo.ttft_p99_s,
         "slo_itl_p99_s": slo.itl_p99_s,
-        "spec_acceptance": s.spec_acceptance,
+        "spec_acceptance": (list(s.acceptance.values())
+                            if isinstance(s.spec_acceptance, (list, tuple))
+                            else float(s.spec_acceptance)),
         **(_chosen_attrs(job, out.chosen) if out.chosen is not None else {}),
         "rounds": out.rounds,
         "surrogate_evaluations": out.evaluations,
