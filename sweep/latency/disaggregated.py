@@ -241,22 +241,24 @@ class PoolWorkloads(NamedTuple):
 
 def pool_workloads(served: WorkloadTables, joint: bool,
                    arrival_s: np.ndarray | None = None,
-                   trace_rows: bool = False) -> PoolWorkloads:
+                   trace_rows: bool = False, lru=None) -> PoolWorkloads:
     """``PoolWorkloads`` of the requests a model serves (``served_tables``);
     ``joint``: from the recorded (prompt, output) pairs. A request of one
     output token counts as a one-token decode (the simulator sends it no
     further): the decode pool's load errs high. ``arrival_s``: the recorded
     arrival times (``sweep.latency.surrogate.bursts``), or None (Poisson;
-    ``trace_rows``: as ``latency_workload``'s)."""
-    def summary(pool_output):
+    ``trace_rows``: as ``latency_workload``'s). ``lru``: the prefill pool's
+    LRU caches of the trace's block hashes, as ``latency_workload``'s (each
+    instance's of its own prompts, ``prefix_cache.pool_table``), or None."""
+    def summary(pool_output, lru=None):
         """The summary with each request's output ``pool_output(output)``."""
         pairs = (np.stack([served.pairs[:, 0], pool_output(served.pairs[:, 1])],
                           axis=1) if joint else None)
         return latency_workload(
             replace(served, output_values=pool_output(served.output_values)),
-            pairs=pairs, arrival_s=arrival_s, trace_rows=trace_rows)
+            pairs=pairs, arrival_s=arrival_s, trace_rows=trace_rows, lru=lru)
 
-    return PoolWorkloads(summary(np.ones_like),
+    return PoolWorkloads(summary(np.ones_like, lru),
                          summary(lambda o: np.maximum(o - 1.0, 1.0)))
 
 

@@ -265,13 +265,39 @@ def served_workload(tables: WorkloadTables, workload: Workload, model: Model,
                        lru=_lru(streams, model, workload)), rejected
 
 
-def _lru(streams, model: Model, workload: Workload):
-    """``lengths.lru_bands``' arguments for ``model``'s stream, or None."""
+def _lru(streams, model: Model, workload: Workload, prefill_instances: int = 0):
+    """``lengths.lru_bands``' arguments for ``model``'s stream (with
+    ``prefill_instances``, its prefill pool's: one output token each), or
+    None."""
     if streams is None:
         return None
     limit, truncate = (float(model.max_context_tokens),
                        workload.overlong == Overlong.truncate)
-    return (*streams(limit, truncate), *streams.served_requests(limit, truncate)[:3])
+    prompts, outputs, served, _ = streams.served_requests(limit, truncate)
+    return (*streams(limit, truncate, prefill_instances), prompts,
+            np.ones_like(outputs) if prefill_instances else outputs, served)
+
+
+def _pooled(served, models, workloads, streams, traced: bool,
+            pool_sizes: list[int]):
+    """The ``pooled`` lookup: ``pool_workloads`` per model, workload and
+    prefill pool size (``pool_sizes``: the grid's, or none without
+    disaggregated points: one summary, no cache's bands)."""
+    rows = [pool_workloads(t, joint, arrival_s, traced,
+                           _lru(streams[w], models[m], workloads[w], p) if p else None)
+            for m, row in enumerate(served) for w, (t, joint, _, arrival_s)
+            in enumerate(row) for p in pool_sizes or [0]]
+    prefill = pad_hit_rows([r.prefill for r in rows])
+    flat = [r._replace(prefill=f) for r, f in zip(rows, prefill)]
+    sizes = len(pool_sizes or [0])
+    if not pool_sizes:
+        return (stack([stack(flat[i:i + len(workloads)])
+                       for i in range(0, len(flat), len(workloads))]),
+                ("model", "workload"))
+    per_workload = [stack(flat[i:i + sizes]) for i in range(0, len(flat), sizes)]
+    return (stack([stack(per_workload[i:i + len(workloads)])
+                   for i in range(0, len(per_workload), len(workloads))]),
+            ("model", "workload", "prefill_instances"))
 
 
 def _summary_of(served: WorkloadTables, joint: bool, arrival_s: np.ndarray | None,
@@ -385,11 +411,11 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
                     t, joint, arrival_s, traced, _lru(
                         streams[i % len(workloads)], models[i // len(workloads)],
                         workloads[i % len(workloads)]))),
-            # the pools' summaries, read only where the grid has such points
-            "pooled": by_model_workload(
-                lambda i, t, joint, _, arrival_s: pool_workloads(t, joint, arrival_s,
-                                                                 traced),
-                pad=list),
+            # the pools' summaries, read only where the grid has such points:
+            # per prefill pool size, its instances' LRU caches' bands
+            "pooled": _pooled(served, models, workloads, streams, traced,
+                              [int(p) for p in coords["prefill_instances"]]
+                              if split_points else []),
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
             "prefix_hit": prefix_hit,
