@@ -502,3 +502,48 @@ def test_surrogate_bands_follow_the_lru_cache():
     assert not np.asarray(none).any()
     assert float(off.mean_prompt_tokens) == float(wl.mean_prompt_tokens)
 
+
+
+def test_prefill_pools_read_their_own_caches_bands(tmp_path):
+    """``sweep-grid``'s pools' summaries per prefill pool size: a pool of
+    ``p`` instances reads the bands of its instances' LRU caches (each of
+    its own prompts, ``pool_table``), at each capacity row the prompts less
+    their hits there; the decode pool's summary has no cache."""
+    import jax.numpy as jnp
+
+    from sweep.latency import p99
+    from sweep.latency.surrogate.lengths import cached_workload, lru_bands
+    from sweep.latency.workload import workload_tables
+
+    trace = tmp_path / "conversations.jsonl"
+    write_trace(trace)
+    app, options = grid_inputs(["experiment=seed", *TRACE_WORKLOAD,
+                                f"workload.trace.path={trace}"])
+    (model,), (workload,) = options["model"], options["workload"]
+    tables = workload_tables(workload, app.data_dir)
+    streams = prefix_cache.Streams(tables, ROWS)
+    served = [[p99.served_requests(tables, workload, model)]]
+    pooled, dims = p99._pooled(served, [model], [workload], [streams], True, [1, 2])
+    assert dims == ("model", "workload", "prefill_instances")
+    prompts, _, everyone, _ = streams.served_requests(0.0, False)
+    for i, size in enumerate((1, 2)):
+        table, curve = streams(0.0, False, size)
+        pre = jax_tree_at(pooled.prefill, (0, 0, i))
+        assert float(pre.hit_distribution) == 1.0
+        cap, *_, mean, _ = lru_bands(table, curve, prompts, np.ones(ROWS), everyone)
+        np.testing.assert_allclose(np.asarray(pre.hit_capacity_tokens)[:len(cap)], cap,
+                                   rtol=1e-6)
+        for m in range(1, len(cap), 7):
+            hits = prefix_cache.cached_tokens(table, cap[m], xp=np)[everyone]
+            assert mean[m] == pytest.approx((prompts[everyone] - hits).mean())
+            on, _ = cached_workload(pre, jnp.float32(0.5),
+                                    jnp.float32(np.nextafter(cap[m], np.inf)))
+            np.testing.assert_allclose(float(on.mean_prompt_tokens), mean[m],
+                                       rtol=1e-6)
+        assert float(jax_tree_at(pooled.decode, (0, 0, i)).hit_distribution) == 0.0
+
+
+def jax_tree_at(tree, index):
+    import jax
+
+    return jax.tree.map(lambda x: x[index], tree)
