@@ -525,7 +525,7 @@ def test_prefill_pools_read_their_own_caches_bands(tmp_path):
     served = [[p99.served_requests(tables, workload, model)]]
     pooled, dims = p99._pooled(served, [model], [workload], [streams], True, [1, 2])
     assert dims == ("model", "workload", "prefill_instances")
-    prompts, _, everyone, _ = streams.served_requests(0.0, False)
+    prompts, _, everyone, _ = streams.stream_requests(0.0, False)
     for i, size in enumerate((1, 2)):
         table, curve = streams(0.0, False, size)
         pre = jax_tree_at(pooled.prefill, (0, 0, i))

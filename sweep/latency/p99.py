@@ -45,6 +45,7 @@ attribute says which model produced it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -273,7 +274,7 @@ def _lru(streams, model: Model, workload: Workload, prefill_instances: int = 0):
         return None
     limit, truncate = (float(model.max_context_tokens),
                        workload.overlong == Overlong.truncate)
-    prompts, outputs, served, _ = streams.served_requests(limit, truncate)
+    prompts, outputs, served, _ = streams.stream_requests(limit, truncate)
     return (*streams(limit, truncate, prefill_instances), prompts,
             np.ones_like(outputs) if prefill_instances else outputs, served)
 
@@ -289,15 +290,20 @@ def _pooled(served, models, workloads, streams, traced: bool,
             in enumerate(row) for p in pool_sizes or [0]]
     prefill = pad_hit_rows([r.prefill for r in rows])
     flat = [r._replace(prefill=f) for r, f in zip(rows, prefill)]
-    sizes = len(pool_sizes or [0])
     if not pool_sizes:
-        return (stack([stack(flat[i:i + len(workloads)])
-                       for i in range(0, len(flat), len(workloads))]),
-                ("model", "workload"))
-    per_workload = [stack(flat[i:i + sizes]) for i in range(0, len(flat), sizes)]
-    return (stack([stack(per_workload[i:i + len(workloads)])
-                   for i in range(0, len(per_workload), len(workloads))]),
+        return _nested(flat, len(workloads)), ("model", "workload")
+    return (_nested(flat, len(workloads), len(pool_sizes)),
             ("model", "workload", "prefill_instances"))
+
+
+def _nested(flat: list, *inner: int):
+    """``stack`` of a flat list in C order into axes of sizes ``(len /
+    prod(inner), *inner)``."""
+    if not inner:
+        return stack(flat)
+    size = math.prod(inner)
+    return stack([_nested(flat[i:i + size], *inner[1:])
+                  for i in range(0, len(flat), size)])
 
 
 def _summary_of(served: WorkloadTables, joint: bool, arrival_s: np.ndarray | None,
@@ -396,21 +402,16 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
         # one that mixes them with Poisson ones stacks zero tables beside them
         traced = any(s[3] is not None for row in served for s in row)
 
-        def by_model_workload(summary, pad=pad_hit_rows):
-            flat = pad([summary(i, *s) for i, s in enumerate(
-                s for row in served for s in row)])
-            return (stack([stack(flat[i:i + len(workloads)])
-                           for i in range(0, len(flat), len(workloads))]),
-                    ("model", "workload"))
-
         lookups = {
             # the engine's requests, with an LRU cache's bands by capacity
             # where the workload has block hashes
-            "served": by_model_workload(
-                lambda i, t, joint, _, arrival_s: _summary_of(
-                    t, joint, arrival_s, traced, _lru(
-                        streams[i % len(workloads)], models[i // len(workloads)],
-                        workloads[i % len(workloads)]))),
+            "served": (_nested(pad_hit_rows([
+                _summary_of(t, joint, arrival_s, traced, _lru(
+                    streams[i % len(workloads)], models[i // len(workloads)],
+                    workloads[i % len(workloads)]))
+                for i, (t, joint, _, arrival_s) in enumerate(
+                    s for row in served for s in row)]), len(workloads)),
+                ("model", "workload")),
             # the pools' summaries, read only where the grid has such points:
             # per prefill pool size, its instances' LRU caches' bands
             "pooled": _pooled(served, models, workloads, streams, traced,

@@ -215,13 +215,13 @@ class Streams:
                 else stream_table(self.tables, self.requests, *key[:2]))
         return self._built[key]
 
-    def served_requests(self, max_context_tokens: float, truncate: bool):
-        """``served_requests`` of this stream through this limit."""
-        return served_requests(self.tables, np.arange(self.requests),
+    def stream_requests(self, max_context_tokens: float, truncate: bool):
+        """``stream_requests`` of this stream through this limit."""
+        return stream_requests(self.tables, np.arange(self.requests),
                                max_context_tokens, truncate)
 
 
-def served_requests(tables: WorkloadTables, index: np.ndarray,
+def stream_requests(tables: WorkloadTables, index: np.ndarray,
                     max_context_tokens: float, truncate: bool):
     """``(prompt, output, served)`` of a trace's rows ``index`` (repeated past
     its end, as replayed) through a model's context limit (0: none), and
@@ -249,7 +249,7 @@ def stream_table(tables: WorkloadTables, requests, max_context_tokens: float,
         prefill instance's: its KV goes to a decode instance).
     """
     index = np.arange(requests) if np.ndim(requests) == 0 else np.asarray(requests)
-    served_prompt, served_output, served, whole = served_requests(
+    served_prompt, served_output, served, whole = stream_requests(
         tables, index, max_context_tokens, truncate)
     if prefill_only:
         served_output = np.ones_like(served_output)
@@ -269,7 +269,7 @@ def pool_table(tables: WorkloadTables, requests: int, max_context_tokens: float,
     ``prefill_only``); rows in stream order, a rejected request's finding
     nothing."""
     index = np.arange(requests)
-    served_prompt, _, served, _ = served_requests(tables, index, max_context_tokens,
+    served_prompt, _, served, _ = stream_requests(tables, index, max_context_tokens,
                                                   truncate)
     rank = np.cumsum(served) - 1
     parts = [(mine, stream_table(tables, mine, max_context_tokens, truncate,

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.latency.prefix_cache import cached_tokens
 from sweep.latency.surrogate.bands import band_stats, membership
 from sweep.latency.surrogate.bursts import (
     no_trace,
@@ -276,6 +277,10 @@ def hit_bands(prompts: np.ndarray, probs: np.ndarray, output_bands: np.ndarray,
 
 HIT_ROWS = 32
 """Most capacity rows of an LRU cache's bands (``lru_bands``)."""
+HIT_ROW_FIELDS = ("hit_capacity_tokens", "hit_work_tokens", "hit_work_spread_tokens",
+                  "hit_cached_tokens", "hit_joint_probs", "hit_mean_work_tokens",
+                  "hit_mean_work_sq_tokens")
+"""``LatencyWorkload``'s fields with a leading capacity-row axis."""
 
 
 def lru_bands(table, curve, prompts: np.ndarray, outputs: np.ndarray,
@@ -288,13 +293,11 @@ def lru_bands(table, curve, prompts: np.ndarray, outputs: np.ndarray,
     Args:
       table, curve: the stream's ``CacheTable`` and ``hit_curve``.
       prompts, outputs, served: the stream's requests as the model serves
-        them (``prefix_cache.served_requests``).
+        them (``prefix_cache.stream_requests``).
 
     Returns:
       ``(capacities, *work_bands)``, each with a leading row axis.
     """
-    from sweep.latency.prefix_cache import cached_tokens
-
     capacity = curve[0]
     at = np.unique(np.round(np.linspace(0, len(capacity) - 1,
                                         min(HIT_ROWS, len(capacity)))).astype(int))
@@ -319,10 +322,9 @@ def pad_hit_rows(workloads: list[LatencyWorkload]) -> list[LatencyWorkload]:
         extra = rows - len(w.hit_capacity_tokens)
         if not extra:
             return w
-        rowed = [f for f in w._fields if f.startswith("hit_")][:-1]
         fields = {f: jnp.concatenate([getattr(w, f), jnp.repeat(getattr(w, f)[-1:],
                                                                extra, axis=0)])
-                  for f in rowed}
+                  for f in HIT_ROW_FIELDS}
         fields["hit_capacity_tokens"] = fields["hit_capacity_tokens"].at[-extra:].set(
             jnp.inf)
         return w._replace(**fields)
