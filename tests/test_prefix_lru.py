@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from helpers import (
+    KVB,
+    chunk_keys,
     conversation_stream,
     grid_inputs,
     h100,
@@ -16,6 +18,7 @@ from helpers import (
     qwen3_8b,
     run_script,
     squeeze_except,
+    step,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -140,6 +143,16 @@ def workload_row(table, i):
 ROWS, TRACE_BLOCK, UTILIZATION = 200, 512, 0.25
 """A conversation trace of 200 requests hashed in 512-token blocks, on an
 H100 using a quarter of its memory: TP 1 holds ~24.5k KV tokens, TP 2 ~160k."""
+
+
+def prefill_after(prompt, cached, budget):
+    """A prefill-only instance's chunks of ``budget`` after ``cached``
+    tokens, one by one (float64)."""
+    total, done = 0.0, cached
+    while done < prompt:
+        m = min(budget, prompt - done)
+        total, done = total + step(m, done, chunk_keys(m, done)), done + m
+    return total
 
 
 def write_trace(path, seed=5):
@@ -350,18 +363,38 @@ def test_sweep_optimize_gives_each_prefill_instance_its_own_cache(tmp_path):
     capacity = kv_capacity_tokens(hw, qwen3_8b(np.float64), 1)
     cand = job.candidates[0]
     cand_hw = hardware_params(cand.hardware, UTILIZATION)
-    shares = []
-    for p in (1, 2):
+    deps = disaggregate.enumerate_deployments(job)
+    budgets = {d.token_budget for d in deps}
+    shares, mean_prefill = {}, {}
+    for p in {1, 2} | {d.prefill_instances for d in deps}:
         n = each * p
-        found = sum(online([hashes[i] for i in mine], prompts[mine],
-                           np.ones(len(mine)), np.ones(len(mine), bool),
-                           np.ones(len(mine), bool), capacity, TRACE_BLOCK).sum()
-                    for mine in (np.arange(r, n, p) for r in range(p)))
-        shares.append(found / prompts[:n].sum())
-        got = disaggregate.pool_hit(job, cand, cand_hw, model_params(cand.model), 1.0,
-                                    p)
-        assert got == pytest.approx(shares[-1], rel=1e-6)
-    assert 0 < shares[1] < shares[0]
+        rows = np.arange(n) % ROWS  # the trace repeats, as replayed
+        found = np.zeros(n)
+        for r in range(p):
+            mine = rows[r::p]
+            found[r::p] = online([hashes[i] for i in mine], prompts[mine],
+                                 np.ones(len(mine)), np.ones(len(mine), bool),
+                                 np.ones(len(mine), bool), capacity, TRACE_BLOCK)
+        shares[p] = found.sum() / prompts[rows].sum()
+        # each request of the pool at its own cached prefix, as simulated
+        got = disaggregate.pool_prompts(job, cand, cand_hw, model_params(cand.model),
+                                        1, p)
+        cached = np.minimum(found, prompts[rows] - 1)
+        np.testing.assert_array_equal(got[0], prompts[rows])
+        np.testing.assert_array_equal(got[1], cached)
+        np.testing.assert_allclose(got[2], 1 / n)
+        mean_prefill[p] = {b: np.mean([prefill_after(x, c, b) for x, c in
+                                       zip(prompts[rows], cached)]) for b in budgets}
+    assert 0 < shares[2] < shares[1]
+    # the enumeration prices each pool at the mean of its requests' prefills
+    # (by hand in float64), not at the mean prompt's at the mean share
+    transfer = prompts.mean() * KVB / 5e10
+    for d in deps:
+        b, p = d.token_budget, d.prefill_instances
+        assert d.zero_load_ttft_s == pytest.approx(mean_prefill[1][b] + transfer,
+                                                   rel=1e-4)
+        assert d.prefill_utilization == pytest.approx(
+            2.0 * max(mean_prefill[p][b], transfer) / p, rel=1e-4)
 
     deps = [disaggregate.Deployment(0, 1, p, 1, 8, 2048, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
             for p in (1, 2)]

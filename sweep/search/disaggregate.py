@@ -14,9 +14,11 @@ and the simulator instead:
    powers of two, one decode instance serves ``N gain / step(N) / (E[out] -
    1)`` requests a second (the decode-only step at the mean context, ``E[out]
    - 1`` tokens after the prefill's first) and one prefill instance ``1 /
-   prefill(E[prompt], B)`` (prefill-only chunks at the budget). A setting
-   whose decode step exceeds the ITL SLO, or whose zero-load TTFT (prefill +
-   KV transfer) exceeds the TTFT SLO, is dropped. Each instance's link
+   E[prefill(prompt, cached, B)]`` (prefill-only chunks at the budget, the
+   mean over the prompts the pool serves, each after its own cached prefix:
+   ``pool_prompts``). A setting whose decode step exceeds the ITL SLO, or
+   whose mean zero-load TTFT (prefill + KV transfer) exceeds the TTFT SLO,
+   is dropped. Each instance's link
    carries one transfer at a time (``sweep.latency.disaggregated``), so an
    instance's capacity is also one request per transfer time: a prefill
    instance is busy ``max(prefill, transfer)`` per request, a decode
@@ -57,6 +59,7 @@ from sweep.cube import engines
 from sweep.latency import prefix_cache
 from sweep.latency.arrivals import Requests
 from sweep.latency.disaggregated import simulate_disaggregated
+from sweep.latency.p99 import served_requests
 from sweep.model import roofline
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.search.optimize import (
@@ -66,6 +69,7 @@ from sweep.search.optimize import (
     lru,
     met,
     simulation_inputs,
+    truncates,
     verification_hits,
     verification_stream,
 )
@@ -89,7 +93,7 @@ class Deployment:
     # offered / the pool's roofline capacity, its links' included
     prefill_utilization: float
     decode_utilization: float
-    zero_load_ttft_s: float  # roofline: prefill of the mean prompt + transfer
+    zero_load_ttft_s: float  # roofline: mean prefill (pool_prompts) + transfer
     itl_s: float  # roofline: the decode-only step at N
     cost_per_mtok_out_usd: float
     cost_per_month_usd: float
@@ -161,15 +165,18 @@ def enumerate_deployments(job) -> list[Deployment]:
     computing: dict[tuple, np.ndarray] = {}
 
     def prefill_s(cand, hw, model, pre_tp: int, p: int) -> np.ndarray:
-        """Per budget, a prefill instance's time per request among ``p`` of
-        TP ``pre_tp``, after the cached prefix its pool finds; once per
-        engine, not per decode candidate it may feed."""
-        key = (_engine(cand), pre_tp, p)
+        """Per budget, a prefill instance's mean time per request among ``p``
+        of TP ``pre_tp`` (``pool_prompts``); once per engine, not per decode
+        candidate it may feed, and without block hashes once for every
+        ``p``."""
+        key = (_engine(cand), pre_tp, p if hashed else 0)
         if key not in computing:
-            tp = float(pre_tp)
+            prompts, cached, weight = pool_prompts(job, cand, hw, model, pre_tp, p)
+            f32 = np.float32
             computing[key] = np.asarray(roofline.chunked_prefill(
-                hw, model, tp, 0.0, 0.0, prompt, B, 0.0, roofline.cached_prefix_tokens(
-                    prompt, pool_hit(job, cand, hw, model, tp, p)))[0], float)
+                hw, model, f32(pre_tp), 0.0, 0.0, prompts[None, :].astype(f32),
+                B[:, None].astype(f32), 0.0, cached[None, :].astype(f32))[0],
+                np.float64) @ weight
         return computing[key]
 
     for ci, cand in enumerate(job.candidates):
@@ -227,19 +234,41 @@ def enumerate_deployments(job) -> list[Deployment]:
     return sorted(best.values(), key=lambda x: (x.cost_per_mtok_out_usd, -_headroom(x)))
 
 
-def pool_hit(job, cand, hw, model, tp, prefill_instances: int) -> float:
-    """The share of prompt tokens a pool of ``prefill_instances`` finds in
-    their caches: the workload's (mean) hit fraction, or with a trace's block hashes
-    what each instance's LRU cache of its own prompts finds in its KV
-    capacity over ``verify_requests`` per instance of the verification
-    stream (``prefix_cache.pool_table``)."""
-    hit = job.app.workload.mean_prefix_hit
+def pool_prompts(job, cand, hw, model, tp: int, prefill_instances: int,
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prompts a prefill pool of ``prefill_instances`` at TP ``tp``
+    serves, each with its cached prefix, as ``(prompt_tokens, cached_tokens,
+    weight)`` (weights summing to 1).
+
+    With a trace's block hashes: each served request of the verification
+    stream's first ``verify_requests`` per instance, at what its instance's
+    LRU cache of its own prompts holds in its KV capacity
+    (``prefix_cache.pool_table``), as the verification simulates it.
+    Otherwise: every prompt length the model serves at every hit share of
+    the workload (its levels, or its one fraction), in whole blocks
+    (``roofline.cached_prefix_tokens``), weighted by both probabilities.
+    """
+    wl = job.app.workload
     if job.tables.pair_hashes is None:
-        return hit
-    _, curve = lru(job, job.app.search.verify_requests * prefill_instances,
-                   cand.model, prefill_instances)
-    capacity = roofline.kv_capacity_tokens(hw, model, tp)
-    return max(hit, float(roofline.lru_hit_fraction(capacity, *curve)))
+        served = served_requests(job.tables, wl, cand.model)[0]
+        levels, probs = ((served.hit_levels, served.hit_probs)
+                         if served.hit_levels is not None
+                         else (np.array([wl.mean_prefix_hit]), np.ones(1)))
+        prompts = np.broadcast_to(served.prompt_values[:, None],
+                                  (len(served.prompt_values), len(levels)))
+        cached = roofline.cached_prefix_tokens(prompts, levels[None, :], xp=np)
+        weight = served.prompt_probs[:, None] * probs[None, :]
+        return prompts.ravel(), cached.ravel(), weight.ravel() / weight.sum()
+    n = job.app.search.verify_requests * prefill_instances
+    table, _ = lru(job, n, cand.model, prefill_instances)
+    prompts, _, served, _ = job.streams[n].stream_requests(
+        float(cand.model.max_context_tokens), truncates(job))
+    capacity = float(roofline.kv_capacity_tokens(hw, model, float(tp)))
+    # as the simulator takes them: whole tokens, the last one computed
+    cached = np.clip(np.round(prefix_cache.cached_tokens(table, capacity, xp=np)),
+                     0.0, prompts - 1.0)
+    return (prompts[served], cached[served],
+            np.full(served.sum(), 1.0 / max(served.sum(), 1)))
 
 
 def _headroom(d: Deployment) -> float:

@@ -328,11 +328,11 @@ def lru(job: OptimizeJob, requests: int, model: Model, prefill_instances: int = 
     ``pool_table``'s (each built once: ``prefix_cache.Streams``)."""
     if requests not in job.streams:
         job.streams[requests] = prefix_cache.Streams(job.tables, requests)
-    return job.streams[requests](float(model.max_context_tokens), _truncates(job),
+    return job.streams[requests](float(model.max_context_tokens), truncates(job),
                                  prefill_instances)
 
 
-def _truncates(job: OptimizeJob) -> bool:
+def truncates(job: OptimizeJob) -> bool:
     return job.app.workload.overlong == Overlong.truncate
 
 
@@ -627,7 +627,7 @@ def _replica_hits(job: OptimizeJob, c: Config, replicas: np.ndarray, replica: in
     key = (limit, mine.tobytes())
     if key not in job.replica_tables:
         job.replica_tables[key], _ = prefix_cache.stream_table(
-            job.tables, mine, limit, _truncates(job))
+            job.tables, mine, limit, truncates(job))
     table = job.replica_tables[key]
     out = np.zeros(length, np.float32)
     out[:len(mine)] = prefix_cache.cached_tokens(table, capacity_tokens, xp=np)
