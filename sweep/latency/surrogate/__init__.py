@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from sweep.cube import status as flags
 from sweep.latency.surrogate.bursts import (
     carries_trace,
+    service_shape,
     split_workload,
     trace_wait_gaps_at,
 )
@@ -140,7 +141,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
-    trace_gaps = (trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util)
+    trace_gaps = (trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util,
+                                     service_shape(st.service_s, wl))
                   if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
                         arrival_scv)

@@ -48,10 +48,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from sweep.latency.surrogate.bands import membership
-from sweep.model._numerics import softplus
+from sweep.model._numerics import safe_div, softplus
 
 RHO_GRID = np.linspace(0.0, 1.0, 41)
 """Prefill utilisations at which a trace's waits are tabulated (static)."""
+
+SHAPE_GRID = np.array([0.0, 0.1, 0.25, 0.5, 1.0])
+"""Shapes ``beta`` of a prefill's time in its prompt ``P`` at which a
+trace's waits are tabulated (static): each request's service is ``(1 -
+beta) P / E[P] + beta P^2 / E[P^2]`` (mean 1), linear at 0, quadratic at 1
+(attention over long prompts). The surrogate reads its bands' own shape
+(``service_shape``): taken linear, a trace of prompts up to 24k tokens
+whose longest take 1.4x their share of the time read its p99 wait at
+0.8x the exact one (``benchmarks/README.md``)."""
 
 WAIT_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85,
                        0.88, 0.9, 0.92, 0.94, 0.95, 0.96, 0.97, 0.975, 0.98, 0.985,
@@ -79,9 +88,10 @@ def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, ...]:
     surrogate compiles none of the trace's terms (``carries_trace``), or,
     with ``rows``, zero rows of a trace's shape, for a Poisson workload
     stacked with traced ones."""
-    return tuple(jnp.zeros((len(ROUTINGS), len(SPLIT_GRID), len(grid) if rows else 0,
-                            len(WAIT_EDGES) - 1), dtype)
-                 for grid in (RHO_GRID, WINDOW_GRID, WINDOW_GRID))
+    return tuple(jnp.zeros((len(ROUTINGS), len(SPLIT_GRID), *shapes,
+                            len(grid) if rows else 0, len(WAIT_EDGES) - 1), dtype)
+                 for shapes, grid in (((len(SHAPE_GRID),), RHO_GRID), ((), WINDOW_GRID),
+                                      ((), WINDOW_GRID)))
 
 
 def carries_trace(wl) -> bool:
@@ -92,11 +102,11 @@ def carries_trace(wl) -> bool:
 
 
 def _band_means(values: np.ndarray) -> np.ndarray:
-    """Conditional means of each ``WAIT_EDGES`` band of each row's values,
-    each value of a row equally likely (``bands``)."""
-    n = values.shape[1]
+    """Conditional means of each ``WAIT_EDGES`` band of each row's values
+    (the last axis), each value of a row equally likely (``bands``)."""
+    n = values.shape[-1]
     member = membership(np.full(n, 1.0 / n), WAIT_EDGES)  # by rank
-    return np.sort(values, axis=1) @ member / member.sum(axis=0)
+    return np.sort(values, axis=-1) @ member / member.sum(axis=0)
 
 
 def _splits(n: int) -> list[int]:
@@ -199,29 +209,31 @@ def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
 
     Args:
       arrival_s: the arrival times, in recorded order (seconds).
-      prompt_tokens: each arrival's prompt (its service is proportional).
+      prompt_tokens: each arrival's prompt (its service: ``SHAPE_GRID``).
 
     Returns:
-      float64 ``(2, len(SPLIT_GRID), len(RHO_GRID), len(WAIT_EDGES) - 1)``:
-      row ``(r, j, i)`` is the wait law on ``SPLIT_GRID[j]`` instances dealt
-      by ``ROUTINGS[r]`` at utilisation ``RHO_GRID[i]``, the conditional mean
-      of each band.
+      float64 ``(2, len(SPLIT_GRID), len(SHAPE_GRID), len(RHO_GRID),
+      len(WAIT_EDGES) - 1)``: row ``(r, j, k, i)`` is the wait law on
+      ``SPLIT_GRID[j]`` instances dealt by ``ROUTINGS[r]`` at service shape
+      ``SHAPE_GRID[k]`` and utilisation ``RHO_GRID[i]``, the conditional
+      mean of each band.
     """
     t = np.asarray(arrival_s, np.float64)
     p = np.asarray(prompt_tokens, np.float64)
     n = len(t)
     mean_gap = (t[-1] - t[0]) / (n - 1)
-    service = p / p.mean()
+    beta = SHAPE_GRID[:, None]
+    service = (1.0 - beta) * p / p.mean() + beta * p * p / (p * p).mean()
+    load = RHO_GRID[None, :, None] * service[:, None, :]  # (shape, rho, arrival)
 
     def table(s, parts):
         waits = []
         for idx in (idx for idx in parts if len(idx)):
             gaps = np.diff(t[idx]) / (s * mean_gap)
-            x = np.concatenate([np.zeros((len(RHO_GRID), 1)), np.cumsum(
-                RHO_GRID[:, None] * service[idx][None, :-1] - gaps[None], axis=1)],
-                axis=1)
-            waits.append(x - np.minimum.accumulate(x, axis=1))
-        return _band_means(np.concatenate(waits, axis=1))
+            x = np.concatenate([np.zeros(load.shape[:2] + (1,)), np.cumsum(
+                load[:, :, idx[:-1]] - gaps, axis=-1)], axis=-1)
+            waits.append(x - np.minimum.accumulate(x, axis=-1))
+        return _band_means(np.concatenate(waits, axis=-1))
 
     return _by_deal(n, table)
 
@@ -299,11 +311,30 @@ def trace_slot_atoms(table, occupancy, slots, full_holding_s):
     return softplus(counts + 1.0 - slots, 0.05) * full_holding_s / slots, probs
 
 
-def trace_wait_gaps_at(table, rho):
-    """The trace's wait law at utilisation ``rho``, in mean gaps: ``(atoms,
-    probs)``, each of shape ``(len(WAIT_EDGES) - 1,)``, linear between the
-    rows of ``RHO_GRID`` (the last row beyond it). The prefill wait
-    (``waiting.prefill_wait``) and the ITL's chunk steps
+def trace_wait_gaps_at(table, rho, shape):
+    """The trace's wait law at utilisation ``rho`` and service shape
+    ``shape`` (``service_shape``), in mean gaps: ``(atoms, probs)``, each of
+    shape ``(len(WAIT_EDGES) - 1,)``, linear between the rows of
+    ``SHAPE_GRID`` and of ``RHO_GRID`` (the last row beyond it). The prefill
+    wait (``waiting.prefill_wait``) and the ITL's chunk steps
     (``percentiles.itl_law``) read the same one."""
-    return (_interp_rows(table, rho / (RHO_GRID[1] - RHO_GRID[0])),
+    k = jnp.interp(shape, SHAPE_GRID, np.arange(len(SHAPE_GRID), dtype=np.float64))
+    return (_interp_rows(_interp_rows(table, k), rho / (RHO_GRID[1] - RHO_GRID[0])),
             jnp.asarray(np.diff(WAIT_EDGES), table.dtype))
+
+
+def service_shape(service_s, wl):
+    """The ``SHAPE_GRID`` shape of the bands' prefill times ``service_s``
+    (``(J,)``): the ``beta`` at which ``(1 - beta) P / E[P] + beta P^2 /
+    E[P^2]`` gives the longest band's time over the mean time, clipped to
+    ``[0, 1]`` (times less than linear in the prompt read 0: on the high
+    side, their waits taken as the linear ones')."""
+    w, p = wl.band_probs, wl.prompt_tokens
+    top = jnp.argmax(p)
+    ratio = safe_div(service_s[top], w @ service_s)
+    linear = safe_div(p[top], w @ p)
+    square = safe_div(p[top] ** 2, w @ (p * p + wl.prompt_spread_tokens**2))
+    apart = square - linear
+    some = apart > 1e-6
+    return jnp.clip(jnp.where(some, (ratio - linear) / jnp.where(some, apart, 1.0),
+                              0.0), 0.0, 1.0)
