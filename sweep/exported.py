@@ -136,9 +136,9 @@ def key(program: str, static, args) -> str:
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
-def _folder() -> Path | None:
+def _folder(kind: str = "exported") -> Path | None:
     folder = jax.config.jax_compilation_cache_dir
-    return Path(folder) / "exported" if folder else None
+    return Path(folder) / kind if folder else None
 
 
 def kept_path(fn, static: dict, args) -> Path | None:
@@ -163,6 +163,37 @@ def _prune(folder: Path, program: str) -> None:
     kept = sorted(folder.glob(f"{program}-*.bin"), key=lambda p: p.stat().st_mtime_ns)
     for path in kept[:-KEEP]:
         path.unlink(missing_ok=True)
+
+
+def keep(path: Path, name: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` whole, pruning ``name``'s older files
+    beyond ``KEEP``; a read-only or full cache folder keeps nothing."""
+    try:
+        outputs.write_whole(path, data)
+        _prune(path.parent, name)
+    except OSError:
+        pass
+
+
+def kept_data(kind: str, name: str, content_key: str, build, encode, decode):
+    """``build()``, kept in the compilation cache's ``kind`` folder under
+    ``content_key`` and the package's source (``_environment``): read back
+    (``decode`` of the bytes) when there, else built and kept (``encode``).
+    Without a cache folder it is simply built; an unreadable file is
+    rebuilt."""
+    folder = _folder(kind)
+    if folder is None:
+        return build()
+    k = hashlib.sha256(repr((content_key, _environment())).encode()).hexdigest()[:32]
+    path = folder / f"{name}-{k}.bin"
+    if path.exists():
+        try:
+            return decode(path.read_bytes())
+        except Exception:  # rebuilt below
+            pass
+    value = build()
+    keep(path, name, encode(value))
+    return value
 
 
 def call(fn, static: dict, *args):
@@ -199,10 +230,6 @@ def program(fn, static: dict, args):
                 exp = None
         if exp is None:
             exp = export.export(jitted(fn, **static))(*args)
-            try:
-                outputs.write_whole(path, exp.serialize())
-                _prune(path.parent, name(fn))
-            except OSError:  # a read-only or full cache folder: run uncached
-                pass
+            keep(path, name(fn), exp.serialize())
         kept = _programs[path.name] = jax.jit(exp.call)
     return kept

@@ -310,3 +310,40 @@ def test_surrogate_waits_behind_long_prompts_as_fcfs_does():
     ratio = float(out["ttft_p99_s"]) / fcfs
     assert 0.9 < ratio < 1.2, ratio
     assert float(out["prefill_utilization"]) == pytest.approx(0.45, rel=0.03)
+
+
+def test_trace_tables_are_kept_for_the_next_run(tmp_path, monkeypatch):
+    """A stream's tables are written beside the compilation cache and read
+    back, equal, by the next run (a new process: the in-memory copy is
+    gone); an unreadable file is rebuilt and without a cache folder nothing
+    is written."""
+    import jax
+
+    from sweep.latency.surrogate import bursts
+
+    t, p = _bursty_trace()
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        bursts._TABLES.clear()
+        built = bursts.trace_tables(t, p)
+        (path,) = (tmp_path / "trace_tables").glob("trace_tables-*.bin")
+        bursts._TABLES.clear()
+        with monkeypatch.context() as m:  # read back, not built again
+            m.setattr(bursts, "trace_waits", None)
+            read = bursts.trace_tables(t, p)
+        for a, b in zip(built, read, strict=True):
+            np.testing.assert_array_equal(a, b)
+        path.write_bytes(b"not a table")
+        bursts._TABLES.clear()
+        for a, b in zip(built, bursts.trace_tables(t, p), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert path.read_bytes() != b"not a table"
+        jax.config.update("jax_compilation_cache_dir", None)
+        bursts._TABLES.clear()
+        path.unlink()
+        bursts.trace_tables(t, p)
+        assert not list((tmp_path / "trace_tables").iterdir())
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        bursts._TABLES.clear()

@@ -43,10 +43,12 @@ them one at a time, on the high side: bursts of 40 prompts of 16 tokens
 from __future__ import annotations
 
 import hashlib
+import io
 
 import jax.numpy as jnp
 import numpy as np
 
+from sweep import exported
 from sweep.latency.surrogate.bands import membership
 from sweep.model._numerics import safe_div, softplus
 
@@ -246,15 +248,31 @@ def trace_tables(arrival_s: np.ndarray, prompt_tokens: np.ndarray
                  ) -> tuple[np.ndarray, ...]:
     """``(trace_waits, trace_counts, trace_overlaps)`` of a stream, kept for
     the next summary of the same stream (a grid's models and pools summarise
-    one stream several times: about a second each on a 20,000-row trace)."""
+    one stream several times) and, beside the compilation cache, for the
+    next run (``exported.kept_data``): 3.7 s on the 19,366-row Azure
+    conversation trace of 2023, 1.2 s on the code trace."""
     t = np.ascontiguousarray(arrival_s, np.float64)
     p = np.ascontiguousarray(prompt_tokens, np.float64)
     key = hashlib.sha256(t.tobytes() + p.tobytes()).hexdigest()
     if key not in _TABLES:
         if len(_TABLES) >= _TABLES_KEPT:
             _TABLES.pop(next(iter(_TABLES)))
-        _TABLES[key] = (trace_waits(t, p), trace_counts(t), trace_overlaps(t))
+        _TABLES[key] = exported.kept_data(
+            "trace_tables", "trace_tables", key,
+            lambda: (trace_waits(t, p), trace_counts(t), trace_overlaps(t)),
+            _encode, _decode)
     return _TABLES[key]
+
+
+def _encode(tables: tuple[np.ndarray, ...]) -> bytes:
+    out = io.BytesIO()
+    np.savez(out, *tables)
+    return out.getvalue()
+
+
+def _decode(data: bytes) -> tuple[np.ndarray, ...]:
+    with np.load(io.BytesIO(data)) as f:
+        return tuple(f[f"arr_{i}"] for i in range(len(f.files)))
 
 
 def sampled_prompts(values: np.ndarray, probs: np.ndarray, n: int) -> np.ndarray:
