@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sweep.latency.surrogate.bursts import (
+    GAIN_MAX,
     RHO_GRID,
     SHAPE_GRID,
     SPLIT_GRID,
@@ -47,6 +48,24 @@ def _band_means(samples: np.ndarray) -> list[float]:
     w, n = np.sort(samples), len(samples)
     cuts = np.round(WAIT_EDGES * n).astype(int)
     return [w[a:b].mean() for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _gain(waits: np.ndarray, services: np.ndarray) -> float:
+    """The factor on the waits' band means at which a wait and a service
+    drawn independently (band means, every pair) reach the p99 of the
+    recorded wait + own service, in [1, GAIN_MAX]: a scan of 1e-4 steps."""
+    target = np.percentile(waits + services, 99)
+    w, s = np.array(_band_means(waits)), np.array(_band_means(services))
+    q = np.diff(WAIT_EDGES)
+
+    def within(g):
+        return (np.outer(q, q) * (g * w[:, None] + s[None, :] <= target)).sum()
+
+    if w[-1] == 0 or within(1.0) <= 0.99:
+        return 1.0
+    grid = np.arange(1.0, GAIN_MAX + 1e-4, 1e-4)
+    reached = [g for g in grid if within(g) <= 0.99]
+    return reached[0] if reached else GAIN_MAX
 
 
 DEALS = [(1, False), (4, False), (16, False), (4, True)]
@@ -92,10 +111,13 @@ def test_wait_table_is_lindley_band_by_band(split, random):
         # (1 - beta) P / E[P] + beta P^2 / E[P^2]: linear to quadratic
         service = (1.0 - beta) * p / p.mean() + beta * p**2 / (p**2).mean()
         for i in (0, 8, 20, 32, 40) if k in (0, 4) else (20,):
+            parts = _streams(len(t), split, random)
             w = np.concatenate([_lindley(t[idx], service[idx], RHO_GRID[i], gap)
-                                for idx in _streams(len(t), split, random)])
-            np.testing.assert_allclose(table[int(random), j, k, i], _band_means(w),
-                                       rtol=1e-9, atol=1e-9)
+                                for idx in parts])
+            own = RHO_GRID[i] * np.concatenate([service[idx] for idx in parts])
+            np.testing.assert_allclose(table[int(random), j, k, i],
+                                       _gain(w, own) * np.array(_band_means(w)),
+                                       rtol=1e-3, atol=1e-9)
     assert (table[:, :, :, 0] == 0).all()
     # the longest prompts' share of the time grows with the shape: so do
     # the tail's waits
@@ -347,3 +369,44 @@ def test_trace_tables_are_kept_for_the_next_run(tmp_path, monkeypatch):
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
         bursts._TABLES.clear()
+
+
+def test_long_prompts_in_runs_wait_behind_each_other():
+    """A conversation trace (``tests/test_prefix_lru.py``'s: each turn
+    extends its session's last prompt, so long prompts come in runs) on its
+    recorded arrivals at 1 and 2 req/s (H100 SXM, Qwen3-8B, budget 2,048):
+    the surrogate's p99 TTFT is within -10 % / +25 % of the float64 FCFS
+    queue's with each prompt's own chunked prefill, where drawing waits
+    independently of the prompts read 0.81x at 1 req/s; and so with the
+    same requests in a random order."""
+    import jax
+    from helpers import chunked, compose_app, conversation_stream
+
+    from sweep.config.convert import hardware_params, model_params
+    from sweep.latency.surrogate import latency_workload, surrogate
+    from sweep.latency.workload import WorkloadTables
+
+    app = compose_app("grid", ["experiment=seed"])
+    hw, model = hardware_params(app.hardware, 1.0), model_params(app.model)
+    rng = np.random.default_rng(5)
+    _, prompts, outputs = conversation_stream(rng, 200, 512)
+    t = np.cumsum(rng.exponential(400.0, 200)).astype(int) / 1e3
+    run = jax.jit(lambda wl, lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))
+    shuffled = np.random.default_rng(0).permutation(200)
+    for order in (np.arange(200), shuffled):
+        p, o = prompts[order], outputs[order]
+        service = np.array([chunked(0, 0, x, 2048)[0] for x in p])
+        values, counts = np.unique(p, return_counts=True)
+        outs, out_counts = np.unique(o, return_counts=True)
+        wl = latency_workload(WorkloadTables("conversations", values, counts / 200,
+                                             outs, out_counts / 200),
+                              pairs=np.stack([p, o], axis=1), arrival_s=t)
+        for lam in (1.0, 2.0):
+            arrival = (t - t[0]) * (199 / (t[-1] - t[0])) / lam
+            wait, done = np.zeros(200), 0.0
+            for i in range(200):
+                start = max(arrival[i], done)
+                wait[i], done = start - arrival[i], start + service[i]
+            fcfs = np.percentile(wait + service, 99)
+            ratio = float(run(wl, np.float32(lam))["ttft_p99_s"]) / fcfs
+            assert 0.9 < ratio < 1.25, (lam, ratio)
