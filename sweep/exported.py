@@ -175,13 +175,13 @@ def keep(path: Path, name: str, data: bytes) -> None:
         pass
 
 
-def kept_data(kind: str, name: str, content_key: str, build, encode, decode):
-    """``build()``, kept in the compilation cache's ``kind`` folder under
+def kept_data(name: str, content_key: str, build, encode, decode):
+    """``build()``, kept in the compilation cache's ``name`` folder under
     ``content_key`` and the package's source (``_environment``): read back
     (``decode`` of the bytes) when there, else built and kept (``encode``).
     Without a cache folder it is simply built; an unreadable file is
     rebuilt."""
-    folder = _folder(kind)
+    folder = _folder(name)
     if folder is None:
         return build()
     k = hashlib.sha256(repr((content_key, _environment())).encode()).hexdigest()[:32]

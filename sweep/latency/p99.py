@@ -406,11 +406,10 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
             # the engine's requests, with an LRU cache's bands by capacity
             # where the workload has block hashes
             "served": (_nested(pad_hit_rows([
-                _summary_of(t, joint, arrival_s, traced, _lru(
-                    streams[i % len(workloads)], models[i // len(workloads)],
-                    workloads[i % len(workloads)]))
-                for i, (t, joint, _, arrival_s) in enumerate(
-                    s for row in served for s in row)]), len(workloads)),
+                _summary_of(t, joint, arrival_s, traced,
+                            _lru(streams[w], models[m], workloads[w]))
+                for m, row in enumerate(served)
+                for w, (t, joint, _, arrival_s) in enumerate(row)]), len(workloads)),
                 ("model", "workload")),
             # the pools' summaries, read only where the grid has such points:
             # per prefill pool size, its instances' LRU caches' bands

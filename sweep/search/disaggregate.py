@@ -60,6 +60,7 @@ from sweep.latency import prefix_cache
 from sweep.latency.arrivals import Requests
 from sweep.latency.disaggregated import simulate_disaggregated
 from sweep.latency.p99 import served_requests
+from sweep.latency.surrogate.lengths import hit_rows
 from sweep.model import roofline
 from sweep.model.cost import HOURS_PER_MONTH, cost_per_mtok_usd
 from sweep.search.optimize import (
@@ -248,25 +249,20 @@ def pool_prompts(job, cand, hw, model, tp: int, prefill_instances: int,
     the workload (its levels, or its one fraction), in whole blocks
     (``roofline.cached_prefix_tokens``), weighted by both probabilities.
     """
-    wl = job.app.workload
     if job.tables.pair_hashes is None:
-        served = served_requests(job.tables, wl, cand.model)[0]
-        levels, probs = ((served.hit_levels, served.hit_probs)
-                         if served.hit_levels is not None
-                         else (np.array([wl.mean_prefix_hit]), np.ones(1)))
-        prompts = np.broadcast_to(served.prompt_values[:, None],
-                                  (len(served.prompt_values), len(levels)))
-        cached = roofline.cached_prefix_tokens(prompts, levels[None, :], xp=np)
-        weight = served.prompt_probs[:, None] * probs[None, :]
-        return prompts.ravel(), cached.ravel(), weight.ravel() / weight.sum()
+        served = served_requests(job.tables, job.app.workload, cand.model)[0]
+        levels = ((served.hit_levels, served.hit_probs) if served.hit_levels is not None
+                  else (np.array([served.prefix_hit_fraction]), np.ones(1)))
+        prompts, cached, mass, _ = hit_rows(served.prompt_values, served.prompt_probs,
+                                            *levels)
+        return prompts, cached, mass / mass.sum()
     n = job.app.search.verify_requests * prefill_instances
     table, _ = lru(job, n, cand.model, prefill_instances)
     prompts, _, served, _ = job.streams[n].stream_requests(
         float(cand.model.max_context_tokens), truncates(job))
-    capacity = float(roofline.kv_capacity_tokens(hw, model, float(tp)))
-    # as the simulator takes them: whole tokens, the last one computed
-    cached = np.clip(np.round(prefix_cache.cached_tokens(table, capacity, xp=np)),
-                     0.0, prompts - 1.0)
+    # the table's prefixes are whole blocks, short of the prompt by a token
+    cached = prefix_cache.cached_tokens(
+        table, float(roofline.kv_capacity_tokens(hw, model, float(tp))), xp=np)
     return (prompts[served], cached[served],
             np.full(served.sum(), 1.0 / max(served.sum(), 1)))
 

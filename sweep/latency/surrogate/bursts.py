@@ -60,9 +60,10 @@ SHAPE_GRID = np.array([0.0, 0.1, 0.25, 0.5, 1.0])
 trace's waits are tabulated (static): each request's service is ``(1 -
 beta) P / E[P] + beta P^2 / E[P^2]`` (mean 1), linear at 0, quadratic at 1
 (attention over long prompts). The surrogate reads its bands' own shape
-(``service_shape``): taken linear, a trace of prompts up to 24k tokens
-whose longest take 1.4x their share of the time read its p99 wait at
-0.8x the exact one (``benchmarks/README.md``)."""
+(``service_shape``): taken linear, the conversation test trace's p99 wait
+at prefill load 0.4 read 0.81x the one with each prompt's own chunked
+prefill (float64; prompts up to 24k tokens, 17 us a token at 338 tokens,
+24 us at 24k: ``benchmarks/README.md``, "The service shape")."""
 
 WAIT_EDGES = np.array([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85,
                        0.88, 0.9, 0.92, 0.94, 0.95, 0.96, 0.97, 0.975, 0.98, 0.985,
@@ -229,14 +230,15 @@ def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
     load = RHO_GRID[None, :, None] * service[:, None, :]  # (shape, rho, arrival)
 
     def table(s, parts):
-        waits, own = [], []
-        for idx in (idx for idx in parts if len(idx)):
+        parts = [idx for idx in parts if len(idx)]
+        waits = []
+        for idx in parts:
             gaps = np.diff(t[idx]) / (s * mean_gap)
             x = np.concatenate([np.zeros(load.shape[:2] + (1,)), np.cumsum(
                 load[:, :, idx[:-1]] - gaps, axis=-1)], axis=-1)
             waits.append(x - np.minimum.accumulate(x, axis=-1))
-            own.append(load[:, :, idx])
-        waits, own = np.concatenate(waits, axis=-1), np.concatenate(own, axis=-1)
+        waits = np.concatenate(waits, axis=-1)
+        own = load[:, :, np.concatenate(parts)]  # each wait's own service
         means = _band_means(waits)
         return means * order_gain(means, _band_means(own),
                                   np.percentile(waits + own, 99, axis=-1))
@@ -294,8 +296,8 @@ def trace_tables(arrival_s: np.ndarray, prompt_tokens: np.ndarray
     """``(trace_waits, trace_counts, trace_overlaps)`` of a stream, kept for
     the next summary of the same stream (a grid's models and pools summarise
     one stream several times) and, beside the compilation cache, for the
-    next run (``exported.kept_data``): 3.7 s on the 19,366-row Azure
-    conversation trace of 2023, 1.2 s on the code trace."""
+    next run (``exported.kept_data``): 5.1-6.4 s on the 19,366-row Azure
+    conversation trace of 2023, 1.7 s on the code trace (2-core CPU)."""
     t = np.ascontiguousarray(arrival_s, np.float64)
     p = np.ascontiguousarray(prompt_tokens, np.float64)
     key = hashlib.sha256(t.tobytes() + p.tobytes()).hexdigest()
@@ -303,7 +305,7 @@ def trace_tables(arrival_s: np.ndarray, prompt_tokens: np.ndarray
         if len(_TABLES) >= _TABLES_KEPT:
             _TABLES.pop(next(iter(_TABLES)))
         _TABLES[key] = exported.kept_data(
-            "trace_tables", "trace_tables", key,
+            "trace_tables", key,
             lambda: (trace_waits(t, p), trace_counts(t), trace_overlaps(t)),
             _encode, _decode)
     return _TABLES[key]

@@ -255,25 +255,31 @@ def work_bands(prompts: np.ndarray, cached: np.ndarray, mass: np.ndarray,
             work**2 @ mass)
 
 
-def hit_bands(prompts: np.ndarray, probs: np.ndarray, output_bands: np.ndarray,
-              levels: np.ndarray, level_probs: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``work_bands`` of prompts whose cached share is drawn from a
-    distribution: every (prompt, level) a row, its cached prefix
-    ``roofline.cached_prefix_tokens`` (whole blocks), its probability
-    ``probs x level_probs``, grouped by level.
+def hit_rows(prompts: np.ndarray, probs: np.ndarray, levels: np.ndarray,
+             level_probs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Prompts whose cached share is drawn from a distribution, every
+    (prompt, level) a row, prompt by prompt: ``(prompt, cached prefix
+    (roofline.cached_prefix_tokens: whole blocks), probability probs x
+    level_probs, level index)``.
 
     Args:
       prompts, probs: the prompts (a table's values or a trace's pairs) and
         their probabilities.
-      output_bands: ``(len(prompts), J)``, as ``work_bands``'.
       levels, level_probs: the shares and their probabilities.
     """
     cached = roofline.cached_prefix_tokens(prompts[:, None], levels[None, :], xp=np)
-    return work_bands(
-        np.repeat(prompts, len(levels)), cached.ravel(),
-        (probs[:, None] * level_probs[None, :]).ravel(),
-        np.repeat(output_bands, len(levels), axis=0),
-        np.tile(np.arange(len(levels)), len(prompts)))
+    return (np.repeat(prompts, len(levels)), cached.ravel(),
+            (probs[:, None] * level_probs[None, :]).ravel(),
+            np.tile(np.arange(len(levels)), len(prompts)))
+
+
+def hit_bands(prompts: np.ndarray, probs: np.ndarray, output_bands: np.ndarray,
+              levels: np.ndarray, level_probs: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``work_bands`` of ``hit_rows``, grouped by level (``output_bands``:
+    ``(len(prompts), J)``, as ``work_bands``')."""
+    rows, cached, mass, level = hit_rows(prompts, probs, levels, level_probs)
+    return work_bands(rows, cached, mass, np.repeat(output_bands, len(levels), axis=0),
+                      level)
 
 
 HIT_ROWS = 32
