@@ -141,8 +141,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))
     per_token = jax.lax.stop_gradient(jnp.abs(per_token))
-    trace_gaps = (trace_wait_gaps_at(wl.trace_wait_gaps, st.prefill_util,
-                                     service_shape(st.service_s, wl))
+    trace_gaps = (trace_wait_gaps_at(wl.trace_wait_gaps, wl.trace_wait_rho,
+                                     st.prefill_util, service_shape(st.service_s, wl))
                   if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
                         arrival_scv)

@@ -13,9 +13,10 @@ is computed once per workload in NumPy (``trace_waits``): Lindley's
 recursion ``W_{i+1} = max(0, W_i + rho s_i - a_{i+1})`` (``s_i`` the prompt
 over the mean prompt, ``a_i`` the gap over the mean gap), whose solution is
 ``W_i = X_i - min_{j <= i} X_j`` for the partial sums ``X`` of ``rho s - a``,
-at every utilisation of ``RHO_GRID``, summarised by the conditional means
-of tail-weighted probability bands (``WAIT_EDGES``). The surrogate reads the
-row at its prefill server's utilisation (``trace_wait_gaps_at``) and scales
+at utilisations picked where the trace's own wait bends (``rho_grid``),
+summarised by the conditional means of tail-weighted probability bands
+(``WAIT_EDGES``). The surrogate reads the row at its prefill server's
+utilisation (``trace_wait_gaps_at``) and scales
 it by the mean gap ``1 / lam``, in place of the Poisson queue's
 Pollaczek-Khinchine wait (``sweep.latency.surrogate.waiting``): the trace's
 queue is a whole G/G/1 (its gaps and its services), not a correction of M/G/1.
@@ -52,8 +53,19 @@ from sweep import exported
 from sweep.latency.surrogate.bands import membership
 from sweep.model._numerics import safe_div, softplus
 
-RHO_GRID = np.linspace(0.0, 1.0, 41)
+RHO_POINTS = 41
 """Prefill utilisations at which a trace's waits are tabulated (static)."""
+
+RHO_GRID = np.linspace(0.0, 1.0, RHO_POINTS)
+"""The utilisations of the tables without a trace (``no_trace``), and the
+start of a trace's own (``rho_grid``)."""
+
+RHO_CANDIDATES = np.unique(np.concatenate([
+    np.arange(0.0, 0.02, 0.001), np.arange(0.02, 0.1, 0.002),
+    np.arange(0.1, 1.0, 0.01), [1.0]]))
+"""The utilisations ``rho_grid`` picks a trace's from: finest where bursts
+put their knees (the Azure code trace's p99 wait, in mean gaps, is 0.35 at
+0.04 and 1.48 at 0.05)."""
 
 SHAPE_GRID = np.array([0.0, 0.1, 0.25, 0.5, 1.0])
 """Shapes ``beta`` of a prefill's time in its prompt ``P`` at which a
@@ -87,14 +99,17 @@ _SEED = 0  # the prompts drawn for sampled replay, the random deals
 
 def no_trace(dtype=jnp.float32, rows: bool = False) -> tuple[jnp.ndarray, ...]:
     """The tables of Poisson arrivals (``LatencyWorkload.trace_wait_gaps``,
-    ``trace_counts``, ``trace_overlaps``): without rows, so that the
-    surrogate compiles none of the trace's terms (``carries_trace``), or,
-    with ``rows``, zero rows of a trace's shape, for a Poisson workload
-    stacked with traced ones."""
-    return tuple(jnp.zeros((len(ROUTINGS), len(SPLIT_GRID), *shapes,
-                            len(grid) if rows else 0, len(WAIT_EDGES) - 1), dtype)
-                 for shapes, grid in (((len(SHAPE_GRID),), RHO_GRID), ((), WINDOW_GRID),
-                                      ((), WINDOW_GRID)))
+    ``trace_wait_rho``, ``trace_counts``, ``trace_overlaps``): without rows,
+    so that the surrogate compiles none of the trace's terms
+    (``carries_trace``), or, with ``rows``, zero rows of a trace's shape,
+    for a Poisson workload stacked with traced ones; ``RHO_GRID`` their
+    utilisations."""
+    waits, counts, overlaps = (
+        jnp.zeros((len(ROUTINGS), len(SPLIT_GRID), *shapes,
+                   len(grid) if rows else 0, len(WAIT_EDGES) - 1), dtype)
+        for shapes, grid in (((len(SHAPE_GRID),), RHO_GRID), ((), WINDOW_GRID),
+                             ((), WINDOW_GRID)))
+    return waits, jnp.asarray(RHO_GRID, dtype), counts, overlaps
 
 
 def carries_trace(wl) -> bool:
@@ -205,7 +220,65 @@ def trace_overlaps(arrival_s: np.ndarray) -> np.ndarray:
     return _by_window(arrival_s, row)
 
 
-def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
+def _services(prompt_tokens: np.ndarray) -> np.ndarray:
+    """Each arrival's service at every shape of ``SHAPE_GRID`` (mean 1):
+    ``(len(SHAPE_GRID), n)``."""
+    p = np.asarray(prompt_tokens, np.float64)
+    beta = SHAPE_GRID[:, None]
+    return (1.0 - beta) * p / p.mean() + beta * p * p / (p * p).mean()
+
+
+def _lindley(t: np.ndarray, parts: list[np.ndarray], gap: float,
+             load: np.ndarray) -> np.ndarray:
+    """The FCFS waits of each instance's queue (``parts``, non-empty), in
+    its mean gap ``gap``, pooled in the order of ``parts``; ``load``
+    ``(..., n)`` is each arrival's service in those gaps."""
+    waits = []
+    for idx in parts:
+        x = np.concatenate([np.zeros(load.shape[:-1] + (1,)), np.cumsum(
+            load[..., idx[:-1]] - np.diff(t[idx]) / gap, axis=-1)], axis=-1)
+        waits.append(x - np.minimum.accumulate(x, axis=-1))
+    return np.concatenate(waits, axis=-1)
+
+
+RHO_PICK_SPLITS = 32
+"""``rho_grid`` follows the round-robin deals up to this many instances."""
+
+
+def rho_grid(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
+    """The ``RHO_POINTS`` utilisations of ``RHO_CANDIDATES`` at which a
+    trace's waits are tabulated: from every tenth of ``RHO_GRID``, each
+    next the candidate where linear interpolation strays furthest from the
+    p90 / p99 / p99.9 waits (linear and quadratic shapes; one instance and
+    round-robin deals up to ``RHO_PICK_SPLITS``), relative to the wait plus
+    the mean service (``rho`` mean gaps).
+
+    A bursty trace's wait has a knee where a burst's own load reaches 1: the
+    Azure code trace's p99 (in mean gaps) 0.35 at 0.04, 1.48 at 0.05, so the
+    uniform grid read it 2.7x at 0.041, and the surrogate's p99 TTFT on that
+    trace replayed exactly at 1 req/s up to 79 % high (``benchmarks/README.md``,
+    "The utilisation grid")."""
+    t = np.asarray(arrival_s, np.float64)
+    n = len(t)
+    mean_gap = (t[-1] - t[0]) / (n - 1)
+    load = RHO_CANDIDATES[:, None] * _services(prompt_tokens)[[0, -1], None, :]
+    tails = np.concatenate([
+        np.percentile(_lindley(t, instances(n, s, False), s * mean_gap, load),
+                      [90.0, 99.0, 99.9], axis=-1).reshape(-1, len(RHO_CANDIDATES))
+        for s in _splits(n) if s <= RHO_PICK_SPLITS])
+    scale = np.maximum(tails + RHO_CANDIDATES, 1e-12)
+    picked = np.searchsorted(RHO_CANDIDATES, RHO_GRID[::4] - 1e-9)
+    while len(picked) < RHO_POINTS:
+        strays = np.stack([np.interp(RHO_CANDIDATES, RHO_CANDIDATES[picked],
+                                     row[picked]) for row in tails]) - tails
+        worst = (np.abs(strays) / scale).max(axis=0)
+        worst[picked] = -1.0
+        picked = np.union1d(picked, [np.argmax(worst)])
+    return RHO_CANDIDATES[picked]
+
+
+def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray,
+                rho: np.ndarray) -> np.ndarray:
     """Band means of the FCFS wait on a trace's arrivals, in mean gaps; per
     routing of ``ROUTINGS`` and split of ``SPLIT_GRID``, on each instance's
     own queue, in its own mean gaps (``split`` of the stream's).
@@ -213,35 +286,31 @@ def trace_waits(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
     Args:
       arrival_s: the arrival times, in recorded order (seconds).
       prompt_tokens: each arrival's prompt (its service: ``SHAPE_GRID``).
+      rho: the utilisations (``rho_grid``).
 
     Returns:
-      float64 ``(2, len(SPLIT_GRID), len(SHAPE_GRID), len(RHO_GRID),
+      float64 ``(2, len(SPLIT_GRID), len(SHAPE_GRID), len(rho),
       len(WAIT_EDGES) - 1)``: row ``(r, j, k, i)`` is the wait law on
       ``SPLIT_GRID[j]`` instances dealt by ``ROUTINGS[r]`` at service shape
-      ``SHAPE_GRID[k]`` and utilisation ``RHO_GRID[i]``, the conditional
+      ``SHAPE_GRID[k]`` and utilisation ``rho[i]``, the conditional
       mean of each band, times the row's ``order_gain``.
     """
     t = np.asarray(arrival_s, np.float64)
-    p = np.asarray(prompt_tokens, np.float64)
     n = len(t)
     mean_gap = (t[-1] - t[0]) / (n - 1)
-    beta = SHAPE_GRID[:, None]
-    service = (1.0 - beta) * p / p.mean() + beta * p * p / (p * p).mean()
-    load = RHO_GRID[None, :, None] * service[:, None, :]  # (shape, rho, arrival)
+    service = _services(prompt_tokens)
+    rho = np.asarray(rho, np.float64)[:, None]
+    load = rho[None] * service[:, None, :]  # (shape, rho, arrival)
 
     def table(s, parts):
         parts = [idx for idx in parts if len(idx)]
-        waits = []
-        for idx in parts:
-            gaps = np.diff(t[idx]) / (s * mean_gap)
-            x = np.concatenate([np.zeros(load.shape[:2] + (1,)), np.cumsum(
-                load[:, :, idx[:-1]] - gaps, axis=-1)], axis=-1)
-            waits.append(x - np.minimum.accumulate(x, axis=-1))
-        waits = np.concatenate(waits, axis=-1)
-        own = load[:, :, np.concatenate(parts)]  # each wait's own service
+        order = np.concatenate(parts)
+        waits = _lindley(t, parts, s * mean_gap, load)
         means = _band_means(waits)
-        return means * order_gain(means, _band_means(own),
-                                  np.percentile(waits + own, 99, axis=-1))
+        # each wait's own service is rho times the service: its bands scale
+        own = rho * _band_means(service[:, order])[:, None, :]
+        return means * order_gain(means, own, np.percentile(
+            waits + load[:, :, order], 99, axis=-1))
 
     return _by_deal(n, table)
 
@@ -293,7 +362,7 @@ _TABLES_KEPT = 8
 
 def trace_tables(arrival_s: np.ndarray, prompt_tokens: np.ndarray
                  ) -> tuple[np.ndarray, ...]:
-    """``(trace_waits, trace_counts, trace_overlaps)`` of a stream, kept for
+    """``(trace_waits, rho_grid, trace_counts, trace_overlaps)`` of a stream, kept for
     the next summary of the same stream (a grid's models and pools summarise
     one stream several times) and, beside the compilation cache, for the
     next run (``exported.kept_data``): 5.1-6.4 s on the 19,366-row Azure
@@ -306,9 +375,14 @@ def trace_tables(arrival_s: np.ndarray, prompt_tokens: np.ndarray
             _TABLES.pop(next(iter(_TABLES)))
         _TABLES[key] = exported.kept_data(
             "trace_tables", key,
-            lambda: (trace_waits(t, p), trace_counts(t), trace_overlaps(t)),
+            lambda: _tables(t, p),
             _encode, _decode)
     return _TABLES[key]
+
+
+def _tables(t: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, ...]:
+    rho = rho_grid(t, p)
+    return trace_waits(t, p, rho), rho, trace_counts(t), trace_overlaps(t)
 
 
 def _encode(tables: tuple[np.ndarray, ...]) -> bytes:
@@ -376,15 +450,17 @@ def trace_slot_atoms(table, occupancy, slots, full_holding_s):
     return softplus(counts + 1.0 - slots, 0.05) * full_holding_s / slots, probs
 
 
-def trace_wait_gaps_at(table, rho, shape):
+def trace_wait_gaps_at(table, grid, rho, shape):
     """The trace's wait law at utilisation ``rho`` and service shape
     ``shape`` (``service_shape``), in mean gaps: ``(atoms, probs)``, each of
     shape ``(len(WAIT_EDGES) - 1,)``, linear between the rows of
-    ``SHAPE_GRID`` and of ``RHO_GRID`` (the last row beyond it). The prefill
+    ``SHAPE_GRID`` and of the table's utilisations ``grid`` (the last row
+    beyond it). The prefill
     wait (``waiting.prefill_wait``) and the ITL's chunk steps
     (``percentiles.itl_law``) read the same one."""
     k = jnp.interp(shape, SHAPE_GRID, np.arange(len(SHAPE_GRID), dtype=np.float64))
-    return (_interp_rows(_interp_rows(table, k), rho / (RHO_GRID[1] - RHO_GRID[0])),
+    i = jnp.interp(rho, grid, jnp.arange(grid.shape[-1], dtype=grid.dtype))
+    return (_interp_rows(_interp_rows(table, k), i),
             jnp.asarray(np.diff(WAIT_EDGES), table.dtype))
 
 

@@ -57,13 +57,15 @@ class LatencyWorkload(NamedTuple):
     decode_context_cv: jax.Array  # its coefficient of variation
     slot_kv_tokens: jax.Array  # mean KV tokens a running request holds
     slot_kv_cv: jax.Array  # their coefficient of variation (time-weighted)
-    # shape=(len(ROUTINGS), len(SPLIT_GRID), len(SHAPE_GRID), len(RHO_GRID),
+    # shape=(len(ROUTINGS), len(SPLIT_GRID), len(SHAPE_GRID), RHO_POINTS,
     # len(WAIT_EDGES) - 1): the FCFS wait on a trace's recorded arrivals, in
     # mean gaps, per routing, split and service shape (``bursts.trace_waits``);
     # no rows when Poisson (zero rows beside traced workloads: ``no_trace``);
-    # one split's ``(len(SHAPE_GRID), len(RHO_GRID), ...)`` inside the
+    # one split's ``(len(SHAPE_GRID), RHO_POINTS, ...)`` inside the
     # surrogate (``split_workload``)
     trace_wait_gaps: jax.Array
+    # shape=(RHO_POINTS,): the utilisations of its rows (``bursts.rho_grid``)
+    trace_wait_rho: jax.Array
     # shape=(len(ROUTINGS), len(SPLIT_GRID), len(WINDOW_GRID), ...): earlier
     # arrivals within a window before each (``bursts.trace_counts``); as above
     trace_counts: jax.Array
