@@ -165,3 +165,28 @@ def test_searches_speculative_proposal_lengths(tmp_path):
     # no answer at another k is cheaper than the chosen one
     assert float(chosen.cost_per_mtok_out_usd) <= np.nanmin(
         ds.cost_per_mtok_out_usd.values) + 1e-12
+
+
+def test_confirmed_answers_raise_their_targets_by_the_simulators_ratio():
+    """The converse of tightening, by hand: an answer the simulator confirms
+    below the surrogate's p99 raises its candidate's target to the
+    surrogate's p99 that maps to the SLO under the same ratio; a metric the
+    surrogate reads below the simulator, or a target already that high,
+    stays."""
+    from types import SimpleNamespace
+
+    from sweep.search.optimize import _loosen
+
+    slo = SimpleNamespace(ttft_p99_s=1.0, itl_p99_s=0.05)
+    job = SimpleNamespace(app=SimpleNamespace(slo=slo),
+                          candidates=[SimpleNamespace(label="a"),
+                                      SimpleNamespace(label="h100 x qwen3 x TP 1")])
+    answer = SimpleNamespace(candidate=1,
+                             simulated={"ttft_p99_s": 0.2522, "itl_p99_s": 0.01202},
+                             surrogate={"ttft_p99_s": 0.2791, "itl_p99_s": 0.0116})
+    ttft, itl = np.array([1.0, 1.0]), np.array([0.05, 0.05])
+    line = _loosen(job, answer, ttft, itl)
+    assert ttft[1] == pytest.approx(0.2791 / 0.2522)  # 1.107 s
+    assert ttft[0] == 1.0 and (itl == 0.05).all()
+    assert line.startswith("h100 x qwen3 x TP 1: ") and "TTFT target -> 1.107 s" in line
+    assert _loosen(job, answer, ttft, itl) == ""
