@@ -172,21 +172,33 @@ def test_confirmed_answers_raise_their_targets_by_the_simulators_ratio():
     below the surrogate's p99 raises its candidate's target to the
     surrogate's p99 that maps to the SLO under the same ratio; a metric the
     surrogate reads below the simulator, or a target already that high,
-    stays."""
+    stays; nothing rises where the simulated requests replay only part of
+    a trace's arrivals."""
     from types import SimpleNamespace
 
+    from sweep.config.schema import ArrivalKind, Replay
     from sweep.search.optimize import _loosen
 
-    slo = SimpleNamespace(ttft_p99_s=1.0, itl_p99_s=0.05)
-    job = SimpleNamespace(app=SimpleNamespace(slo=slo),
-                          candidates=[SimpleNamespace(label="a"),
-                                      SimpleNamespace(label="h100 x qwen3 x TP 1")])
-    answer = SimpleNamespace(candidate=1,
-                             simulated={"ttft_p99_s": 0.2522, "itl_p99_s": 0.01202},
-                             surrogate={"ttft_p99_s": 0.2791, "itl_p99_s": 0.0116})
+    def job(arrival, trace_rows):
+        workload = SimpleNamespace(arrival=arrival, replay=Replay.sampled)
+        return SimpleNamespace(
+            app=SimpleNamespace(slo=SimpleNamespace(ttft_p99_s=1.0, itl_p99_s=0.05),
+                                workload=workload),
+            tables=SimpleNamespace(trace_arrival_s=np.arange(float(trace_rows))),
+            candidates=[SimpleNamespace(label="a"),
+                        SimpleNamespace(label="h100 x qwen3 x TP 1")])
+
+    answer = SimpleNamespace(candidate=1, simulated={
+        "ttft_p99_s": 0.2522, "itl_p99_s": 0.01202, "requests": 24_000},
+        surrogate={"ttft_p99_s": 0.2791, "itl_p99_s": 0.0116})
     ttft, itl = np.array([1.0, 1.0]), np.array([0.05, 0.05])
-    line = _loosen(job, answer, ttft, itl)
-    assert ttft[1] == pytest.approx(0.2791 / 0.2522)  # 1.107 s
-    assert ttft[0] == 1.0 and (itl == 0.05).all()
-    assert line.startswith("h100 x qwen3 x TP 1: ") and "TTFT target -> 1.107 s" in line
-    assert _loosen(job, answer, ttft, itl) == ""
+    assert _loosen(job(ArrivalKind.trace, 30_000), answer, ttft, itl) == ""
+    assert (ttft == 1.0).all()
+    for arrival, rows in ((ArrivalKind.trace, 8_819), (ArrivalKind.poisson, 30_000)):
+        ttft[:] = 1.0
+        line = _loosen(job(arrival, rows), answer, ttft, itl)
+        assert ttft[1] == pytest.approx(0.2791 / 0.2522)  # 1.107 s
+        assert ttft[0] == 1.0 and (itl == 0.05).all()
+        assert line.startswith("h100 x qwen3 x TP 1: ")
+        assert "TTFT target -> 1.107 s" in line
+        assert _loosen(job(arrival, rows), answer, ttft, itl) == ""

@@ -35,7 +35,8 @@
    excess, assumed proportional), and the search runs again. A cheapest
    answer confirmed where the simulator reads below the surrogate raises
    the targets of the candidates it confirmed the same way by the same
-   ratio (``_loosen``), and the search runs again, for a cheaper answer that
+   ratio (``_loosen``; not on part of a trace), and the search runs again,
+   for a cheaper answer that
    the simulator confirms too. Rounds stop when the cheapest answer is
    confirmed and no target rises, or after ``rounds``.
 4. **Result.** The cheapest confirmed configuration, runner-ups, every
@@ -793,9 +794,14 @@ def _loosen(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
     only if confirmed. On the Azure code trace at its recorded pace the
     surrogate read two TP-1 replicas' p99 TTFT at 1.07 s, the simulator
     0.93 s (SLO 1 s): the search answered three, 50 % dearer
-    (``benchmarks/README.md``, "Confirmed answers with slack")."""
+    (``benchmarks/README.md``, "Confirmed answers with slack"). Not where the
+    simulated requests replay only part of a trace (``trace_coverage``): the
+    bursts outside them would make the ratio the window's, not the
+    surrogate's."""
     slo = job.app.slo
     sim, c = a.simulated, a.candidate
+    if trace_coverage(job, int(sim["requests"])):
+        return ""
     done = []
     for name, target, limit in (("ttft", ttft_t, slo.ttft_p99_s),
                                 ("itl", itl_t, slo.itl_p99_s)):
