@@ -351,7 +351,9 @@ def _scan_step(settings: Settings, opt, cand: Candidates, carry: _Carry, xs):
     top = ~searching & first
 
     def put(arr, new, when):
-        return arr.at[n].set(jnp.where(when, new, arr[n]))
+        # the record keeps its float32 where the surrogate runs in float64
+        # (JAX_ENABLE_X64): said, not left to scatter's implicit cast
+        return arr.at[n].set(jnp.where(when, new, arr[n]).astype(arr.dtype))
 
     def pick(a, b):
         return jnp.where(searching, a, b)
