@@ -678,6 +678,8 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     init = descent.initial_theta(key_init, job.settings,
                                 n + (-n % descent.PAD), s.restarts)
     cache: dict[tuple, Config] = {}
+    # one replica of the cheapest candidate: nothing costs less
+    least_usd = float(_costs(job, np.ones(n))[0].min()) * (1.0 + 1e-9)
     verifications: list[Verification] = []
     lines: list[str] = []
     evaluations, search_s, simulate_s = 0, 0.0, 0.0
@@ -706,10 +708,10 @@ def run(job: OptimizeJob, log=print) -> Outcome:
                     evaluations, 0, search_s, simulate_s, lines))
             break
         # what costs as much as an answer confirmed already cannot be chosen
-        floor = min((c.cost_per_mtok_out_usd for c in cache.values()
-                     if met(job, c.simulated)), default=math.inf)
+        confirmed_usd = min((c.cost_per_mtok_out_usd for c in cache.values()
+                             if met(job, c.simulated)), default=math.inf)
         todo = [a for a in order[:s.verify_top]
-                if a.key not in cache and a.cost_per_mtok_out_usd < floor]
+                if a.key not in cache and a.cost_per_mtok_out_usd < confirmed_usd]
         if todo:
             t0 = time.perf_counter()
             sims = simulate_configs(job, todo, key_sim, s.verify_top)
@@ -740,9 +742,10 @@ def run(job: OptimizeJob, log=print) -> Outcome:
             # answers confirmed just now with the surrogate above the
             # simulator: a cheaper configuration the surrogate put past the
             # SLO may meet it; raise their targets and look (``_loosen``)
+            cheaper = rnd < s.rounds and best.cost_per_mtok_out_usd > least_usd
             raised = [line for line in (_loosen(job, a, ttft_t, itl_t) for a in todo
                                         if met(job, a.simulated))
-                      if line] if rnd < s.rounds else []
+                      if line] if cheaper else []
             if not raised:
                 break
             for line in raised:
