@@ -32,13 +32,13 @@
    the search takes the share one replica's cache finds). A candidate whose
    simulated p99 misses an SLO gets its surrogate target for that metric scaled by
    ``slo / simulated * surrogate / target * tighten_margin`` (the simulator's
-   excess, assumed proportional), and the search runs again. A cheapest
-   answer confirmed where the simulator reads below the surrogate raises
-   the targets of the candidates it confirmed the same way by the same
-   ratio (``_loosen``; not on part of a trace), and the search runs again,
-   for a cheaper answer that
-   the simulator confirms too. Rounds stop when the cheapest answer is
-   confirmed and no target rises, or after ``rounds``.
+   excess, assumed proportional), and the search runs again. Where the
+   cheapest answer is confirmed, each answer the simulator confirmed below
+   the surrogate's p99 raises its candidate's targets by that ratio
+   (``_loosen``; not on part of a trace), and the search runs again for a
+   cheaper answer, chosen only if the simulator confirms it too. Rounds
+   stop when the cheapest answer is confirmed and no target rises, or
+   after ``rounds``.
 4. **Result.** The cheapest confirmed configuration, runner-ups, every
    round's verifications, and the Pareto fronts of cost against p99 ITL and
    p99 TTFT over all integer configurations the last search evaluated, as an
