@@ -9,7 +9,15 @@ rate, the simulator's p99 range and the surrogate's error (surrogate /
 simulator - 1): median |error|, worst under- and over-prediction.
 
     python benchmarks/trace_arrivals.py [--requests 8000] [--out DIR]
+        [--replay sampled|exact]
         [--workload azure_code_2023=1,2,3,4 --workload azure_conv_2023=3,5.53,8,11]
+
+``--replay exact`` replays the trace's rows in recorded order with their
+recorded lengths (``workload.replay=exact``), in both backends; sampled
+replay (the default) draws the lengths, and at a knee of the wait the p99
+is then a draw's. The surrogate summarises every row, so compare it with
+the simulator replaying every row: ``--requests 8819`` for the code trace,
+``19366`` for the conversation trace (one ``--workload`` each).
 
 Figures: ``benchmarks/README.md``, "Recorded arrivals".
 """
@@ -32,10 +40,11 @@ DEFAULT = ["azure_code_2023=1,2,3,4", "azure_conv_2023=3,5.53,8,11"]
 
 
 def cube(out: Path, workload: str, rates: str, method: str,
-         requests: int) -> xr.Dataset:
-    path = out / f"{workload}-{method}.zarr"
+         requests: int, replay: str = "sampled") -> xr.Dataset:
+    path = out / f"{workload}-{replay}-{method}.zarr"
     extra = [f"latency.num_requests={requests}"] if method == "simulate" else []
     subprocess.run(["sweep-grid", *GRID, f"workload={workload}",
+                    f"workload.replay={replay}",
                     f"grid.arrival_rate_per_s=[{rates}]", f"latency={method}", *extra,
                     f"out={path}"], check=True, capture_output=True, text=True)
     return xr.open_zarr(path).load().squeeze()
@@ -47,6 +56,8 @@ def main() -> None:
                     help="NAME=RATE,RATE,... (default: the two Azure traces)")
     ap.add_argument("--requests", type=int, default=8000,
                     help="simulated requests (the trace's first rows)")
+    ap.add_argument("--replay", choices=("sampled", "exact"), default="sampled",
+                    help="the lengths drawn, or the recorded rows in order")
     ap.add_argument("--out", type=Path,
                     help="folder for the cubes (default: temporary)")
     args = ap.parse_args()
@@ -55,7 +66,7 @@ def main() -> None:
           "worst under | worst over")
     for spec in args.workload or DEFAULT:
         workload, rates = spec.split("=")
-        sim, sur = (cube(out, workload, rates, m, args.requests)
+        sim, sur = (cube(out, workload, rates, m, args.requests, args.replay)
                     for m in ("simulate", "surrogate"))
         for rate in sim.arrival_rate_per_s.values:
             for name in ("ttft_p99_s", "itl_p99_s"):
