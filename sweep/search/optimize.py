@@ -769,13 +769,19 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     return out
 
 
+def _held(job: OptimizeJob, ttft_t, itl_t):
+    """``(metric, the candidates' surrogate targets, the SLO's limit)`` of
+    each p99 the SLO holds: what ``_tighten`` lowers and ``_loosen`` raises."""
+    slo = job.app.slo
+    return (("ttft", ttft_t, slo.ttft_p99_s), ("itl", itl_t, slo.itl_p99_s))
+
+
 def _tighten(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
     """Lowers the candidate's surrogate targets by the simulator's excess."""
     slo, margin = job.app.slo, job.app.search.tighten_margin
     sim, c = a.simulated, a.candidate
     done = []
-    for name, target, limit in (("ttft", ttft_t, slo.ttft_p99_s),
-                                ("itl", itl_t, slo.itl_p99_s)):
+    for name, target, limit in _held(job, ttft_t, itl_t):
         simulated = sim[f"{name}_p99_s"]
         if not np.isfinite(simulated) or simulated > limit:
             ratio = (limit / simulated if np.isfinite(simulated) else margin)
@@ -801,13 +807,11 @@ def _loosen(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
     simulated requests replay only part of a trace (``trace_coverage``): the
     bursts outside them would make the ratio the window's, not the
     surrogate's."""
-    slo = job.app.slo
     sim, c = a.simulated, a.candidate
     if trace_coverage(job, int(sim["requests"])):
         return ""
     done = []
-    for name, target, limit in (("ttft", ttft_t, slo.ttft_p99_s),
-                                ("itl", itl_t, slo.itl_p99_s)):
+    for name, target, limit in _held(job, ttft_t, itl_t):
         simulated, surrogate = sim[f"{name}_p99_s"], a.surrogate[f"{name}_p99_s"]
         if 0.0 < simulated < surrogate:
             raised = surrogate * limit / simulated

@@ -255,7 +255,7 @@ def rho_grid(arrival_s: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
 
     A bursty trace's wait has a knee where a burst's own load reaches 1: the
     Azure code trace's p99 (in mean gaps) 0.35 at 0.04, 1.48 at 0.05, so the
-    uniform grid read it 2.7x at 0.041, and the surrogate's p99 TTFT on that
+    uniform grid read it 2.6x at 0.041, and the surrogate's p99 TTFT on that
     trace replayed exactly at 1 req/s up to 79 % high (``benchmarks/README.md``,
     "The utilisation grid")."""
     t = np.asarray(arrival_s, np.float64)
