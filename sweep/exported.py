@@ -29,7 +29,6 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import marshal
 import types
 from importlib import metadata
 from pathlib import Path
@@ -110,7 +109,7 @@ def describe(obj) -> str:
     if isinstance(obj, types.FunctionType):
         # the code itself: a function outside the package (whose source the
         # key does not hash) changes its key when it changes
-        code = hashlib.sha256(marshal.dumps(obj.__code__)).hexdigest()[:16]
+        code = hashlib.sha256(_code_text(obj.__code__).encode()).hexdigest()[:16]
         cells = tuple(c.cell_contents for c in obj.__closure__ or ())
         return (f"{obj.__module__}.{obj.__qualname__}[{code}]"
                 f"{describe((cells, obj.__defaults__, obj.__kwdefaults__))}")
@@ -123,6 +122,25 @@ def describe(obj) -> str:
     if isinstance(obj, jax.sharding.Mesh):
         return f"Mesh({describe(tuple(obj.axis_sizes))}, {describe(obj.axis_names)})"
     raise TypeError(f"{type(obj).__qualname__}: no description across processes")
+
+
+def _code_text(code: types.CodeType) -> str:
+    """A code object's bytecode, names and constants (nested code objects
+    alike) as text that is the same in every process and at every call.
+    ``marshal.dumps`` is not: it marks the objects referenced more than
+    once at that moment, so the same function's bytes changed between two
+    calls in one process, and with them the key."""
+    def const(c) -> str:
+        if isinstance(c, types.CodeType):
+            return _code_text(c)
+        if isinstance(c, tuple):
+            return "(" + ", ".join(map(const, c)) + ")"
+        if isinstance(c, frozenset):  # its order follows the string hash seed
+            return "{" + ", ".join(sorted(map(const, c))) + "}"
+        return repr(c)
+
+    return repr((code.co_code.hex(), const(code.co_consts), code.co_names,
+                 code.co_varnames, code.co_freevars, code.co_cellvars))
 
 
 def key(program: str, static, args) -> str:

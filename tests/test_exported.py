@@ -161,3 +161,19 @@ def test_a_program_is_described_by_its_code_and_what_it_closes_over():
         exported.describe(data)
     assert exported.kept_path(_program, {"offset": data}, args) is None
     assert exported.kept_path(_program, {"offset": 2.0}, args) is not None
+
+
+def test_a_description_holds_while_other_objects_share_its_code_parts():
+    """The same function describes alike at every call: ``marshal.dumps``
+    of its code did not (it marks the parts referenced more than once at
+    that moment), so a grid's second block program of one process got
+    another key; the code's parts referenced elsewhere must not move it."""
+    from sweep.latency.p99 import SurrogatePoint
+
+    point = SurrogatePoint(False)
+    before = exported.describe(point)
+    code = SurrogatePoint.__call__.__code__
+    held = [code.co_names, code.co_consts, code.co_varnames, code.co_code,
+            *code.co_names]
+    assert exported.describe(point) == before
+    del held

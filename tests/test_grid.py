@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sweep import exported
 from sweep.grid.evaluate import (
+    FLAT_MIN,
     MIN_CHUNK_BYTES,
     blocking,
     evaluate_regions,
@@ -201,8 +202,37 @@ def test_surrogate_chunks_hold_a_megabyte_and_batches_stay_small():
     p99 = job.parts[1]
     assert len(p99.plan) > 1
     assert p99.plan.size * 4 >= MIN_CHUNK_BYTES
-    assert math.prod(p99.batch) <= 4096  # conf/latency/surrogate.yaml
-    assert all(c <= w for c, w in zip(p99.batch, p99.plan.chunks))
+    assert p99.points == 4096  # conf/latency/surrogate.yaml
+
+
+def test_surrogate_grids_of_other_sizes_share_one_program():
+    """Two small surrogate grids of other sizes (168 and 252 configurations)
+    evaluate through one block program: the same padded axes and points per
+    call (``Part.points``, ``padded_inputs``), so the second compiles
+    nothing; and the configurations both hold have the same values in both
+    (no padding leaks into a cube)."""
+    base = ["hardware=h100_sxm", "model=qwen3_8b", "latency=surrogate"]
+    parts = [grid_job([*base, f"grid.concurrency={c}"]).parts[1]
+             for c in ("[16,64]", "[16,64,256]")]
+    assert [p.plan.size for p in parts] == [168, 252]
+    assert [p.points for p in parts] == [FLAT_MIN, FLAT_MIN]
+    before = set(_block_programs())
+    cubes = []
+    for p in parts:
+        cube = {}
+        for _, region, values in iterate_blocks(p.fn, p.axes, p.plan, p.tables,
+                                                p.table_dims, flat=True,
+                                                points=p.points):
+            for k, v in values.items():
+                cube.setdefault(k, np.zeros(p.plan.shape, v.dtype))[region] = v
+        cubes.append(cube)
+    new = {k: n for k, n in _block_programs().items() if k not in before}
+    assert list(new.values()) == [1], new  # one program, one signature
+    # concurrency 64 is in both grids: the same configurations, the same values
+    one, two = cubes
+    for k, v in one.items():
+        np.testing.assert_array_equal(v[:, :, :, :, 1], two[k][:, :, :, :, 1],
+                                      err_msg=k)
 
 
 def _indices(a, b, c, pair, row, scalar):

@@ -54,7 +54,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sweep import exported
+from sweep import exported, shapes
 from sweep.cube import contract
 
 
@@ -85,6 +85,10 @@ class Blocking:
         )
 
 
+FLAT_MIN = 1024
+"""Fewest points of a surrogate's compiled call (``Part.points``)."""
+
+
 @dataclass
 class Part:
     """One point function over the product of some of the cube's axes.
@@ -113,6 +117,20 @@ class Part:
         if self.batch_points is None or self.batch_points >= self.plan.size:
             return self.plan.chunks
         return blocking(self.plan.chunks, self.batch_points).chunks
+
+    @property
+    def points(self) -> int:
+        """A flat part's points per compiled call (``iterate_blocks``). The
+        surrogate's (a few hundred microseconds a point): its configured
+        ``batch_points``, or where its write blocks are smaller a power of
+        two, at least ``FLAT_MIN``: a small grid evaluates up to that many
+        points, padding included, in a fraction of a second, and shares its
+        program with every grid of that size or less. A simulator's (a
+        padded point costs as much as any): ``shapes.bucket`` of its write
+        block."""
+        if self.batch_points is None:
+            return shapes.bucket(self.plan.size)
+        return min(self.batch_points, shapes.power_of_two(self.plan.size, FLAT_MIN))
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -211,17 +229,14 @@ def _region(fn: Callable, axes: tuple, tables: tuple, starts, shape, chunks,
     idx = [jnp.minimum(starts[d] + jnp.arange(c, dtype=jnp.int32), n - 1)
            for d, (c, n) in enumerate(zip(chunks, shape))]
     if flat:
-        idx = [g.ravel() for g in jnp.meshgrid(*idx, indexing="ij")]
+        points = jnp.stack([g.ravel() for g in jnp.meshgrid(*idx, indexing="ij")], 1)
+        out = _points(fn, axes, tables, points, table_dims)
+        return jax.tree.map(lambda x: x.reshape(chunks), out)
     args = [jax.tree.map(lambda x, i=i: x[i], axis) for axis, i in zip(axes, idx)]
     for table, dims in zip(tables, table_dims):
-        rows = [idx[d] for d in dims]
-        grids = (tuple(rows) if flat else jnp.ix_(*rows)) if dims else ()
+        grids = jnp.ix_(*[idx[d] for d in dims]) if dims else ()
         args.append(jax.tree.map(lambda x, g=grids: x[g] if g else x, table))
     n = len(axes)
-    if flat:
-        in_axes = (0,) * n + tuple(0 if dims else None for dims in table_dims)
-        out = jax.vmap(fn, in_axes=in_axes)(*args)
-        return jax.tree.map(lambda x: x.reshape(chunks), out)
     # an axis of one index in the block enters as a scalar, not through a
     # vmap of size 1: each vmap level traces every operation of fn again
     single = [c == 1 for c in chunks]
@@ -241,6 +256,19 @@ def _region(fn: Callable, axes: tuple, tables: tuple, starts, shape, chunks,
                 in_axes[n + t] = 0
         fn = jax.vmap(fn, in_axes=tuple(in_axes))
     return jax.tree.map(lambda x: x.reshape(chunks), fn(*args))
+
+
+def _points(fn: Callable, axes: tuple, tables: tuple, points, table_dims):
+    """``fn`` at each row of ``points`` (int32 ``(B, len(axes))``, an index
+    along every axis) through one ``vmap``: every argument gathered per
+    point (``Part.flat``)."""
+    args = [jax.tree.map(lambda x, i=points[:, d]: x[i], axis)
+            for d, axis in enumerate(axes)]
+    for table, dims in zip(tables, table_dims):
+        rows = tuple(points[:, d] for d in dims)
+        args.append(jax.tree.map(lambda x, g=rows: x[g] if g else x, table))
+    in_axes = (0,) * len(axes) + tuple(0 if dims else None for dims in table_dims)
+    return jax.vmap(fn, in_axes=in_axes)(*args)
 
 
 @partial(jax.jit, static_argnames=("fn", "shape", "chunks", "table_dims", "flat"))
@@ -271,7 +299,7 @@ BLOCKS = "blocks"
 
 
 def evaluate_regions(axes: tuple, tables: tuple, starts, *, fn: Callable,
-                     shape: tuple[int, ...], chunks: tuple[int, ...],
+                     shape: tuple[int, ...] | None, chunks: tuple[int, ...] | None,
                      table_dims: tuple[tuple[int, ...], ...], mesh: Mesh,
                      flat: bool = False):
     """``evaluate_region`` for one block per device of ``mesh``, at once
@@ -283,14 +311,19 @@ def evaluate_regions(axes: tuple, tables: tuple, starts, *, fn: Callable,
     there are, so neither do the values.
 
     Args:
-      starts: int32 ``(devices, len(axes))``, each block's first index.
+      starts: int32 ``(devices, len(axes))``, each block's first index; with
+        ``flat``, ``(devices, B, len(axes))``, each batch's points (``_points``:
+        the program then depends on neither the cube's nor the block's shape,
+        ``shape`` and ``chunks`` are None).
       mesh: a one-axis mesh (``BLOCKS``) of the devices (static).
 
     Returns:
-      A dict of arrays of shape ``(devices, *chunks)``, sharded by device.
+      A dict of arrays of shape ``(devices, *chunks)`` (flat: ``(devices, B)``),
+      sharded by device.
     """
     def one(axes, tables, starts):
-        out = _region(fn, axes, tables, starts[0], shape, chunks, table_dims, flat)
+        out = (_points(fn, axes, tables, starts[0], table_dims) if flat else
+               _region(fn, axes, tables, starts[0], shape, chunks, table_dims))
         return jax.tree.map(lambda x: x[None], out)
 
     # no collectives: the loops of the point functions need not track which
@@ -299,10 +332,49 @@ def evaluate_regions(axes: tuple, tables: tuple, starts, *, fn: Callable,
                          out_specs=P(BLOCKS), check_vma=False)(axes, tables, starts)
 
 
+def _pad(x, lengths: tuple[int, ...]):
+    """``x`` with its leading axes repeated at their last index up to ``lengths``."""
+    x = np.asarray(x)
+    if x.shape[:len(lengths)] == lengths:
+        return x
+    return x[np.ix_(*[np.minimum(np.arange(m), n - 1)
+                      for m, n in zip(lengths, x.shape)])]
+
+
+def padded_inputs(axes: tuple, tables: tuple, table_dims: tuple) -> tuple[tuple, tuple]:
+    """The axes' values and the tables, each axis padded (its last value
+    repeated) to a length shared by many grids: the least power of two at or
+    above its length, and at least ``shapes.AXIS_MIN`` where no table runs
+    along it. A flat program's input shapes then depend on few grid sizes
+    (``iterate_blocks``); its points never index the padding."""
+    tabled = {d for dims in table_dims for d in dims}
+    lengths = [shapes.power_of_two(len(jax.tree.leaves(a)[0]),
+                                   1 if d in tabled else shapes.AXIS_MIN)
+               for d, a in enumerate(axes)]
+    axes = tuple(jax.tree.map(lambda x, n=n: _pad(x, (n,)), a)
+                 for a, n in zip(axes, lengths))
+    tables = tuple(jax.tree.map(lambda x, dims=dims: _pad(
+        x, tuple(lengths[d] for d in dims)), t) for t, dims in zip(tables, table_dims))
+    return axes, tables
+
+
+def _flat_units(region: tuple[slice, ...], size: int) -> list[np.ndarray]:
+    """The points of ``region`` in C order, cut into batches of ``size``
+    (int32 ``(size, len(region))`` each), the last padded with its last point."""
+    grid = np.stack([g.ravel() for g in np.meshgrid(
+        *[np.arange(r.start, r.stop) for r in region], indexing="ij")], 1)
+    out = []
+    for i in range(0, len(grid), size):
+        rows = grid[i:i + size]
+        out.append(np.concatenate([rows, np.repeat(rows[-1:], size - len(rows), 0)])
+                   .astype(np.int32))
+    return out
+
+
 def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = (),
                    table_dims: tuple = (), skip: Any = frozenset(),
                    batch: tuple[int, ...] | None = None, devices=None,
-                   flat: bool = False
+                   flat: bool = False, points: int | None = None
                    ) -> Iterator[tuple[int, tuple[slice, ...], dict]]:
     """Yields ``(block id, region, {name: ndarray of the region's shape})``.
 
@@ -314,36 +386,51 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
         it (the last ones cut where they stick out).
       devices: where the batches run, one per device at a time (default
         every local device: ``jax.local_devices()``).
-      flat: one vmap over each batch's points (``Part.flat``).
+      flat: one vmap over each batch's points (``Part.flat``). A batch is
+        then ``points`` points (``Part.points``; default ``shapes.bucket``
+        of ``batch``'s), taken from a write block in C order (the last one
+        padded), and the axes are padded
+        (``padded_inputs``): the compiled program depends on the grid's
+        size only through those buckets, so grids of other values, or of a
+        few more or fewer, reuse it (the p99 part's programs take 3-20 s
+        to compile on a 2-core CPU).
     """
     batch = tuple(batch or plan.chunks)
-    todo = {}  # write block -> its region and the tiling of it by batches
+    size = points or shapes.bucket(math.prod(batch))
+    todo = {}  # write block -> its region and its batches' inputs
     units = []  # (write block, batch within it), in order
     for b in range(len(plan)):
         if b not in skip:
             region = plan.region(b)
-            todo[b] = (region, Blocking(tuple(r.stop - r.start for r in region),
-                                        batch))
-            units += [(b, s) for s in range(len(todo[b][1]))]
+            if flat:
+                inputs = _flat_units(region, size)
+            else:
+                tiling = Blocking(tuple(r.stop - r.start for r in region), batch)
+                inputs = [np.array([r.start + q.start for r, q in
+                                    zip(region, tiling.region(s))], np.int32)
+                          for s in range(len(tiling))]
+            todo[b] = (region, inputs)
+            units += [(b, s) for s in range(len(inputs))]
     if not units:
         return
     devices = list(devices or jax.local_devices())[:len(units)]
     mesh = Mesh(np.array(devices), (BLOCKS,))
+    if flat:
+        axes, tables = padded_inputs(axes, tables, table_dims)
     # the inputs go to every device once, not with each call
     axes, tables = jax.device_put((axes, tables), NamedSharding(mesh, P()))
-    values, left = {}, {b: len(within) for b, (_, within) in todo.items()}
+    values, left = {}, {b: len(inputs) for b, (_, inputs) in todo.items()}
     groups = [units[i:i + len(devices)] for i in range(0, len(units), len(devices))]
 
     def starts_of(group):
         group = group + [group[-1]] * (len(devices) - len(group))  # padding, dropped
-        return np.array([[r.start + q.start for r, q in
-                          zip(todo[b][0], todo[b][1].region(s))]
-                         for b, s in group], np.int32)
+        return np.stack([todo[b][1][s] for b, s in group])
 
     # the program kept beside the compilation cache: a rerun skips tracing
     # it (``sweep.exported``)
     run = exported.program(
-        evaluate_regions, dict(fn=fn, shape=plan.shape, chunks=batch,
+        evaluate_regions, dict(fn=fn, shape=None if flat else plan.shape,
+                               chunks=None if flat else batch,
                                table_dims=table_dims, mesh=mesh, flat=flat),
         (axes, tables, starts_of(groups[0])))
 
@@ -364,19 +451,26 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
             pending = dispatch(later)
         out = {k: np.asarray(v) for k, v in out.items()}
         for j, (b, s) in enumerate(group):
-            region, within = todo[b]
-            local = within.region(s)
-            cut = (j, *(slice(0, q.stop - q.start) for q in local))
-            if len(within) == 1:  # one batch is the write block: no copy
-                yield b, region, {k: v[cut] for k, v in out.items()}
+            region, inputs = todo[b]
+            shape = tuple(r.stop - r.start for r in region)
+            if flat:
+                n_points = math.prod(shape)
+                local = slice(s * size, min((s + 1) * size, n_points))
+                cut = (j, slice(0, local.stop - local.start))
+            else:
+                local = Blocking(shape, batch).region(s)
+                cut = (j, *(slice(0, q.stop - q.start) for q in local))
+            if len(inputs) == 1:  # one batch is the write block: no copy
+                yield b, region, {k: v[cut].reshape(shape) for k, v in out.items()}
                 continue
             block = values.setdefault(b, {})
             for k, v in out.items():
                 if k not in block:
-                    block[k] = np.empty(within.shape, v.dtype)
+                    block[k] = np.empty((math.prod(shape),) if flat else shape, v.dtype)
                 block[k][local] = v[cut]
             left[b] -= 1
             if left[b] == 0:
-                yield b, region, values.pop(b)
+                block = values.pop(b)
+                yield b, region, {k: v.reshape(shape) for k, v in block.items()}
         if not ahead and later:
             pending = dispatch(later)

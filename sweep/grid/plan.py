@@ -235,7 +235,8 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
         if method == LatencyMethod.simulate:
             n = app.latency.num_requests
             slots = int(max(g.axes["concurrency"]))
-            block_s, p99_bytes = simulation(p99.size, n, slots,
+            # a block's configurations padded as they are simulated (``Part.points``)
+            block_s, p99_bytes = simulation(shapes.bucket(p99.size), n, slots,
                                             sizes["workload"] * rates)
             time_s += SIM_FIXED_S + len(p99) * block_s
             what += (f"; {configs:,} configurations x {n:,} requests simulated in "
