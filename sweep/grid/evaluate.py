@@ -85,7 +85,7 @@ class Blocking:
         )
 
 
-FLAT_MIN = 1024
+FLAT_MIN = 256
 """Fewest points of a surrogate's compiled call (``Part.points``)."""
 
 
