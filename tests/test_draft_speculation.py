@@ -381,7 +381,10 @@ def test_surrogate_zero_load_itl_by_hand():
      "grid.spec_proposer lists eagle3: model[mistral_7b].eagle3_head is empty"),
     (["model=mixtral_8x7b", "model.eagle3_head=some/head", "grid.spec_tokens=[4]",
       "grid.spec_proposer=[eagle3]"],
-     "grid.spec_proposer lists eagle3: model[mixtral_8x7b] has 8 experts"),
+     "grid.spec_proposer lists eagle3: model[mixtral_8x7b] has 8 experts and "
+     "eagle3_intermediate_size is 0 (a MoE model's head has a dense MLP of its own: "
+     "set model.eagle3_intermediate_size=<the head's config.json "
+     "intermediate_size>); allowed for mixtral_8x7b: ngram"),
     (["model=llama3_1_8b", "model.intermediate_size=0", "grid.spec_tokens=[4]",
       "grid.spec_proposer=[eagle3]"],
      "grid.spec_proposer lists eagle3: model[llama3_1_8b].intermediate_size is 0"),
@@ -527,6 +530,29 @@ def test_eagle3_head_by_hand():
         cap = _f(roofline.kv_capacity_tokens(hw, e, 1.0))
         np.testing.assert_allclose(cap, (80e9 - W_T - W_E) / (Q_T + Q_E),
                                    rtol=1e-12)
+
+
+def test_eagle3_head_of_a_moe_model_by_hand():
+    """A MoE model's head: the target's attention (Qwen3-30B-A3B: H 2,048,
+    32 x 128 query, 4 x 128 KV) and a dense MLP of the width given
+    (``model.eagle3_intermediate_size``, the head's own config), not the
+    experts' 768: 2 H q + 2 (2 H) kv + q H + 3 H I + 3 H^2 + 32,000 H =
+    16,777,216 + 4,194,304 + 8,388,608 + 37,748,736 + 12,582,912 +
+    65,536,000 = 145,227,776 parameters at I = 6,144."""
+    _, options = grid_inputs([
+        *EAGLE3_GRID[1:], "model=qwen3_30b_a3b", "grid.model=[qwen3_30b_a3b]",
+        "model.eagle3_head=some/qwen3-30b-a3b-eagle3",
+        "model.eagle3_intermediate_size=6144"])
+    (m,) = options["model"]
+    head = m.draft
+    assert head is m.eagle3 and head.hf_id == "some/qwen3-30b-a3b-eagle3"
+    assert (head.params, head.layers, head.intermediate_size, head.num_experts) == (
+        145_227_776, 1, 6144, 1)
+    assert (head.q_heads, head.kv_heads, head.head_dim, head.hidden_size) == (
+        32, 4, 128, 2048)
+    # a dense model's head keeps its own MLP unless the width is given
+    _, options = grid_inputs([*EAGLE3_GRID[1:], "model.eagle3_intermediate_size=7168"])
+    assert options["model"][0].draft.params == N_E - 3 * 4096 * (14336 - 7168)
 
 
 def test_simulator_matches_reference_with_eagle3(sim_draft64):

@@ -312,33 +312,40 @@ def _attach_eagle3_heads(section: str, models: list) -> None:
     model (``roofline.eagle3_head_params``); in a grid, its ``draft`` too
     (the draft leaves of the grid's models: one loaded proposer per grid).
 
+    The head's MLP is ``eagle3_intermediate_size`` wide where given (the
+    head's own config: a MoE model's heads have a dense MLP of their own
+    width), else the model's ``intermediate_size`` (a dense model's).
+
     Raises:
-      ConfigError: a model with no head named, no ``intermediate_size``, or
-        experts (one line).
+      ConfigError: a model with no head named, no MLP width for it, or
+        experts and no ``eagle3_intermediate_size`` (one line).
     """
     from sweep.config.schema import Model
     from sweep.model import roofline
 
     for m in models:
         key = f"model[{m.name}]"
+        width = m.eagle3_intermediate_size or (m.intermediate_size
+                                               if m.num_experts == 1 else 0)
         why = (".eagle3_head is empty (no trained EAGLE-3 head is named for it; "
                "set model.eagle3_head=<its Hugging Face id>)" if not m.eagle3_head else
+               f" has {m.num_experts} experts and eagle3_intermediate_size is 0 (a "
+               "MoE model's head has a dense MLP of its own: set "
+               "model.eagle3_intermediate_size=<the head's config.json "
+               "intermediate_size>)" if not width and m.num_experts > 1 else
                ".intermediate_size is 0 (the head's layer has the model's MLP)"
-               if not m.intermediate_size else
-               f" has {m.num_experts} experts (an EAGLE-3 head is modelled for "
-               "dense targets only)" if m.num_experts > 1 else "")
+               if not width else "")
         if why:
             raise ConfigError(f"{section}.spec_proposer lists eagle3: {key}{why}; "
                               f"allowed for {m.name}: ngram"
                               + ("" if not m.draft_model else ", draft"))
-        n = float(roofline.eagle3_head_params(m.hidden_size, m.intermediate_size,
+        n = float(roofline.eagle3_head_params(m.hidden_size, width,
                                               m.q_heads, m.kv_heads, m.head_dim))
         m.eagle3 = Model(name=f"{m.name}_eagle3", hf_id=m.eagle3_head, params=n,
                          active_params=n, layers=1, q_heads=m.q_heads,
                          kv_heads=m.kv_heads, head_dim=m.head_dim,
-                         hidden_size=m.hidden_size,
-                         intermediate_size=m.intermediate_size, weight_dtype="bf16",
-                         kv_dtype=m.kv_dtype)
+                         hidden_size=m.hidden_size, intermediate_size=width,
+                         weight_dtype="bf16", kv_dtype=m.kv_dtype)
         if section == "grid":
             m.draft = m.eagle3
 

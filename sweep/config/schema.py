@@ -221,6 +221,14 @@ class Model:
                   "(spec_proposer=eagle3: its size follows from the model's own "
                   "layer, sweep.model.roofline.eagle3_head_params); empty: none "
                   "(the eagle3 proposer is refused)"})
+    eagle3_intermediate_size: int = field(
+        default=0,
+        metadata={"help": "MLP width of the EAGLE-3 head's one layer (the head's "
+                  "config.json intermediate_size); 0: the model's own "
+                  "intermediate_size, as a dense model's heads have it. A MoE "
+                  "model's heads have a dense MLP of their own width: give it "
+                  "here (the eagle3 proposer is refused for a MoE model without "
+                  "it)"})
     eagle3: Any = field(
         default=None, compare=False,
         metadata={"help": "not a config key: the EAGLE-3 head as a one-layer dense "
@@ -241,6 +249,7 @@ class Model:
             _in_range(self, p, name, 1, high)
         _in_range(self, p, "max_context_tokens", 0, MAX_TOKENS)
         _in_range(self, p, "intermediate_size", 0, 10_000_000)
+        _in_range(self, p, "eagle3_intermediate_size", 0, 10_000_000)
         _check(self.max_context_tokens == 0 or self.max_context_tokens >= 2,
                f"{p}.max_context_tokens", self.max_context_tokens,
                "must be 0 (no limit) or >= 2")

@@ -90,9 +90,12 @@ reads do not) and gains ``(1 - a^(k+1)) / (1 - a)`` tokens on average
 
   (``eagle3_head_params``; ``I`` the target's ``intermediate_size``, its
   layer's gated MLP ``3 H I``), its weights at bf16 (as the heads are
-  published) and its one layer's KV at the target's KV dtype. A dense
-  target only: the heads of MoE targets differ in their MLP. Llama-3.1-8B:
-  ``N_d`` = 424.7M, 0.85 GB in bf16, against the target's 16.1 GB.
+  published) and its one layer's KV at the target's KV dtype. A MoE
+  target's head has a dense MLP of its own width (the head's config.json
+  ``intermediate_size``, e.g. 17,280 for gpt-oss-120B's of hidden size
+  2,880), given as the model's ``eagle3_intermediate_size``; its attention
+  is the target's. Llama-3.1-8B: ``N_d`` = 424.7M, 0.85 GB in bf16,
+  against the target's 16.1 GB.
 
 Prefix caching (vLLM's automatic prefix caching, SGLang's RadixAttention):
 a prompt whose first ``c`` tokens are cached (``cached_prefix_tokens``)
@@ -166,7 +169,8 @@ def draft_model(model: ModelParams) -> ModelParams | None:
 
 
 def eagle3_head_params(hidden_size, intermediate_size, q_heads, kv_heads, head_dim):
-    """Parameters of an EAGLE-3 head for a dense target (module docstring)."""
+    """Parameters of an EAGLE-3 head whose MLP is ``intermediate_size``
+    wide (module docstring)."""
     h, q, kv = hidden_size, q_heads * head_dim, kv_heads * head_dim
     return (2 * h * q + 2 * (2 * h) * kv + q * h + 3 * h * intermediate_size
             + 3 * h * h + EAGLE3_DRAFT_VOCAB * h)
