@@ -452,3 +452,39 @@ def test_long_prompts_in_runs_wait_behind_each_other():
             fcfs = np.percentile(wait + service, 99)
             ratio = float(run(wl, np.float32(lam))["ttft_p99_s"]) / fcfs
             assert 0.9 < ratio < 1.25, (lam, ratio)
+
+
+def test_decoders_crowd_a_bursts_full_chunk_steps_on_the_code_trace():
+    """The Azure code trace replayed exactly (all 8,819 rows) at 1 req/s on
+    H100 x Qwen3-8B at concurrency 64, both backends in float32.
+
+    Its bursts are prefilled in steps of a full chunk, and every request of
+    the burst already prefilled decodes through them: at budget 8,192 more
+    than 1 % of the simulator's gaps are such steps (its p99 ITL 175 ms).
+    The surrogate counted the prompts ahead still decoding within a decode
+    time at the mean step (0.18 s), and read 97 ms, 45 % low; a decode
+    through the queue's own steps lasts 30x that. At budget 2,048 both read
+    about 47 ms (the surrogate 5.4 % low before, 3.6 % after).
+    """
+    from helpers import grid_job
+
+    from sweep.grid.evaluate import iterate_blocks
+
+    base = ["hardware=h100_sxm", "model=qwen3_8b", "grid.tensor_parallel=[1]",
+            "grid.context_tokens=[1500]", "grid.traffic_tokens_per_day=[1e8]",
+            "grid.concurrency=[64]", "grid.token_budget=[2048,8192]",
+            "grid.batching=[continuous]", "workload=azure_code_2023",
+            "workload.replay=exact", "grid.arrival_rate_per_s=[1]"]
+
+    def p99_itl(method, *extra):
+        part = grid_job([*base, f"latency={method}", *extra]).parts[1]
+        (_, _, values), = iterate_blocks(part.fn, part.axes, part.plan, part.tables,
+                                         part.table_dims, flat=True,
+                                         points=part.points)
+        return values["itl_p99_s"].ravel()
+
+    sim = p99_itl("simulate", "latency.num_requests=8819")
+    sur = p99_itl("surrogate")
+    assert 0.17 < sim[1] < 0.18
+    np.testing.assert_allclose(sur[0], sim[0], rtol=0.05)
+    assert abs(sur[1] / sim[1] - 1.0) < 0.25

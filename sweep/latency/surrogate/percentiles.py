@@ -215,11 +215,17 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
                      decode_time)
     # on a trace's recorded arrivals the prompts ahead are its queue's:
     # its work ahead W over the mean service, W / (rho_p x mean gap) prompts,
-    # those within the last decode time (n mean gaps) still decoding, in
-    # units of n: E[min(W, n)] / (rho_p n), W in mean gaps (``bursts``)
+    # those within the last decode time still decoding, in units of n:
+    # E[min(W, n_q)] / (rho_p n), W in mean gaps (``bursts``). While a queue
+    # drains every step carries a full chunk, so a decode lasts its tokens
+    # at that step's time: n_q = n x (full chunk step / mean step), not n (on
+    # the code trace at 1 req/s and budget 8,192, 30 n: capped at n, the
+    # mixed steps carried half the decoders the simulator's did)
     if trace_gaps is not None:
+        n_q = n * jnp.maximum(safe_div(w @ st.pre.fluid_ramp.mean, st.step_s), 1.0)
         ahead = jnp.where(trace, safe_div(
-            probs @ smooth_min(gaps, n, 0.01 * n + 1e-12), st.prefill_util * n), ahead)
+            probs @ smooth_min(gaps, n_q, 0.01 * n_q + 1e-12), st.prefill_util * n),
+            ahead)
     carried = 1.0 + (1.0 - queued) * ahead
     mixed = jnp.minimum(
         MIXED_SHARE_MARGIN * carried * st.prefill_steps_per_s / st.steps_per_s, 1.0)
