@@ -883,6 +883,12 @@ class Search:
         default=4, metadata={"help": "search + simulate rounds (tightening)"})
     tighten_margin: float = field(
         default=0.97, metadata={"help": "extra factor on a tightened target"})
+    loosen_margin: float = field(
+        default=1.05, metadata={
+            "help": "extra factor on a raised target: the simulator's ratio at a "
+                    "confirmed answer is not its ratio one replica fewer, so an "
+                    "answer the ratio puts this little past the SLO is simulated "
+                    "too (1: none)"})
 
     def __post_init__(self) -> None:
         self.tp_values = _numeric_axis(self.tensor_parallel, "search.tensor_parallel",
@@ -933,6 +939,7 @@ class Search:
         for name in ("final_learning_rate_fraction", "gpu_memory_utilization",
                      "tighten_margin"):
             _in_range(self, "search", name, 1e-3, 1)
+        _in_range(self, "search", "loosen_margin", 1, 2)
         for group in ("hardware", "model"):
             listed = list(getattr(self, group))
             _check(len(set(listed)) == len(listed), f"search.{group}", listed,

@@ -34,9 +34,10 @@
    ``slo / simulated * surrogate / target * tighten_margin`` (the simulator's
    excess, assumed proportional), and the search runs again. Where the
    cheapest answer is confirmed, each answer the simulator confirmed below
-   the surrogate's p99 raises its candidate's targets by that ratio
-   (``_loosen``; not on part of a trace), and the search runs again for a
-   cheaper answer, chosen only if the simulator confirms it too. Rounds
+   the surrogate's p99 raises its candidate's targets by that ratio, times
+   ``loosen_margin`` (``_loosen``; not on part of a trace), and the search
+   runs again for a cheaper answer, chosen only if the simulator confirms
+   it too. Rounds
    stop when the cheapest answer is confirmed and no target rises, or
    after ``rounds``.
 4. **Result.** The cheapest confirmed configuration, runner-ups, every
@@ -798,15 +799,17 @@ def _loosen(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
     """Raises the candidate's surrogate targets where the simulator read its
     confirmed answer ``a`` below the surrogate, to the surrogate's p99 that maps
     to the SLO under the same ratio (``surrogate * slo / simulated``, the
-    converse of ``_tighten``); '' where none rises. What the raised targets
-    admit is simulated like any answer: a cheaper configuration is chosen
-    only if confirmed. On the Azure code trace at its recorded pace the
+    converse of ``_tighten``), times ``search.loosen_margin``; '' where none
+    rises. What the raised targets admit is simulated like any answer: a
+    cheaper configuration is chosen only if confirmed (one that misses is
+    tightened again). On the Azure code trace at its recorded pace the
     surrogate read two TP-1 replicas' p99 TTFT at 1.07 s, the simulator
     0.93 s (SLO 1 s): the search answered three, 50 % dearer
-    (``benchmarks/README.md``, "Confirmed answers with slack"). Not where the
-    simulated requests replay only part of a trace (``trace_coverage``): the
-    bursts outside them would make the ratio the window's, not the
-    surrogate's."""
+    (``benchmarks/README.md``, "Confirmed answers with slack"). The margin:
+    the ratio at the answer confirmed is not the ratio one replica fewer
+    (there 1.04 at three replicas, 1.15 at two). Not where the simulated
+    requests replay only part of a trace (``trace_coverage``): the bursts
+    outside them would make the ratio the window's, not the surrogate's."""
     sim, c = a.simulated, a.candidate
     if trace_coverage(job, int(sim["requests"])):
         return ""
@@ -814,7 +817,7 @@ def _loosen(job: OptimizeJob, a: Config, ttft_t, itl_t) -> str:
     for name, target, limit in _held(job, ttft_t, itl_t):
         simulated, surrogate = sim[f"{name}_p99_s"], a.surrogate[f"{name}_p99_s"]
         if 0.0 < simulated < surrogate:
-            raised = surrogate * limit / simulated
+            raised = surrogate * limit / simulated * job.app.search.loosen_margin
             if raised > target[c] * (1.0 + 1e-6):
                 target[c] = raised
                 done.append(f"{name.upper()} target -> {raised:.4g} s")
