@@ -235,3 +235,19 @@ def test_confirmed_answers_raise_their_targets_by_the_simulators_ratio():
         assert line.startswith("h100 x qwen3 x TP 1: ")
         assert "TTFT target -> 1.162 s" in line
         assert _loosen(job(arrival, rows), answer, ttft, itl) == ""
+
+
+@pytest.mark.parametrize("value", ["0.9", "2.5"])
+def test_loosen_margin_out_of_range_is_one_line(value):
+    """A raised target's margin below 1 would lower it, above 2 would chase
+    answers the simulator is unlikely to confirm: refused before any
+    compilation, naming the field and what is allowed."""
+    from helpers import compose_app
+
+    from sweep.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        compose_app("optimize", [f"search.loosen_margin={value}"])
+    line = str(e.value)
+    assert line.startswith(f"search.loosen_margin = {value}") and "[1, 2]" in line
+    assert "\n" not in line
