@@ -463,7 +463,7 @@ def test_decoders_crowd_a_bursts_full_chunk_steps_on_the_code_trace():
     than 1 % of the simulator's gaps are such steps (its p99 ITL 175 ms).
     The surrogate counted the prompts ahead still decoding within a decode
     time at the mean step (0.18 s), and read 97 ms, 45 % low; a decode
-    through the queue's own steps lasts 30x that. At budget 2,048 both read
+    through the queue's own steps lasts 29x that. At budget 2,048 both read
     about 47 ms (the surrogate 5.4 % low before, 3.6 % after).
     """
     from helpers import grid_job

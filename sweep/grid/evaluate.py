@@ -86,7 +86,22 @@ class Blocking:
 
 
 FLAT_MIN = 256
-"""Fewest points of a surrogate's compiled call (``Part.points``)."""
+"""Fewest points of a surrogate's compiled call (``flat_points``)."""
+
+
+def flat_points(write_points: int, batch_points: int | None) -> int:
+    """Points per compiled call of a flat part whose write blocks hold
+    ``write_points`` (``iterate_blocks``). The surrogate's (a few hundred
+    microseconds a point; ``batch_points`` configured): ``batch_points``, or
+    where its write blocks are smaller a power of two, at least
+    ``FLAT_MIN``: a small grid evaluates up to that many points, padding
+    included, in a fraction of a second, and shares its program with every
+    grid of that size or less. A simulator's (``batch_points`` None: a
+    padded point costs as much as any): ``shapes.bucket`` of its write
+    block."""
+    if batch_points is None:
+        return shapes.bucket(write_points)
+    return min(batch_points, shapes.power_of_two(write_points, FLAT_MIN))
 
 
 @dataclass
@@ -120,17 +135,8 @@ class Part:
 
     @property
     def points(self) -> int:
-        """A flat part's points per compiled call (``iterate_blocks``). The
-        surrogate's (a few hundred microseconds a point): its configured
-        ``batch_points``, or where its write blocks are smaller a power of
-        two, at least ``FLAT_MIN``: a small grid evaluates up to that many
-        points, padding included, in a fraction of a second, and shares its
-        program with every grid of that size or less. A simulator's (a
-        padded point costs as much as any): ``shapes.bucket`` of its write
-        block."""
-        if self.batch_points is None:
-            return shapes.bucket(self.plan.size)
-        return min(self.batch_points, shapes.power_of_two(self.plan.size, FLAT_MIN))
+        """A flat part's points per compiled call (``flat_points``)."""
+        return flat_points(self.plan.size, self.batch_points)
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -358,19 +364,6 @@ def padded_inputs(axes: tuple, tables: tuple, table_dims: tuple) -> tuple[tuple,
     return axes, tables
 
 
-def _flat_units(region: tuple[slice, ...], size: int) -> list[np.ndarray]:
-    """The points of ``region`` in C order, cut into batches of ``size``
-    (int32 ``(size, len(region))`` each), the last padded with its last point."""
-    grid = np.stack([g.ravel() for g in np.meshgrid(
-        *[np.arange(r.start, r.stop) for r in region], indexing="ij")], 1)
-    out = []
-    for i in range(0, len(grid), size):
-        rows = grid[i:i + size]
-        out.append(np.concatenate([rows, np.repeat(rows[-1:], size - len(rows), 0)])
-                   .astype(np.int32))
-    return out
-
-
 def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = (),
                    table_dims: tuple = (), skip: Any = frozenset(),
                    batch: tuple[int, ...] | None = None, devices=None,
@@ -387,7 +380,7 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
       devices: where the batches run, one per device at a time (default
         every local device: ``jax.local_devices()``).
       flat: one vmap over each batch's points (``Part.flat``). A batch is
-        then ``points`` points (``Part.points``; default ``shapes.bucket``
+        then ``points`` points (``flat_points``; default ``shapes.bucket``
         of ``batch``'s), taken from a write block in C order (the last one
         padded), and the axes are padded
         (``padded_inputs``): the compiled program depends on the grid's
@@ -396,21 +389,17 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
         to compile on a 2-core CPU).
     """
     batch = tuple(batch or plan.chunks)
-    size = points or shapes.bucket(math.prod(batch))
-    todo = {}  # write block -> its region and its batches' inputs
+    size = (points or shapes.bucket(math.prod(batch))) if flat else 0
+    todo = {}  # write block -> its region, shape and batches
     units = []  # (write block, batch within it), in order
     for b in range(len(plan)):
         if b not in skip:
             region = plan.region(b)
-            if flat:
-                inputs = _flat_units(region, size)
-            else:
-                tiling = Blocking(tuple(r.stop - r.start for r in region), batch)
-                inputs = [np.array([r.start + q.start for r, q in
-                                    zip(region, tiling.region(s))], np.int32)
-                          for s in range(len(tiling))]
-            todo[b] = (region, inputs)
-            units += [(b, s) for s in range(len(inputs))]
+            shape = tuple(r.stop - r.start for r in region)
+            count = (-(-math.prod(shape) // size) if flat
+                     else len(Blocking(shape, batch)))
+            todo[b] = (region, shape, count)
+            units += [(b, s) for s in range(count)]
     if not units:
         return
     devices = list(devices or jax.local_devices())[:len(units)]
@@ -419,12 +408,35 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
         axes, tables = padded_inputs(axes, tables, table_dims)
     # the inputs go to every device once, not with each call
     axes, tables = jax.device_put((axes, tables), NamedSharding(mesh, P()))
-    values, left = {}, {b: len(inputs) for b, (_, inputs) in todo.items()}
+    values, left = {}, {b: count for b, (_, _, count) in todo.items()}
     groups = [units[i:i + len(devices)] for i in range(0, len(units), len(devices))]
+
+    def place(b, s):
+        """Where batch ``s`` of write block ``b`` goes in the write block
+        (flat: a slice of its points in C order) and the cut of a device's
+        row of values that goes there."""
+        shape = todo[b][1]
+        if flat:
+            local = slice(s * size, min((s + 1) * size, math.prod(shape)))
+            return local, (slice(0, local.stop - local.start),)
+        local = Blocking(shape, batch).region(s)
+        return local, tuple(slice(0, q.stop - q.start) for q in local)
+
+    def input_of(b, s):
+        """Batch ``s``'s input: flat, its points' indices (int32 ``(size,
+        len(axes))``, the last batch padded with its last point), made when
+        it is dispatched; else its first index."""
+        region, shape, _ = todo[b]
+        start = np.array([r.start for r in region], np.int32)
+        local, _ = place(b, s)
+        if flat:
+            at = np.minimum(np.arange(local.start, local.start + size), local.stop - 1)
+            return (np.stack(np.unravel_index(at, shape), 1) + start).astype(np.int32)
+        return start + np.array([q.start for q in local], np.int32)
 
     def starts_of(group):
         group = group + [group[-1]] * (len(devices) - len(group))  # padding, dropped
-        return np.stack([todo[b][1][s] for b, s in group])
+        return np.stack([input_of(b, s) for b, s in group])
 
     # the program kept beside the compilation cache: a rerun skips tracing
     # it (``sweep.exported``)
@@ -451,16 +463,10 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
             pending = dispatch(later)
         out = {k: np.asarray(v) for k, v in out.items()}
         for j, (b, s) in enumerate(group):
-            region, inputs = todo[b]
-            shape = tuple(r.stop - r.start for r in region)
-            if flat:
-                n_points = math.prod(shape)
-                local = slice(s * size, min((s + 1) * size, n_points))
-                cut = (j, slice(0, local.stop - local.start))
-            else:
-                local = Blocking(shape, batch).region(s)
-                cut = (j, *(slice(0, q.stop - q.start) for q in local))
-            if len(inputs) == 1:  # one batch is the write block: no copy
+            region, shape, count = todo[b]
+            local, cut = place(b, s)
+            cut = (j, *cut)
+            if count == 1:  # one batch is the write block: no copy
                 yield b, region, {k: v[cut].reshape(shape) for k, v in out.items()}
                 continue
             block = values.setdefault(b, {})

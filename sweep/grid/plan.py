@@ -31,7 +31,7 @@ from sweep import shapes
 from sweep.config.schema import LatencyMethod
 from sweep.cube import contract
 from sweep.errors import ConfigError
-from sweep.grid.evaluate import Blocking, blocking, write_blocking
+from sweep.grid.evaluate import Blocking, blocking, flat_points, write_blocking
 
 # -- measured constants (benchmarks/README.md, "Run plans") --------------------
 # Time, on the 2-core CPU machine when quiet: the rates of the quiet reruns of
@@ -235,8 +235,8 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
         if method == LatencyMethod.simulate:
             n = app.latency.num_requests
             slots = int(max(g.axes["concurrency"]))
-            # a block's configurations padded as they are simulated (``Part.points``)
-            block_s, p99_bytes = simulation(shapes.bucket(p99.size), n, slots,
+            # a block's configurations padded as they are simulated
+            block_s, p99_bytes = simulation(flat_points(p99.size, None), n, slots,
                                             sizes["workload"] * rates)
             time_s += SIM_FIXED_S + len(p99) * block_s
             what += (f"; {configs:,} configurations x {n:,} requests simulated in "

@@ -37,9 +37,8 @@
    the surrogate's p99 raises its candidate's targets by that ratio, times
    ``loosen_margin`` (``_loosen``; not on part of a trace), and the search
    runs again for a cheaper answer, chosen only if the simulator confirms
-   it too. Rounds
-   stop when the cheapest answer is confirmed and no target rises, or
-   after ``rounds``.
+   it too. Rounds stop when the cheapest answer is confirmed and no target
+   rises, or after ``rounds``.
 4. **Result.** The cheapest confirmed configuration, runner-ups, every
    round's verifications, and the Pareto fronts of cost against p99 ITL and
    p99 TTFT over all integer configurations the last search evaluated, as an

@@ -219,7 +219,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     # E[min(W, n_q)] / (rho_p n), W in mean gaps (``bursts``). While a queue
     # drains every step carries a full chunk, so a decode lasts its tokens
     # at that step's time: n_q = n x (full chunk step / mean step), not n (on
-    # the code trace at 1 req/s and budget 8,192, 30 n: capped at n, the
+    # the code trace at 1 req/s and budget 8,192, 29 n: capped at n, the
     # mixed steps carried half the decoders the simulator's did)
     if trace_gaps is not None:
         n_q = n * jnp.maximum(safe_div(w @ st.pre.fluid_ramp.mean, st.step_s), 1.0)
