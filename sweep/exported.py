@@ -249,5 +249,14 @@ def program(fn, static: dict, args):
         if exp is None:
             exp = export.export(jitted(fn, **static))(*args)
             keep(path, name(fn), exp.serialize())
-        kept = _programs[path.name] = jax.jit(exp.call)
+        kept = _programs[path.name] = jax.jit(_named(exp.call, fn.__name__))
     return kept
+
+
+def _named(call, name: str):
+    """``call`` under ``name``: the compiled program and its compilation cache
+    entry carry the function's name (``jit__run_lanes``), not ``jit_call``."""
+    def named(*args):
+        return call(*args)
+    named.__name__ = named.__qualname__ = name
+    return named

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from helpers import compose_app
 
+from sweep import exported
 from sweep.config.convert import hardware_params, model_params
-from sweep.config.schema import Search
+from sweep.config.schema import Routing, Search
 from sweep.cube.status import OK
 from sweep.latency.surrogate import latency_workload, surrogate
 from sweep.latency.workload import workload_tables
@@ -137,6 +138,42 @@ def test_round_robin_replicas_wait_less_than_a_random_split(scenario):
                   jnp.zeros(4, bool))
     assert float(alone["ttft_p99_s"][0]) == pytest.approx(out["ttft_p99_s"][3],
                                                           rel=1e-6)
+
+
+def test_settings_numbers_run_the_same_compiled_search(scenario, key):
+    """Steps, lattices, replicas, learning rate, barrier and routing are the
+    search's ``Knobs``: another value of each runs the program compiled for
+    ``SETTINGS`` (8 lanes there, 4 here: both padded to ``LANES_MIN``), and
+    the answer keeps to the new settings."""
+    other = descent.Settings.of(Search(
+        steps=30, concurrency_min=2, concurrency_max=256, token_budget_min=512,
+        token_budget_max=8192, levels_per_octave=2, replicas_max=4,
+        learning_rate=0.05, penalty_weight=5.0, penalty_scale_start=0.5,
+        routing=Routing.random))
+    cands = _candidates(scenario, [RATE / 4, RATE / 4])
+    program = exported.name(descent._run_lanes)
+
+    def compiled() -> int:
+        return sum(name.startswith(program) for name in exported._programs)
+
+    descent.search(cands, descent.initial_theta(key, SETTINGS, len(TP), RESTARTS),
+                   SETTINGS)
+    before = compiled()
+    assert before >= 1
+    res = descent.search(cands, descent.initial_theta(key, other, len(TP), 2),
+                         other)
+    assert compiled() == before
+    assert res.objective.shape == (len(TP), 2, 30)
+    lattice = set(np.unique(other.concurrency_values))
+    assert set(np.unique(res.concurrency)) <= lattice and lattice >= {2.0, 256.0}
+    budgets = np.unique(res.token_budget)
+    assert (budgets >= 512).all() and (budgets <= 8192).all()
+    assert (res.replicas >= 1).all() and (res.replicas <= 4).all()
+    assert res.feasible.any()
+    # the learning rate at each step: optax's cosine decay, by hand in float64
+    k = np.arange(30)
+    by_hand = 0.05 * ((1 - 0.1) * 0.5 * (1 + np.cos(np.pi * k / 30)) + 0.1)
+    np.testing.assert_allclose(other.knobs().learning_rate[:30], by_hand, rtol=1e-6)
 
 
 def test_gradients_finite_at_zero_load_and_saturation(scenario):

@@ -173,7 +173,7 @@ def test_three_shards_at_once_equal_one_process(reference, tmp_path):
     # the block program, kept traced (``sweep.exported``) and compiled
     assert any((cache / "exported").glob(
         f"{exported.name(evaluate_regions)}-*.bin"))
-    assert any(p.name.startswith("jit_call") for p in cache.iterdir())
+    assert any(p.name.startswith("jit_evaluate_regions-") for p in cache.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()
                   if p.name not in ("outputs", "jax")) == ["s.zarr"]
 

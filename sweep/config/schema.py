@@ -843,7 +843,7 @@ class Search:
     learning_rate: float = 0.1
     final_learning_rate_fraction: float = field(
         default=0.1, metadata={"help": "cosine decay to this share of the rate"})
-    steps: int = field(default=150, metadata={"help": "optimizer steps (lax.scan)"})
+    steps: int = field(default=150, metadata={"help": "optimizer steps"})
     restarts: int = field(default=4, metadata={"help": "random starts per candidate"})
     concurrency_min: int = 1
     concurrency_max: int = 1024

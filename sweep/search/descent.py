@@ -40,12 +40,17 @@ added: less load per replica). A neighbour infeasible even at
 ``replicas_max`` records its p99s there: the best the candidate reaches, used
 to name the binding constraint of an infeasible SLO.
 
-**One compiled call.** The steps run in one ``lax.scan`` whose step is
+**One compiled call.** The steps run in one ``lax.fori_loop`` whose step is
 ``vmap``-ped over every lane (a stacked candidate from one of its random
 restarts). The integer stage runs as further
-steps of the *same* scan (the step's query point is the iterate during the
+steps of the *same* loop (the step's query point is the iterate during the
 search, a lattice neighbour afterwards), so the surrogate and its gradient
 are traced once: on a CPU, compiling the surrogate dominates the run time.
+The settings' numbers (steps, replicas, the lattices, the learning rates
+and the barrier's temperatures, its weight, the routing) enter as arrays
+(``Knobs``), padded to a few lengths, and the lanes to a few counts: the
+program depends only on the optimizer, the lane count and the candidates'
+shapes, so changing a number compiles nothing new.
 
 Reference: Nocedal & Wright, *Numerical Optimization* (2nd ed., 2006),
 ch. 17 (penalty and continuation methods).
@@ -65,7 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sweep import exported
+from sweep import exported, shapes
 from sweep.config.schema import Routing
 from sweep.cube import contract
 from sweep.cube.status import OK
@@ -87,6 +92,21 @@ REACH = ("ttft_p99_s", "itl_p99_s", "utilization")
 
 PAD = 8
 """Candidates are stacked in multiples of this: fewer distinct shapes to compile."""
+
+LANES_MIN = 16
+"""The least lanes (candidates x restarts, padded to ``shapes.bucket``: at
+most a third more) of a compiled search: the quick search of up to 8
+candidates and 2 restarts and a search of 2 candidates and 4 restarts run
+one program."""
+
+LOOP_MIN = 256
+"""The least loop length (search and integer steps, padded to a power of
+two) of the per-step arrays: every search of up to 256 steps in all (the
+shipped ones: ``search=quick`` 108, the default 182) runs one program."""
+
+LATTICE_MIN = 64
+"""The least lattice length (padded to a power of two): the shipped
+lattices have 41 and 25 values."""
 
 
 class Candidates(NamedTuple):
@@ -116,13 +136,14 @@ def _frozen(value) -> Hashable:
 
 @dataclass(frozen=True)
 class Settings:
-    """Static search settings: the ``search`` config group, frozen.
+    """Search settings: the ``search`` config group, frozen.
 
     ``sweep.config.schema.Search`` declares the fields, their defaults and
     their checks; ``Settings.of(config)`` keeps a copy of a validated config's
     values (lists and dicts as tuples) that reads as the config does
-    (``settings.steps``) and is hashable, so that it keys the compiled
-    search: each distinct value compiles once.
+    (``settings.steps``) and is hashable. The compiled search keys on its
+    ``program`` (the optimizer and its options); the numbers are its
+    ``knobs``.
     """
 
     values: tuple[tuple[str, Hashable], ...]
@@ -161,6 +182,42 @@ class Settings:
         return NEIGHBOURS * (1 + self.bisect_steps)
 
     @property
+    def loop_length(self) -> int:
+        """Length of the per-step arrays: at least the steps in all."""
+        return shapes.power_of_two(self.steps + self.integer_steps, LOOP_MIN)
+
+    @property
+    def program(self) -> dict:
+        """What the compiled search depends on besides its arguments' shapes."""
+        return {"optimizer": self.optimizer, "options": self.optimizer_options}
+
+    def knobs(self) -> Knobs:
+        """The numbers of these settings as the compiled search reads them."""
+        length = shapes.power_of_two(max(len(self.concurrency_values),
+                                         len(self.token_budget_values)), LATTICE_MIN)
+
+        def padded(values, n):  # the last value repeated: clipping reads it
+            values = np.asarray(values, np.float32)
+            return np.concatenate([values, np.repeat(values[-1:], n - len(values))])
+
+        schedule = optax.cosine_decay_schedule(
+            self.learning_rate, self.steps, alpha=self.final_learning_rate_fraction)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes int and float
+            rates = np.asarray(schedule(np.arange(self.steps, dtype=np.int32)))
+        return Knobs(
+            steps=np.int32(self.steps), bisect_steps=np.int32(self.bisect_steps),
+            replicas_max=np.int32(self.replicas_max),
+            learning_rate=padded(rates, self.loop_length),
+            penalty_scale=padded(_penalty_scales(self), self.loop_length),
+            penalty_weight=np.float32(self.penalty_weight),
+            round_robin=np.bool_(self.routing == Routing.round_robin),
+            concurrency=padded(self.concurrency_values, length),
+            token_budget=padded(self.token_budget_values, length),
+            levels=np.float32(self.levels_per_octave),
+            lower=np.asarray(self.lower, np.float32),
+            upper=np.asarray(self.upper, np.float32))
+
+    @property
     def lower(self) -> np.ndarray:
         """Box of ``theta = (log c, log b, log r)``, lower corner."""
         return np.log([self.concurrency_values[0], self.token_budget_values[0], 1.0])
@@ -169,6 +226,24 @@ class Settings:
     def upper(self) -> np.ndarray:
         return np.log([self.concurrency_values[-1], self.token_budget_values[-1],
                        float(self.replicas_max)])
+
+
+class Knobs(NamedTuple):
+    """The settings' numbers, traced (``Settings.knobs``); per-step arrays
+    have ``Settings.loop_length`` entries, lattices a padded length."""
+
+    steps: jax.Array  # int32: optimizer steps
+    bisect_steps: jax.Array  # int32: halvings of [0, replicas_max]
+    replicas_max: jax.Array  # int32
+    learning_rate: jax.Array  # (T,) at each optimizer step (cosine decay)
+    penalty_scale: jax.Array  # (T,) the barrier's temperature at each step
+    penalty_weight: jax.Array
+    round_robin: jax.Array  # bool: the routing
+    concurrency: jax.Array  # (K,) lattice, its last value repeated
+    token_budget: jax.Array  # (K,)
+    levels: jax.Array  # lattice values per octave
+    lower: jax.Array  # (3,) box of theta
+    upper: jax.Array  # (3,)
 
 
 def lattice(vmin: float, vmax: float, levels_per_octave: int) -> np.ndarray:
@@ -236,18 +311,18 @@ def objective(theta, cand: Candidates, penalty_scale, penalty_weight,
     return theta[2] + penalty_weight * penalty, out
 
 
-def make_optimizer(settings: Settings) -> optax.GradientTransformation:
-    """The configured optax alias with a cosine-decayed learning rate.
+def make_optimizer(optimizer: str, options,
+                   learning_rate) -> optax.GradientTransformation:
+    """The optax alias ``optimizer`` with ``options`` (pairs) whose learning
+    rate at step ``count`` is ``learning_rate[count]`` (``Knobs``: a cosine
+    decay, ``optax.cosine_decay_schedule``).
 
     Adam's default ``b2 = 0.999`` remembers the huge gradients of an
     infeasible start for ~1,000 steps and then barely moves ``c`` and ``b``
     once the penalty is small; the shipped ``b2 = 0.9`` forgets them in ~10.
     """
-    alias = getattr(optax, settings.optimizer)
-    schedule = optax.cosine_decay_schedule(
-        settings.learning_rate, settings.steps,
-        alpha=settings.final_learning_rate_fraction)
-    return alias(learning_rate=schedule, **dict(settings.optimizer_options))
+    alias = getattr(optax, optimizer)
+    return alias(learning_rate=lambda count: learning_rate[count], **dict(options))
 
 
 class _Carry(NamedTuple):
@@ -281,24 +356,23 @@ def _penalty_scales(settings: Settings) -> np.ndarray:
         / max(steps - 1, 1))
 
 
-def _neighbour(settings: Settings, theta, n):
+def _neighbour(knobs: Knobs, theta, n):
     """Lattice neighbour ``n`` of ``theta``: concurrency down (``n`` even) or
     up, token budget down (``n < 2``) or up, the budget raised to the
     concurrency where lower. Returns ``(concurrency, token_budget)``."""
-    c_tab = np.asarray(settings.concurrency_values, np.float32)
-    b_tab = np.asarray(settings.token_budget_values, np.float32)
-    levels = float(settings.levels_per_octave)
-    kc = _index(theta[0], float(c_tab[0]), levels)
-    kb = _index(theta[1], float(b_tab[0]), levels)
+    c_tab, b_tab = knobs.concurrency, knobs.token_budget
+    kc = _index(theta[0], c_tab[0], knobs.levels)
+    kb = _index(theta[1], b_tab[0], knobs.levels)
+    # past a lattice's end its padding repeats the last value
     ci = jnp.clip(jnp.where(n % 2 == 1, jnp.ceil(kc), jnp.floor(kc)),
                   0, len(c_tab) - 1).astype(jnp.int32)
     bi = jnp.clip(jnp.where(n // 2 == 1, jnp.ceil(kb), jnp.floor(kb)),
                   0, len(b_tab) - 1).astype(jnp.int32)
-    c_val = jnp.asarray(c_tab)[ci]
-    return c_val, jnp.maximum(jnp.asarray(b_tab)[bi], c_val)
+    c_val = c_tab[ci]
+    return c_val, jnp.maximum(b_tab[bi], c_val)
 
 
-def _descend(settings: Settings, opt, carry: _Carry, grad):
+def _descend(knobs: Knobs, opt, carry: _Carry, grad):
     """One optax step on ``theta``, projected onto the box; a non-finite
     gradient is replaced by zeros. Returns ``(theta, opt_state, grad, finite)``."""
     finite = jnp.all(jnp.isfinite(grad))
@@ -308,8 +382,7 @@ def _descend(settings: Settings, opt, carry: _Carry, grad):
     with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = opt.update(grad, carry.opt_state, carry.theta)
     theta = optax.projections.projection_box(
-        optax.apply_updates(carry.theta, updates),
-        np.asarray(settings.lower, np.float32), np.asarray(settings.upper, np.float32))
+        optax.apply_updates(carry.theta, updates), knobs.lower, knobs.upper)
     return theta, opt_state, grad, finite
 
 
@@ -323,26 +396,25 @@ def _bisect(carry: _Carry, first, mid, meets, r_max):
     return lo, hi, jnp.where(first, meets, open_ & meets)
 
 
-def _scan_step(settings: Settings, opt, cand: Candidates, carry: _Carry, xs):
-    """Scan step ``k`` at penalty scale ``s``: a search step while
-    ``k < steps``, then bisection steps on the replicas of each lattice
-    neighbour in turn (``1 + bisect_steps`` per neighbour)."""
-    k, s = xs
-    steps, r_max = settings.steps, settings.replicas_max
+def _loop_step(knobs: Knobs, opt, cand: Candidates, carry: _Carry, k):
+    """Loop step ``k``: a search step while ``k < steps``, then bisection
+    steps on the replicas of each lattice neighbour in turn
+    (``1 + bisect_steps`` per neighbour)."""
+    steps, r_max = knobs.steps, knobs.replicas_max
     searching = k < steps
     k2 = jnp.maximum(k - steps, 0)
-    n, j = k2 // (1 + settings.bisect_steps), k2 % (1 + settings.bisect_steps)
-    c_val, b_val = _neighbour(settings, carry.theta, n)
+    n, j = k2 // (1 + knobs.bisect_steps), k2 % (1 + knobs.bisect_steps)
+    c_val, b_val = _neighbour(knobs, carry.theta, n)
     first = j == 0
     mid = (carry.lo + carry.hi) // 2
     r_query = jnp.where(first, r_max, jnp.maximum(mid, 1))
     query = jnp.where(searching, carry.theta,
                       jnp.log(jnp.stack([c_val, b_val, r_query.astype(jnp.float32)])))
     grad_fn = jax.value_and_grad(objective, has_aux=True)
-    (value, out), grad = grad_fn(query, cand, s, settings.penalty_weight,
-                                 settings.routing == Routing.round_robin)
+    (value, out), grad = grad_fn(query, cand, knobs.penalty_scale[k],
+                                 knobs.penalty_weight, knobs.round_robin)
 
-    theta, opt_state, grad, finite = _descend(settings, opt, carry, grad)
+    theta, opt_state, grad, finite = _descend(knobs, opt, carry, grad)
     meets = ((out["ttft_p99_s"] <= cand.ttft_target_s)
              & (out["itl_p99_s"] <= cand.itl_target_s)
              & (out["status"] == OK))
@@ -376,15 +448,18 @@ def _scan_step(settings: Settings, opt, cand: Candidates, carry: _Carry, xs):
     return carry, value
 
 
-def _run_lanes(settings: Settings, cand: Candidates, init):
+def _run_lanes(cand: Candidates, init, knobs: Knobs, *, optimizer: str, options):
     """Every lane (one candidate from one start; leaves ``(L, ...)``, ``init``
-    ``(L, 3)``): the search and the integer stage as one scan whose step is
-    ``vmap``-ped over the lanes. Inside the scan, the step is traced once
-    with its batching; a ``vmap`` around the scan would batch the traced
-    step again per ``vmap`` level (JAX's scan batching rule). Returns
-    ``(final carry, objective at each search step (L, steps))``."""
-    opt = make_optimizer(settings)
-    lanes, r_max = init.shape[0], settings.replicas_max
+    ``(L, 3)``): the search and the integer stage as one loop whose step is
+    ``vmap``-ped over the lanes. Inside the loop, the step is traced once
+    with its batching; a ``vmap`` around the loop would batch the traced
+    step again per ``vmap`` level (JAX's batching rule for loops). The loop
+    runs ``steps + integer_steps`` times, a traced count. Returns the
+    ``SearchResult`` fields the final carry gives and the objective at each
+    loop step (``(L, T)``; the search steps first), as a dict (a result
+    ``sweep.exported`` can keep)."""
+    opt = make_optimizer(optimizer, options, knobs.learning_rate)
+    lanes, r_max = init.shape[0], knobs.replicas_max
     nan = jnp.full((lanes, NEIGHBOURS), jnp.nan, jnp.float32)
     carry = _Carry(
         theta=init,
@@ -398,24 +473,19 @@ def _run_lanes(settings: Settings, cand: Candidates, init):
         max_abs_grad=jnp.zeros(lanes, jnp.float32),
         nonfinite_steps=jnp.zeros(lanes, jnp.int32),
     )
-    step = jax.vmap(functools.partial(_scan_step, settings, opt),
-                    in_axes=(0, 0, None))
-    scales = _penalty_scales(settings)
-    xs = (jnp.arange(len(scales)), jnp.asarray(scales, jnp.float32))
-    carry, values = jax.lax.scan(lambda c, x: step(cand, c, x), carry, xs)
-    return carry, values[:settings.steps].T
+    step = jax.vmap(functools.partial(_loop_step, knobs, opt), in_axes=(0, 0, None))
 
+    def body(k, state):
+        carry, values = state
+        carry, value = step(cand, carry, k)
+        return carry, values.at[:, k].set(value.astype(values.dtype))
 
-def _search(cand: Candidates, init, *, settings: Settings) -> dict:
-    """The search over ``(C, R)`` lanes for these static settings: the
-    ``SearchResult`` fields the final carry and the objective give, as a
-    dict (a result ``sweep.exported`` can keep)."""
-    num_c, num_r = init.shape[:2]
-    lanes = jax.tree.map(lambda x: jnp.repeat(x, num_r, axis=0), cand)
-    carry, values = _run_lanes(settings, lanes, init.reshape(num_c * num_r, 3))
+    values = jnp.zeros((lanes, len(knobs.penalty_scale)), jnp.float32)
+    total = knobs.steps + NEIGHBOURS * (1 + knobs.bisect_steps)
+    carry, values = jax.lax.fori_loop(0, total, body, (carry, values))
     out = {f: getattr(carry, f) for f in SearchResult._fields if f in _Carry._fields}
     out["objective"] = values
-    return jax.tree.map(lambda x: x.reshape(num_c, num_r, *x.shape[1:]), out)
+    return out
 
 
 def initial_theta(key, settings: Settings, num_candidates: int,
@@ -449,15 +519,33 @@ def initial_theta(key, settings: Settings, num_candidates: int,
 def search(candidates: Candidates, init, settings: Settings) -> SearchResult:
     """Runs the search for every candidate and restart in one compiled call.
 
+    The lanes (each candidate from each start) are padded to
+    ``shapes.bucket`` (at least ``LANES_MIN``) by repeating the first; the
+    settings' numbers
+    are ``Knobs``: one program for every search of these shapes and this
+    optimizer.
+
     Args:
       candidates: stacked ``Candidates`` (leaves ``(C, ...)``).
       init: starting ``theta``, shape ``(C, R, 3)`` (``initial_theta``).
-      settings: static settings; each distinct value compiles once.
+      settings: the search settings.
     """
-    init = jnp.asarray(init, jnp.float32)
-    out = exported.call(_search, {"settings": settings}, candidates, init)
+    init = np.asarray(init, np.float32)
     num_c, num_r = init.shape[:2]
+    lanes = num_c * num_r
+    pad = max(shapes.bucket(lanes), LANES_MIN) - lanes
+
+    def padded(x):
+        x = np.asarray(x)
+        return np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
+
+    cand = jax.tree.map(lambda x: padded(np.repeat(np.asarray(x), num_r, axis=0)),
+                        candidates)
+    out = exported.call(_run_lanes, settings.program, cand,
+                        padded(init.reshape(lanes, 3)), settings.knobs())
+    out["objective"] = out["objective"][:, :settings.steps]
     return SearchResult(
-        **jax.tree.map(np.asarray, out),
+        **jax.tree.map(lambda x: np.asarray(x)[:lanes].reshape(num_c, num_r,
+                                                               *x.shape[1:]), out),
         evaluations=num_c * num_r * (settings.steps + settings.integer_steps),
     )

@@ -171,7 +171,8 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
     s = app.search
     settings = descent.Settings.of(s)
     try:
-        descent.make_optimizer(settings)
+        descent.make_optimizer(s.optimizer, settings.optimizer_options,
+                               settings.knobs().learning_rate)
     except (AttributeError, TypeError) as e:
         raise ConfigError(
             f"search.optimizer = {s.optimizer!r} with options "
