@@ -516,20 +516,22 @@ def initial_theta(key, settings: Settings, num_candidates: int,
     return lower + (upper - lower) * u
 
 
-def search(candidates: Candidates, init, settings: Settings) -> SearchResult:
+def search(candidates: Candidates, init, settings: Settings,
+           knobs: Knobs | None = None) -> SearchResult:
     """Runs the search for every candidate and restart in one compiled call.
 
     The lanes (each candidate from each start) are padded to
     ``shapes.bucket`` (at least ``LANES_MIN``) by repeating the first; the
-    settings' numbers
-    are ``Knobs``: one program for every search of these shapes and this
-    optimizer.
+    settings' numbers are ``Knobs``: one program for every search of these
+    shapes and this optimizer.
 
     Args:
       candidates: stacked ``Candidates`` (leaves ``(C, ...)``).
       init: starting ``theta``, shape ``(C, R, 3)`` (``initial_theta``).
       settings: the search settings.
+      knobs: the numbers, where not ``settings.knobs()`` (``at_replicas``).
     """
+    knobs = settings.knobs() if knobs is None else knobs
     init = np.asarray(init, np.float32)
     num_c, num_r = init.shape[:2]
     lanes = num_c * num_r
@@ -542,10 +544,28 @@ def search(candidates: Candidates, init, settings: Settings) -> SearchResult:
     cand = jax.tree.map(lambda x: padded(np.repeat(np.asarray(x), num_r, axis=0)),
                         candidates)
     out = exported.call(_run_lanes, settings.program, cand,
-                        padded(init.reshape(lanes, 3)), settings.knobs())
-    out["objective"] = out["objective"][:, :settings.steps]
+                        padded(init.reshape(lanes, 3)), knobs)
+    steps = int(knobs.steps)
+    out["objective"] = out["objective"][:, :steps]
     return SearchResult(
         **jax.tree.map(lambda x: np.asarray(x)[:lanes].reshape(num_c, num_r,
                                                                *x.shape[1:]), out),
-        evaluations=num_c * num_r * (settings.steps + settings.integer_steps),
+        evaluations=lanes * (steps + NEIGHBOURS * (1 + int(knobs.bisect_steps))),
     )
+
+
+def at_replicas(settings: Settings, replicas: int, steps: bool = False) -> Knobs:
+    """The numbers that make ``search`` hold every lane on ``replicas``
+    replicas (the box's replica side closed there), through the same
+    compiled program: with ``steps``, the optimizer moves the concurrency
+    and the token budget only, so it minimises the penalty there; without,
+    it reads the surrogate at the starting points. No halving: each lattice
+    neighbour is one query at ``replicas`` (``reach``), its ``metrics`` kept
+    where it meets the candidate's targets."""
+    knobs = settings.knobs()
+    r = np.float32(np.log(replicas))
+    return knobs._replace(
+        steps=knobs.steps if steps else np.int32(0), bisect_steps=np.int32(0),
+        replicas_max=np.int32(replicas),
+        lower=np.concatenate([knobs.lower[:2], [r]]).astype(np.float32),
+        upper=np.concatenate([knobs.upper[:2], [r]]).astype(np.float32))
