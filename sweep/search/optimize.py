@@ -39,8 +39,10 @@
    runs again for a cheaper answer, chosen only if the simulator confirms
    it too. And while the cheapest confirmed configuration has more than
    one replica, the surrogate's best on one replica fewer (the search held
-   there, ``_fewer``) is simulated, until one misses. Rounds stop when the
-   cheapest answer is confirmed and no target rises, or after ``rounds``.
+   there, ``_fewer``) is simulated, until one misses (at most ``verify_top``
+   a round; the next round goes on from there). Rounds stop when the
+   cheapest answer is confirmed, no target rises and no simulation one
+   replica fewer is left, or after ``rounds``.
 4. **Result.** The cheapest confirmed configuration, runner-ups, every
    round's verifications, and the Pareto fronts of cost against p99 ITL and
    p99 TTFT over all integer configurations the last search evaluated, as an
@@ -727,53 +729,46 @@ def run(job: OptimizeJob, log=print) -> Outcome:
                 targets = float(ttft_t[c]), float(itl_t[c])
                 action = "confirmed" if ok else _tighten(job, a, ttft_t, itl_t)
                 verifications.append(Verification(rnd, a, *targets, ok, action))
-                rejected = (f", {sim['rejected_fraction']:.2%} rejected"
-                            if sim["rejected_fraction"] > 0 else "")
-                say(f"  simulated {job.candidates[c].label}, "
-                    f"{count_text(a.replicas, 'replica')}, "
-                    f"max_num_seqs {a.concurrency}, "
-                    f"max_num_batched_tokens {a.token_budget}: p99 TTFT "
-                    f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
-                    f"over {sim['requests']:,} requests{rejected} -> {action}")
+                say(_simulated_line(job, a, action))
             note = trace_coverage(job, max(int(sim["requests"]) for sim in sims))
             if note and note not in lines:
                 say(note)
         best = cache.get(order[0].key)
-        if best is None:  # no cheaper answer than one confirmed
-            break
-        if met(job, best.simulated):
-            # the surrogate's best on one replica fewer than the cheapest
-            # confirmed configuration, simulated until one misses
-            while (fewer := _fewer(job, cache, rnd, init, ttft_t, itl_t)) is not None:
-                t0 = time.perf_counter()
-                fewer.simulated = sim = simulate_configs(job, [fewer], key_sim,
-                                                         s.verify_top)[0]
-                simulate_s += time.perf_counter() - t0
-                cache[fewer.key] = fewer
-                ok = met(job, sim)
-                c = fewer.candidate
-                action = f"{'confirmed' if ok else 'missed'} (one replica fewer)"
-                verifications.append(Verification(
-                    rnd, fewer, float(ttft_t[c]), float(itl_t[c]), ok, action))
-                say(f"  simulated {job.candidates[c].label}, "
-                    f"{count_text(fewer.replicas, 'replica')}, "
-                    f"max_num_seqs {fewer.concurrency}, "
-                    f"max_num_batched_tokens {fewer.token_budget}: p99 TTFT "
-                    f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
-                    f"over {sim['requests']:,} requests -> {action}")
-                if not ok:
-                    break
-            # answers confirmed just now with the surrogate above the
-            # simulator: a cheaper configuration the surrogate put past the
-            # SLO may meet it; raise their targets and look (``_loosen``)
-            cheaper = rnd < s.rounds and best.cost_per_mtok_out_usd > least_usd
-            raised = [line for line in (_loosen(job, a, ttft_t, itl_t) for a in todo
-                                        if met(job, a.simulated))
-                      if line] if cheaper else []
-            if not raised:
+        if best is not None and not met(job, best.simulated):
+            continue  # tightened: search again
+        # the cheapest answer is confirmed, or costs as much as one that is:
+        # the surrogate's best on one replica fewer than the cheapest
+        # confirmed configuration, simulated until one misses; at most
+        # verify_top a round, and the next round goes on
+        probes, going = 0, False
+        while (probes < s.verify_top and (fewer := _fewer(
+                job, cache, rnd, init, ttft_t, itl_t)) is not None):
+            probes += 1
+            t0 = time.perf_counter()
+            fewer.simulated = simulate_configs(job, [fewer], key_sim, s.verify_top)[0]
+            simulate_s += time.perf_counter() - t0
+            cache[fewer.key] = fewer
+            going = met(job, fewer.simulated)
+            c = fewer.candidate
+            action = f"{'confirmed' if going else 'missed'} (one replica fewer)"
+            verifications.append(Verification(
+                rnd, fewer, float(ttft_t[c]), float(itl_t[c]), going, action))
+            say(_simulated_line(job, fewer, action))
+            if not going:
                 break
-            for line in raised:
-                say(f"  {line}")
+        going = going and probes == s.verify_top and rnd < s.rounds
+        # answers confirmed just now with the surrogate above the simulator:
+        # a cheaper configuration the surrogate put past the SLO may meet
+        # it; raise their targets and look (``_loosen``)
+        cheaper = (best is not None and rnd < s.rounds
+                   and best.cost_per_mtok_out_usd > least_usd)
+        raised = [line for line in (_loosen(job, a, ttft_t, itl_t) for a in todo
+                                    if met(job, a.simulated))
+                  if line] if cheaper else []
+        if not raised and not going:
+            break
+        for line in raised:
+            say(f"  {line}")
     confirmed = [c for c in cache.values() if met(job, c.simulated)]
     chosen = min(confirmed, key=lambda c: c.cost_per_mtok_out_usd, default=None)
     out = Outcome(chosen, answers, verifications, res, ttft_t, itl_t, rnd,
@@ -791,6 +786,18 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     for c, a in shown.items():
         answers[c] = a
     return out
+
+
+def _simulated_line(job: OptimizeJob, a: Config, action: str) -> str:
+    """What a simulated configuration's line says."""
+    sim = a.simulated
+    rejected = (f", {sim['rejected_fraction']:.2%} rejected"
+                if sim["rejected_fraction"] > 0 else "")
+    return (f"  simulated {job.candidates[a.candidate].label}, "
+            f"{count_text(a.replicas, 'replica')}, max_num_seqs {a.concurrency}, "
+            f"max_num_batched_tokens {a.token_budget}: p99 TTFT "
+            f"{sim['ttft_p99_s']:.4g} s, p99 ITL {sim['itl_p99_s']:.4g} s "
+            f"over {sim['requests']:,} requests{rejected} -> {action}")
 
 
 def _fewer(job: OptimizeJob, cache: dict[tuple, Config], rnd: int, init,
