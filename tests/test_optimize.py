@@ -184,7 +184,7 @@ def test_a_cheaper_answer_after_the_simulator_reads_below_the_surrogate(tmp_path
                 "search.rounds=2", f"out={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     said = " ".join(proc.stderr.split())  # wrapped at the terminal's width
-    assert "-> confirmed (one replica fewer)" in said
+    assert "-> confirmed (fewer replicas)" in said
     assert "the simulator reads below the surrogate, looking for a cheaper" in said
     ds = xr.open_zarr(out)
     rounds, replicas = ds.verification_round.values, ds.verification_replicas.values
@@ -196,6 +196,26 @@ def test_a_cheaper_answer_after_the_simulator_reads_below_the_surrogate(tmp_path
     assert (ds.verification_simulated_itl_p99_s.values[chosen] <= 0.02).all()
     # what the simulator confirmed, the surrogate put past the SLO
     assert (ds.verification_surrogate_ttft_p99_s.values[chosen] > 2.0).all()
+
+
+def test_fewer_replicas_are_probed_one_fewer_then_halfway():
+    """``probe_count`` by hand against a simulator that confirms 9 or more
+    replicas: from 34 confirmed, 33, 16 (both confirmed), 8 (missed), 12,
+    10, 9 (confirmed), then none: six simulations, and 9 is found."""
+    from sweep.search.optimize import probe_count
+
+    fewest, missed, probed = 34, None, []
+    while (r := probe_count(fewest, missed)) is not None:
+        probed.append(r)
+        if r >= 9:
+            fewest = r
+        else:
+            missed = max(missed or 0, r)
+        missed = missed or 0
+    assert probed == [33, 16, 8, 12, 10, 9] and fewest == 9
+    # two confirmed, one missed: nothing between them
+    assert probe_count(2, None) == 1 and probe_count(2, 1) is None
+    assert probe_count(1, None) is None
 
 
 def test_confirmed_answers_raise_their_targets_by_the_simulators_ratio():

@@ -297,8 +297,8 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
     what = (f"{candidates} candidate(s) x {s.restarts} restarts: {evaluations:,} "
             f"surrogate evaluations and up to {s.verify_top} verified "
             f"configurations of <= {s.verify_requests_max:,} requests a round "
-            f"(and the cheapest confirmed on fewer replicas), at most {s.rounds} "
-            "round(s)")
+            "(and the cheapest confirmed on fewer replicas, halving), at most "
+            f"{s.rounds} round(s)")
     limit, source = budget(app.max_memory_gb)
     return Plan(what, first + (s.rounds - 1) * round_s, BASE_BYTES + memory,
                 OPTIMIZE_DISK_BYTES_PER_EVALUATION * evaluations, limit, source,

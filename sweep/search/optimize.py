@@ -39,10 +39,10 @@
    runs again for a cheaper answer, chosen only if the simulator confirms
    it too. And while the cheapest confirmed configuration has more than
    one replica, the surrogate's best on one replica fewer (the search held
-   there, ``_fewer``) is simulated, until one misses (at most ``verify_top``
-   a round; the next round goes on from there). Rounds stop when the
-   cheapest answer is confirmed, no target rises and no simulation one
-   replica fewer is left, or after ``rounds``.
+   there, ``_fewer``) is simulated, then counts halfway between the most
+   replicas that missed and the fewest confirmed, until none is left
+   between them. Rounds stop when the cheapest answer is confirmed and no
+   target rises, or after ``rounds``.
 4. **Result.** The cheapest confirmed configuration, runner-ups, every
    round's verifications, and the Pareto fronts of cost against p99 ITL and
    p99 TTFT over all integer configurations the last search evaluated, as an
@@ -683,6 +683,7 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     init = descent.initial_theta(key_init, job.settings,
                                 n + (-n % descent.PAD), s.restarts)
     cache: dict[tuple, Config] = {}
+    missed: dict[int, int] = {}  # per candidate probed: most replicas that missed
     # one replica of the cheapest candidate: nothing costs less
     least_usd = float(_costs(job, np.ones(n))[0].min()) * (1.0 + 1e-9)
     verifications: list[Verification] = []
@@ -737,26 +738,22 @@ def run(job: OptimizeJob, log=print) -> Outcome:
         if best is not None and not met(job, best.simulated):
             continue  # tightened: search again
         # the cheapest answer is confirmed, or costs as much as one that is:
-        # the surrogate's best on one replica fewer than the cheapest
-        # confirmed configuration, simulated until one misses; at most
-        # verify_top a round, and the next round goes on
-        probes, going = 0, False
-        while (probes < s.verify_top and (fewer := _fewer(
-                job, cache, rnd, init, ttft_t, itl_t)) is not None):
-            probes += 1
+        # fewer replicas of the cheapest confirmed configuration's candidate,
+        # the surrogate's best at each, simulated (``_fewer``)
+        while (fewer := _fewer(job, cache, rnd, init, ttft_t, itl_t,
+                               missed)) is not None:
             t0 = time.perf_counter()
             fewer.simulated = simulate_configs(job, [fewer], key_sim, s.verify_top)[0]
             simulate_s += time.perf_counter() - t0
             cache[fewer.key] = fewer
-            going = met(job, fewer.simulated)
+            ok = met(job, fewer.simulated)
             c = fewer.candidate
-            action = f"{'confirmed' if going else 'missed'} (one replica fewer)"
+            if not ok:
+                missed[c] = max(missed[c], fewer.replicas)
+            action = f"{'confirmed' if ok else 'missed'} (fewer replicas)"
             verifications.append(Verification(
-                rnd, fewer, float(ttft_t[c]), float(itl_t[c]), going, action))
+                rnd, fewer, float(ttft_t[c]), float(itl_t[c]), ok, action))
             say(_simulated_line(job, fewer, action))
-            if not going:
-                break
-        going = going and probes == s.verify_top and rnd < s.rounds
         # answers confirmed just now with the surrogate above the simulator:
         # a cheaper configuration the surrogate put past the SLO may meet
         # it; raise their targets and look (``_loosen``)
@@ -765,7 +762,7 @@ def run(job: OptimizeJob, log=print) -> Outcome:
         raised = [line for line in (_loosen(job, a, ttft_t, itl_t) for a in todo
                                     if met(job, a.simulated))
                   if line] if cheaper else []
-        if not raised and not going:
+        if not raised:
             break
         for line in raised:
             say(f"  {line}")
@@ -801,12 +798,16 @@ def _simulated_line(job: OptimizeJob, a: Config, action: str) -> str:
 
 
 def _fewer(job: OptimizeJob, cache: dict[tuple, Config], rnd: int, init,
-           ttft_t, itl_t) -> Config | None:
+           ttft_t, itl_t, missed: dict[int, int]) -> Config | None:
     """The surrogate's best configuration of the cheapest confirmed one's
-    candidate on one replica fewer, with its numbers there; None where that
-    has one replica, the surrogate finds no steady state there, or its best
-    was simulated already.
+    candidate on fewer replicas, with its numbers there; None where no
+    count is left between the most replicas that missed (``missed``) and
+    the confirmed ones, the surrogate finds no steady state there, or its
+    best was simulated already.
 
+    The first probe of a candidate is one replica fewer; then the counts
+    are halved between the two (the simulator's p99s rise as replicas are
+    taken away), so 34 confirmed replicas take about 6 probes, not 33.
     The search runs on that many replicas only (``descent.at_replicas``,
     the same compiled program): from the starts of ``init`` and from the
     confirmed configuration, its optimizer moves the concurrency and the
@@ -819,14 +820,40 @@ def _fewer(job: OptimizeJob, cache: dict[tuple, Config], rnd: int, init,
     if not confirmed:
         return None
     top = min(confirmed, key=lambda a: a.cost_per_mtok_out_usd)
-    if top.replicas == 1:
+    c = top.candidate
+    r = probe_count(top.replicas, missed.get(c))
+    if r is None:
         return None
-    n, c, r = len(job.candidates), top.candidate, top.replicas - 1
+    missed.setdefault(c, 0)
+    found = _best_at(job, c, r, top, init, ttft_t, itl_t)
+    if found is None or found.key in cache:
+        # no steady state there, or simulated already (a miss: met, it would
+        # be the cheapest): halve again below the confirmed count
+        missed[c] = r
+        return _fewer(job, cache, rnd, init, ttft_t, itl_t, missed)
+    found.round = rnd
+    return found
+
+
+def probe_count(confirmed: int, missed: int | None) -> int | None:
+    """The replicas to simulate next below the fewest ``confirmed``: one
+    fewer at first (``missed`` None: none probed yet), then halfway to the
+    most that ``missed``; None where no count is left between them."""
+    r = confirmed - 1 if missed is None else (missed + confirmed) // 2
+    return r if r > (missed or 0) else None
+
+
+def _best_at(job: OptimizeJob, c: int, r: int, top: Config, init, ttft_t,
+             itl_t) -> Config | None:
+    """The surrogate's best configuration of candidate ``c`` on ``r``
+    replicas, from the starts of ``init`` and from ``top``'s engine
+    settings (``_fewer``), with its numbers there; None where the surrogate
+    finds no steady state."""
+    n = len(job.candidates)
     start = np.array(init, np.float32)
     start[..., 2] = np.log(r)
     start[c, 0] = np.log([top.concurrency, top.token_budget, r])
-    cands = _candidates(job, ttft_t, itl_t)
-    res = descent.search(cands, start, job.settings,
+    res = descent.search(_candidates(job, ttft_t, itl_t), start, job.settings,
                          descent.at_replicas(job.settings, r, steps=True))
     worst = np.maximum(res.reach["ttft_p99_s"][c] / ttft_t[c],
                        res.reach["itl_p99_s"][c] / itl_t[c])
@@ -835,8 +862,6 @@ def _fewer(job: OptimizeJob, cache: dict[tuple, Config], rnd: int, init,
     i, k = np.unravel_index(np.argmin(np.where(np.isfinite(worst), worst, np.inf)),
                             worst.shape)
     conc, budget = int(res.concurrency[c, i, k]), int(res.token_budget[c, i, k])
-    if (c, conc, budget, r) in cache:
-        return None
     # its every number: the same program reading the surrogate there
     start[c] = np.log([conc, budget, r])
     inf = np.full(n, np.inf)
@@ -851,7 +876,7 @@ def _fewer(job: OptimizeJob, cache: dict[tuple, Config], rnd: int, init,
     surrogate = {m: float(res.metrics[m][c, 0, k]) for m in descent.METRICS}
     return Config(candidate=c, concurrency=conc, token_budget=budget, replicas=r,
                   surrogate=surrogate, cost_per_mtok_out_usd=float(per_mtok[c]),
-                  cost_per_month_usd=float(per_month[c]), round=rnd)
+                  cost_per_month_usd=float(per_month[c]))
 
 
 def _held(job: OptimizeJob, ttft_t, itl_t):
