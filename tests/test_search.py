@@ -176,6 +176,35 @@ def test_settings_numbers_run_the_same_compiled_search(scenario, key):
     np.testing.assert_allclose(other.knobs().learning_rate[:30], by_hand, rtol=1e-6)
 
 
+def test_search_held_at_replicas_reads_its_own_answers(scenario, key):
+    """``at_replicas``, as ``sweep-optimize`` probes fewer replicas: started
+    at an answer of the search, with no steps, the same program reads the
+    surrogate's numbers the search recorded there, bit for bit; with steps,
+    every lane stays on that many replicas."""
+    cands = _candidates(scenario, [RATE, RATE])
+    init = descent.initial_theta(key, SETTINGS, len(TP), RESTARTS)
+    res = descent.search(cands, init, SETTINGS)
+    c, r, k = (int(i[0]) for i in np.nonzero(res.feasible & (res.replicas > 1)))
+    at = (res.concurrency[c, r, k], res.token_budget[c, r, k], res.replicas[c, r, k])
+    start = np.array(init, np.float32)
+    start[c, 0] = np.log(at)
+    inf = _candidates(scenario, [RATE, RATE])._replace(
+        ttft_target_s=jnp.full(len(TP), jnp.inf, jnp.float32),
+        itl_target_s=jnp.full(len(TP), jnp.inf, jnp.float32))
+    read = descent.search(inf, start, SETTINGS,
+                          descent.at_replicas(SETTINGS, int(at[2])))
+    same = ((read.concurrency[c, 0] == at[0]) & (read.token_budget[c, 0] == at[1]))
+    assert same.any() and (read.replicas[c, 0] == at[2]).all()
+    n = int(np.argmax(same))
+    for m in descent.METRICS:
+        assert read.metrics[m][c, 0, n] == res.metrics[m][c, r, k], m
+    held = descent.search(cands, init, SETTINGS,
+                          descent.at_replicas(SETTINGS, 3, steps=True))
+    np.testing.assert_allclose(held.theta[..., 2], np.log(3.0), rtol=1e-6)
+    assert held.objective.shape == res.objective.shape
+    assert (held.replicas[held.feasible] == 3).all()
+
+
 def test_gradients_finite_at_zero_load_and_saturation(scenario):
     # candidate 0 idles (1e-6 req/s), candidate 1 is far past saturation
     cands = _candidates(scenario, [1e-6, 1e5])
