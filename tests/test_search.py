@@ -178,9 +178,9 @@ def test_settings_numbers_run_the_same_compiled_search(scenario, key):
 
 def test_search_held_at_replicas_reads_its_own_answers(scenario, key):
     """``at_replicas``, as ``sweep-optimize`` probes fewer replicas: started
-    at an answer of the search, with no steps, the same program reads the
-    surrogate's numbers the search recorded there, bit for bit; with steps,
-    every lane stays on that many replicas."""
+    at an answer of the search, with its steps set to none, the same program
+    reads the surrogate's numbers the search recorded there, bit for bit;
+    with its steps, every lane stays on that many replicas."""
     cands = _candidates(scenario, [RATE, RATE])
     init = descent.initial_theta(key, SETTINGS, len(TP), RESTARTS)
     res = descent.search(cands, init, SETTINGS)
@@ -191,15 +191,14 @@ def test_search_held_at_replicas_reads_its_own_answers(scenario, key):
     inf = _candidates(scenario, [RATE, RATE])._replace(
         ttft_target_s=jnp.full(len(TP), jnp.inf, jnp.float32),
         itl_target_s=jnp.full(len(TP), jnp.inf, jnp.float32))
-    read = descent.search(inf, start, SETTINGS,
-                          descent.at_replicas(SETTINGS, int(at[2])))
+    read = descent.search(inf, start, SETTINGS, descent.at_replicas(
+        SETTINGS, int(at[2]))._replace(steps=np.int32(0)))
     same = ((read.concurrency[c, 0] == at[0]) & (read.token_budget[c, 0] == at[1]))
     assert same.any() and (read.replicas[c, 0] == at[2]).all()
     n = int(np.argmax(same))
     for m in descent.METRICS:
         assert read.metrics[m][c, 0, n] == res.metrics[m][c, r, k], m
-    held = descent.search(cands, init, SETTINGS,
-                          descent.at_replicas(SETTINGS, 3, steps=True))
+    held = descent.search(cands, init, SETTINGS, descent.at_replicas(SETTINGS, 3))
     np.testing.assert_allclose(held.theta[..., 2], np.log(3.0), rtol=1e-6)
     assert held.objective.shape == res.objective.shape
     assert (held.replicas[held.feasible] == 3).all()

@@ -440,11 +440,12 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
 
     # the program kept beside the compilation cache: a rerun skips tracing
     # it (``sweep.exported``)
+    first = starts_of(groups[0])
     run = exported.program(
         evaluate_regions, dict(fn=fn, shape=None if flat else plan.shape,
                                chunks=None if flat else batch,
                                table_dims=table_dims, mesh=mesh, flat=flat),
-        (axes, tables, starts_of(groups[0])))
+        (axes, tables, first))
 
     def dispatch(group):
         return run(axes, tables, starts_of(group))
@@ -456,7 +457,7 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
     # that one is written (``sweep.grid.writer``): ahead of that, it would
     # hold one more block in memory for nothing
     ahead = len(units) > len(todo)
-    pending = dispatch(groups[0])
+    pending = run(axes, tables, first)
     for n, group in enumerate(groups):
         out, later = pending, groups[n + 1] if n + 1 < len(groups) else None
         if ahead and later:

@@ -87,8 +87,10 @@ NEIGHBOURS = 4
 METRICS = (*contract.LATENCY, "utilization")
 """Surrogate outputs kept for every evaluated integer configuration."""
 
-REACH = ("ttft_p99_s", "itl_p99_s", "utilization")
-"""Surrogate outputs kept at ``replicas_max``: the best a configuration reaches."""
+REACH = METRICS
+"""Surrogate outputs kept at ``replicas_max`` (each lattice neighbour's first
+query), met or not: the best a configuration reaches, and a search held
+there (``at_replicas``) gives every number of its neighbours."""
 
 PAD = 8
 """Candidates are stacked in multiples of this: fewer distinct shapes to compile."""
@@ -178,8 +180,8 @@ class Settings:
 
     @property
     def integer_steps(self) -> int:
-        """Scan steps of the integer stage (evaluations per restart)."""
-        return NEIGHBOURS * (1 + self.bisect_steps)
+        """Loop steps of the integer stage (evaluations per restart)."""
+        return integer_steps(self.bisect_steps)
 
     @property
     def loop_length(self) -> int:
@@ -244,6 +246,12 @@ class Knobs(NamedTuple):
     levels: jax.Array  # lattice values per octave
     lower: jax.Array  # (3,) box of theta
     upper: jax.Array  # (3,)
+
+
+def integer_steps(bisect_steps):
+    """Loop steps of the integer stage: each lattice neighbour's first query
+    and its halvings (an int, or a traced one)."""
+    return NEIGHBOURS * (1 + bisect_steps)
 
 
 def lattice(vmin: float, vmax: float, levels_per_octave: int) -> np.ndarray:
@@ -448,17 +456,21 @@ def _loop_step(knobs: Knobs, opt, cand: Candidates, carry: _Carry, k):
     return carry, value
 
 
-def _run_lanes(cand: Candidates, init, knobs: Knobs, *, optimizer: str, options):
-    """Every lane (one candidate from one start; leaves ``(L, ...)``, ``init``
-    ``(L, 3)``): the search and the integer stage as one loop whose step is
-    ``vmap``-ped over the lanes. Inside the loop, the step is traced once
-    with its batching; a ``vmap`` around the loop would batch the traced
-    step again per ``vmap`` level (JAX's batching rule for loops). The loop
+def _run_lanes(cand: Candidates, owner, init, knobs: Knobs, *, optimizer: str,
+               options):
+    """Every lane (candidate ``owner[l]`` from start ``init[l]``; ``owner``
+    int32 ``(L,)``, ``init`` ``(L, 3)``): the search and the integer stage as
+    one loop whose step is ``vmap``-ped over the lanes. Inside the loop, the
+    step is traced once with its batching; a ``vmap`` around the loop would
+    batch the traced step again per ``vmap`` level (JAX's batching rule for
+    loops). The loop
     runs ``steps + integer_steps`` times, a traced count. Returns the
     ``SearchResult`` fields the final carry gives and the objective at each
     loop step (``(L, T)``; the search steps first), as a dict (a result
     ``sweep.exported`` can keep)."""
     opt = make_optimizer(optimizer, options, knobs.learning_rate)
+    # each candidate goes to the device once, its lanes gathered here
+    cand = jax.tree.map(lambda x: x[owner], cand)
     lanes, r_max = init.shape[0], knobs.replicas_max
     nan = jnp.full((lanes, NEIGHBOURS), jnp.nan, jnp.float32)
     carry = _Carry(
@@ -481,7 +493,7 @@ def _run_lanes(cand: Candidates, init, knobs: Knobs, *, optimizer: str, options)
         return carry, values.at[:, k].set(value.astype(values.dtype))
 
     values = jnp.zeros((lanes, len(knobs.penalty_scale)), jnp.float32)
-    total = knobs.steps + NEIGHBOURS * (1 + knobs.bisect_steps)
+    total = knobs.steps + integer_steps(knobs.bisect_steps)
     carry, values = jax.lax.fori_loop(0, total, body, (carry, values))
     out = {f: getattr(carry, f) for f in SearchResult._fields if f in _Carry._fields}
     out["objective"] = values
@@ -520,10 +532,12 @@ def search(candidates: Candidates, init, settings: Settings,
            knobs: Knobs | None = None) -> SearchResult:
     """Runs the search for every candidate and restart in one compiled call.
 
-    The lanes (each candidate from each start) are padded to
-    ``shapes.bucket`` (at least ``LANES_MIN``) by repeating the first; the
-    settings' numbers are ``Knobs``: one program for every search of these
-    shapes and this optimizer.
+    The candidates (padded to a multiple of ``PAD``) go to the program
+    once, with each lane's candidate (the program gathers them); the lanes
+    (each candidate from each start) are padded to ``shapes.bucket`` (at
+    least ``LANES_MIN``) by repeating the first; the settings' numbers are
+    ``Knobs``: one program for every search of these shapes and this
+    optimizer.
 
     Args:
       candidates: stacked ``Candidates`` (leaves ``(C, ...)``).
@@ -536,36 +550,34 @@ def search(candidates: Candidates, init, settings: Settings,
     num_c, num_r = init.shape[:2]
     lanes = num_c * num_r
     pad = max(shapes.bucket(lanes), LANES_MIN) - lanes
-
-    def padded(x):
-        x = np.asarray(x)
-        return np.concatenate([x, np.repeat(x[:1], pad, axis=0)])
-
-    cand = jax.tree.map(lambda x: padded(np.repeat(np.asarray(x), num_r, axis=0)),
-                        candidates)
-    out = exported.call(_run_lanes, settings.program, cand,
-                        padded(init.reshape(lanes, 3)), knobs)
+    if num_c % PAD:  # as ``sweep-optimize`` stacks them: fewer shapes
+        candidates = jax.tree.map(lambda x: np.concatenate(
+            [x, np.repeat(np.asarray(x)[:1], -num_c % PAD, axis=0)]), candidates)
+    # padding lanes: the first candidate from its first start
+    owner = np.concatenate([np.repeat(np.arange(num_c, dtype=np.int32), num_r),
+                            np.zeros(pad, np.int32)])
+    init = init.reshape(lanes, 3)
+    out = exported.call(_run_lanes, settings.program, candidates, owner,
+                        np.concatenate([init, np.repeat(init[:1], pad, axis=0)]), knobs)
     steps = int(knobs.steps)
     out["objective"] = out["objective"][:, :steps]
     return SearchResult(
         **jax.tree.map(lambda x: np.asarray(x)[:lanes].reshape(num_c, num_r,
                                                                *x.shape[1:]), out),
-        evaluations=lanes * (steps + NEIGHBOURS * (1 + int(knobs.bisect_steps))),
+        evaluations=lanes * (steps + integer_steps(int(knobs.bisect_steps))),
     )
 
 
-def at_replicas(settings: Settings, replicas: int, steps: bool = False) -> Knobs:
+def at_replicas(settings: Settings, replicas: int) -> Knobs:
     """The numbers that make ``search`` hold every lane on ``replicas``
     replicas (the box's replica side closed there), through the same
-    compiled program: with ``steps``, the optimizer moves the concurrency
-    and the token budget only, so it minimises the penalty there; without,
-    it reads the surrogate at the starting points. No halving: each lattice
-    neighbour is one query at ``replicas`` (``reach``), its ``metrics`` kept
-    where it meets the candidate's targets."""
+    compiled program: the optimizer moves the concurrency and the token
+    budget only, so it minimises the penalty there. No halving: each lattice
+    neighbour is one query at ``replicas``, every number of it in ``reach``
+    (its ``metrics`` where it meets the candidate's targets)."""
     knobs = settings.knobs()
     r = np.float32(np.log(replicas))
     return knobs._replace(
-        steps=knobs.steps if steps else np.int32(0), bisect_steps=np.int32(0),
-        replicas_max=np.int32(replicas),
+        bisect_steps=np.int32(0), replicas_max=np.int32(replicas),
         lower=np.concatenate([knobs.lower[:2], [r]]).astype(np.float32),
         upper=np.concatenate([knobs.upper[:2], [r]]).astype(np.float32))

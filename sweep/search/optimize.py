@@ -821,18 +821,15 @@ def _fewer(job: OptimizeJob, cache: dict[tuple, Config], rnd: int, init,
         return None
     top = min(confirmed, key=lambda a: a.cost_per_mtok_out_usd)
     c = top.candidate
-    r = probe_count(top.replicas, missed.get(c))
-    if r is None:
-        return None
-    missed.setdefault(c, 0)
-    found = _best_at(job, c, r, top, init, ttft_t, itl_t)
-    if found is None or found.key in cache:
+    while (r := probe_count(top.replicas, missed.get(c))) is not None:
+        missed.setdefault(c, 0)
+        found = _best_at(job, c, r, top, init, ttft_t, itl_t, rnd)
+        if found is not None and found.key not in cache:
+            return found
         # no steady state there, or simulated already (a miss: met, it would
         # be the cheapest): halve again below the confirmed count
         missed[c] = r
-        return _fewer(job, cache, rnd, init, ttft_t, itl_t, missed)
-    found.round = rnd
-    return found
+    return None
 
 
 def probe_count(confirmed: int, missed: int | None) -> int | None:
@@ -844,39 +841,28 @@ def probe_count(confirmed: int, missed: int | None) -> int | None:
 
 
 def _best_at(job: OptimizeJob, c: int, r: int, top: Config, init, ttft_t,
-             itl_t) -> Config | None:
+             itl_t, rnd: int) -> Config | None:
     """The surrogate's best configuration of candidate ``c`` on ``r``
     replicas, from the starts of ``init`` and from ``top``'s engine
     settings (``_fewer``), with its numbers there; None where the surrogate
     finds no steady state."""
-    n = len(job.candidates)
     start = np.array(init, np.float32)
     start[..., 2] = np.log(r)
     start[c, 0] = np.log([top.concurrency, top.token_budget, r])
     res = descent.search(_candidates(job, ttft_t, itl_t), start, job.settings,
-                         descent.at_replicas(job.settings, r, steps=True))
+                         descent.at_replicas(job.settings, r))
     worst = np.maximum(res.reach["ttft_p99_s"][c] / ttft_t[c],
                        res.reach["itl_p99_s"][c] / itl_t[c])
     if not np.isfinite(worst).any():
         return None
     i, k = np.unravel_index(np.argmin(np.where(np.isfinite(worst), worst, np.inf)),
                             worst.shape)
-    conc, budget = int(res.concurrency[c, i, k]), int(res.token_budget[c, i, k])
-    # its every number: the same program reading the surrogate there
-    start[c] = np.log([conc, budget, r])
-    inf = np.full(n, np.inf)
-    res = descent.search(_candidates(job, inf, inf), start, job.settings,
-                         descent.at_replicas(job.settings, r))
-    same = ((res.concurrency[c, 0] == conc) & (res.token_budget[c, 0] == budget)
-            & res.feasible[c, 0])
-    if not same.any():
-        return None
-    k = int(np.argmax(same))
-    per_mtok, per_month = _costs(job, np.full(n, r))
-    surrogate = {m: float(res.metrics[m][c, 0, k]) for m in descent.METRICS}
-    return Config(candidate=c, concurrency=conc, token_budget=budget, replicas=r,
-                  surrogate=surrogate, cost_per_mtok_out_usd=float(per_mtok[c]),
-                  cost_per_month_usd=float(per_month[c]))
+    per_mtok, per_month = _costs(job, np.full(len(job.candidates), r))
+    return Config(candidate=c, concurrency=int(res.concurrency[c, i, k]),
+                  token_budget=int(res.token_budget[c, i, k]), replicas=r,
+                  surrogate={m: float(res.reach[m][c, i, k]) for m in descent.METRICS},
+                  cost_per_mtok_out_usd=float(per_mtok[c]),
+                  cost_per_month_usd=float(per_month[c]), round=rnd)
 
 
 def _held(job: OptimizeJob, ttft_t, itl_t):
