@@ -206,16 +206,21 @@ def test_surrogate_chunks_hold_a_megabyte_and_batches_stay_small():
 
 
 def test_surrogate_grids_of_other_sizes_share_one_program():
-    """Two small surrogate grids of other sizes (168 and 252 configurations)
-    evaluate through one block program: the same padded axes and points per
-    call (``Part.points``, ``padded_inputs``), so the second compiles
-    nothing; and the configurations both hold have the same values in both
-    (no padding leaks into a cube)."""
-    base = ["hardware=h100_sxm", "model=qwen3_8b", "latency=surrogate"]
-    parts = [grid_job([*base, f"grid.concurrency={c}"]).parts[1]
-             for c in ("[16,64]", "[16,64,256]")]
-    assert [p.plan.size for p in parts] == [168, 252]
-    assert [p.points for p in parts] == [FLAT_MIN, FLAT_MIN]
+    """Small surrogate grids of other sizes (168 and 252 configurations) and
+    of two GPUs instead of one evaluate through one block program: the same
+    padded axes and tables and points per call (``Part.points``,
+    ``padded_inputs``), so only the first compiles; and the configurations
+    they share have the same values in each (no padding leaks into a
+    cube)."""
+    base = ["model=qwen3_8b", "latency=surrogate"]
+    parts = [grid_job([*base, *more]).parts[1] for more in (
+        ["hardware=h100_sxm", "grid.concurrency=[16,64]"],
+        ["hardware=h100_sxm", "grid.concurrency=[16,64,256]"],
+        ["grid.hardware=[h100_sxm,h200_sxm]", "grid.concurrency=[64]"])]
+    assert [p.plan.size for p in parts] == [168, 252, 168]
+    assert [p.points for p in parts] == [FLAT_MIN] * 3
+    assert [p.plan.shape[0] for p in parts] == [1, 1, 2]  # GPUs, in a table too
+    assert any(0 in dims for dims in parts[2].table_dims)
     before = set(_block_programs())
     cubes = []
     for p in parts:
@@ -228,10 +233,12 @@ def test_surrogate_grids_of_other_sizes_share_one_program():
         cubes.append(cube)
     new = {k: n for k, n in _block_programs().items() if k not in before}
     assert list(new.values()) == [1], new  # one program, one signature
-    # concurrency 64 is in both grids: the same configurations, the same values
-    one, two = cubes
+    # H100 at concurrency 64 is in every grid: the same values in each
+    one, two, three = cubes
     for k, v in one.items():
         np.testing.assert_array_equal(v[:, :, :, :, 1], two[k][:, :, :, :, 1],
+                                      err_msg=k)
+        np.testing.assert_array_equal(v[:, :, :, :, 1], three[k][:1, :, :, :, 0],
                                       err_msg=k)
 
 

@@ -347,16 +347,38 @@ def _pad(x, lengths: tuple[int, ...]):
                       for m, n in zip(lengths, x.shape)])]
 
 
+TABLE_PAD_BYTES = 1 << 22
+"""Most bytes the tables of a flat part may take once padded along their axes
+to ``shapes.AXIS_MIN`` (``padded_inputs``)."""
+
+
 def padded_inputs(axes: tuple, tables: tuple, table_dims: tuple) -> tuple[tuple, tuple]:
     """The axes' values and the tables, each axis padded (its last value
     repeated) to a length shared by many grids: the least power of two at or
-    above its length, and at least ``shapes.AXIS_MIN`` where no table runs
-    along it. A flat program's input shapes then depend on few grid sizes
-    (``iterate_blocks``); its points never index the padding."""
+    above its length and ``shapes.AXIS_MIN``. An axis that tables run along
+    is padded so too while the padded tables stay within
+    ``TABLE_PAD_BYTES`` (the surrogate's workload summaries, a calibration
+    per GPU and model: kilobytes), else, the axes of the largest tables
+    first, only to its own power of two (a simulator's request streams of
+    ten thousand requests per workload and rate). A flat program's input
+    shapes then depend on few grid sizes (``iterate_blocks``: a grid of one
+    GPU or of two runs one program); its points never index the padding."""
+    own = [shapes.power_of_two(len(jax.tree.leaves(a)[0])) for a in axes]
+    lengths = [max(n, shapes.AXIS_MIN) for n in own]
+    leaves = [(np.shape(x), np.asarray(x).itemsize, dims)
+              for t, dims in zip(tables, table_dims) for x in jax.tree.leaves(t)]
+
+    def padded_bytes(d=None) -> float:
+        """Bytes of the padded tables (``d``: only those along axis ``d``)."""
+        return sum(math.prod(shape) * size * math.prod(
+            lengths[k] / shape[i] for i, k in enumerate(dims))
+            for shape, size, dims in leaves if d is None or d in dims)
+
     tabled = {d for dims in table_dims for d in dims}
-    lengths = [shapes.power_of_two(len(jax.tree.leaves(a)[0]),
-                                   1 if d in tabled else shapes.AXIS_MIN)
-               for d, a in enumerate(axes)]
+    for d in sorted(tabled, key=lambda d: (-padded_bytes(d), d)):
+        if padded_bytes() <= TABLE_PAD_BYTES:
+            break
+        lengths[d] = own[d]
     axes = tuple(jax.tree.map(lambda x, n=n: _pad(x, (n,)), a)
                  for a, n in zip(axes, lengths))
     tables = tuple(jax.tree.map(lambda x, dims=dims: _pad(
