@@ -538,7 +538,8 @@ def test_eagle3_head_of_a_moe_model_by_hand():
     (``model.eagle3_intermediate_size``, the head's own config), not the
     experts' 768: 2 H q + 2 (2 H) kv + q H + 3 H I + 3 H^2 + 32,000 H =
     16,777,216 + 4,194,304 + 8,388,608 + 37,748,736 + 12,582,912 +
-    65,536,000 = 145,227,776 parameters at I = 6,144."""
+    65,536,000 = 145,227,776 parameters at I = 6,144; the shipped head's
+    I = 12,288 gives 75,497,472 for the MLP, 182,976,512 in all."""
     _, options = grid_inputs([
         *EAGLE3_GRID[1:], "model=qwen3_30b_a3b", "grid.model=[qwen3_30b_a3b]",
         "model.eagle3_head=some/qwen3-30b-a3b-eagle3",
@@ -550,6 +551,12 @@ def test_eagle3_head_of_a_moe_model_by_hand():
         145_227_776, 1, 6144, 1)
     assert (head.q_heads, head.kv_heads, head.head_dim, head.hidden_size) == (
         32, 4, 128, 2048)
+    # the shipped head: a width of 12,288, 75,497,472 in its MLP
+    _, options = grid_inputs([*EAGLE3_GRID[1:], "model=qwen3_30b_a3b",
+                              "grid.model=[qwen3_30b_a3b]"])
+    (m,) = options["model"]
+    assert m.draft.hf_id == "Tengyunw/qwen3_30b_moe_eagle3"
+    assert (m.draft.params, m.draft.intermediate_size) == (182_976_512, 12288)
     # a dense model's head keeps its own MLP unless the width is given
     _, options = grid_inputs([*EAGLE3_GRID[1:], "model.eagle3_intermediate_size=7168"])
     assert options["model"][0].draft.params == N_E - 3 * 4096 * (14336 - 7168)
