@@ -7,6 +7,7 @@ or of TP 2."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import numpy as np
@@ -527,7 +528,10 @@ def test_optimizer_compares_aggregated_and_disaggregated(tmp_path):
         *ONE_ENGINE_SEARCH, f"workload.arrival_rate_per_s={ONE_ENGINE_RATE}",
         f"out={out}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert " wins: disaggregated " in proc.stdout
+    # the verdict names the winner first, then the other deployment's price
+    verdict = next(line for line in proc.stdout.splitlines() if " wins: " in line)
+    assert re.match(r"(aggregated wins: USD [\d.]+ / 1M output tokens vs the cheapest "
+                    r"disaggregated, |disaggregated wins: ).*P:D \d+:\d+ ", verdict)
     assert "kv_role\":\"kv_producer" in proc.stdout
     assert "kv_role\":\"kv_consumer" in proc.stdout
     # every engine's flags for both pools, and what routes requests to them

@@ -437,9 +437,12 @@ def verdict(job, aggregated, result: Result) -> str:
         return (f"disaggregated wins: {describe(job, d)}: USD {dis:.4g} / 1M output "
                 f"tokens; no aggregated deployment met the SLO {tail}")
     agg = aggregated.cost_per_mtok_out_usd
-    return (f"{winner(aggregated, result)} wins: disaggregated {describe(job, d)}: "
-            f"USD {dis:.4g} / 1M output tokens vs aggregated USD {agg:.4g} "
-            f"({dis / agg:.2f}x) {tail}")
+    if winner(aggregated, result) == "disaggregated":
+        return (f"disaggregated wins: {describe(job, d)}: USD {dis:.4g} / 1M output "
+                f"tokens vs aggregated USD {agg:.4g} ({dis / agg:.2f}x) {tail}")
+    return (f"aggregated wins: USD {agg:.4g} / 1M output tokens vs the cheapest "
+            f"disaggregated, {describe(job, d)}: USD {dis:.4g} ({dis / agg:.2f}x) "
+            f"{tail}")
 
 
 def annotate(ds: xr.Dataset, job, aggregated, result: Result) -> xr.Dataset:
