@@ -470,15 +470,44 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
     receiver = {i: k % int(decode_instances) for k, i in enumerate(to_decode)}
     links = min(_f(tp), _f(pre_tp)) * _f(hw.kv_link_bytes_per_s)
     transfer = {i: prompt[i] * kvb / links for i in served}
+    # a layer-wise connector: layer l's KV, transfer / L, ready l/L of the
+    # way through the prompt's own prefill alone (its chunks' steps, as
+    # above, with nothing beside them); sent in layer order, one at a time
+    layers = int(_f(model.layers))
+    layerwise = _f(getattr(hw, "kv_layerwise", 0.0)) > 0
+    if layerwise and prefix_cache is not None:
+        raise NotImplementedError("a layer-wise transfer beside per-instance LRU "
+                                  "caches: the prompt's own prefill needs its hit")
+
+    def alone_s(i):
+        hit = math.floor(prefix_hit_fraction * prompt[i] / 16) * 16
+        done, s = hit, 0.0
+        while done < prompt[i]:
+            m = min(int(token_budget), prompt[i] - done)
+            keys = m * done + m * (m + 1) / 2.0
+            s += step_time_s(hw, model, pre_tp, m, done, keys, 1)
+            done += m
+        return s
+
+    def arrived(i, free):
+        """When request ``i``'s KV has arrived, its links free from ``free``."""
+        if not layerwise:
+            return max(ready[i], free) + transfer[i]
+        t, piece = ready[i] - alone_s(i), transfer[i] / layers
+        for layer in range(1, layers + 1):
+            t = max(t, ready[i] - alone_s(i) * (1.0 - layer / layers), free) + piece
+            free = t
+        return t
+
     send_free = [-math.inf] * int(prefill_instances)
     recv_free = [-math.inf] * int(decode_instances)
     ttft = [math.nan] * n
     for i in served:  # one output token: no shared link
-        ttft[i] = first[i][0] + transfer[i]
+        ttft[i] = arrived(i, -math.inf) - arrival[i]
     for i in to_decode:
-        start = max(ready[i], send_free[sender[i]], recv_free[receiver[i]])
-        send_free[sender[i]] = recv_free[receiver[i]] = start + transfer[i]
-        ttft[i] = start + transfer[i] - arrival[i]
+        done = arrived(i, max(send_free[sender[i]], recv_free[receiver[i]]))
+        send_free[sender[i]] = recv_free[receiver[i]] = done
+        ttft[i] = done - arrival[i]
     handed = [arrival[i] + ttft[i] if i in first else math.nan for i in range(n)]
     rest, dec_gaps, *dec = run(tp, int(decode_instances), to_decode, handed, prompt,
                      [o - 1 for o in output], spec_tokens=spec_tokens,

@@ -96,6 +96,31 @@ def test_disaggregated_point_by_hand(cube, prefill_tp):
 
 
 @pytest.mark.slow
+def test_layerwise_transfer_in_sweep_grid_by_hand(tmp_path):
+    """``hardware.kv_transfer_layerwise=true`` through ``sweep-grid``, float32:
+    the zero-load TTFT is the prefill plus the transfer's part after it,
+    ``max(T / L, T - S (L - 1) / L)``, on a link that keeps up (400 Gb/s: the
+    last layer's piece) and one that does not (10 Gb/s); the transfer's own
+    time is unchanged."""
+    prefill = step(PROMPT, 0, PROMPT * (PROMPT + 1) / 2)
+    for link in (LINK, 1.25e9):
+        out = tmp_path / f"{link:g}.zarr"
+        proc = run_script("sweep-grid", [
+            "experiment=seed", "grid.disaggregated=[true]", f"grid.concurrency=[{N}]",
+            f"grid.token_budget=[{BUDGET}]", "grid.batching=[continuous]",
+            "grid.traffic_tokens_per_day=[1e8]", "hardware.kv_transfer_layerwise=true",
+            f"hardware.kv_link_bytes_per_s={link:g}", f"out={out}"], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        pt = sweep.open_cube(out).load().squeeze()
+        transfer = PROMPT * KVB / link
+        exposed = max(transfer / 36, transfer - prefill * 35 / 36)
+        assert float(pt.kv_transfer_s) == pytest.approx(transfer, rel=2e-5)
+        assert float(pt.zero_load_ttft_s) == pytest.approx(prefill + exposed, rel=2e-5)
+        assert exposed == (transfer / 36 if link == LINK else
+                           pytest.approx(transfer - prefill * 35 / 36))
+
+
+@pytest.mark.slow
 def test_aggregated_points_are_unchanged(cube):
     itl = decode(N, 1500)
     for p, d, t in itertools.product((1, 2), (1, 3), (0, 2)):
@@ -232,8 +257,9 @@ def dis64():
 
     def call(arrival, prompt, output, p, d, conc=8, budget=512, memory_bytes=80e9,
              link=LINK, ttft_slo=np.inf, itl_slo=np.inf, context=np.inf,
-             overlong=REJECT, cached=None, tp=1, prefill_tp=1):
-        hw = h100(np.float64, memory_bytes)._replace(kv_link_bytes_per_s=link)
+             overlong=REJECT, cached=None, tp=1, prefill_tp=1, layerwise=False):
+        hw = h100(np.float64, memory_bytes)._replace(kv_link_bytes_per_s=link,
+                                                     kv_layerwise=float(layerwise))
         cached = np.zeros(len(prompt)) if cached is None else cached
         with jax.enable_x64(True):
             out = run(hw, qwen3_8b(np.float64, context), np.float64(conc),
@@ -289,6 +315,43 @@ def test_simulator_matches_reference(dis64, stream, seed, p, d, conc, budget, me
         assert ref.preemptions > 0
     # every gap once, the decode pool's wait included
     assert len(ref.itl_s) == (output - 1).sum()
+
+
+LAYERWISE_CASES = [
+    # (stream, seed, p, d, concurrency, budget, link)
+    ("hard", 37, 2, 2, 8, 2048, 1.25e10),  # 100 GbE: longer than the prefills
+    ("heavy", 38, 1, 2, 8, 512, LINK),  # short next to them: the last layer's
+    ("random", 39, 2, 1, 4, 1024, 2.5e9),  # a slow link the requests queue for
+]
+
+
+@pytest.mark.parametrize("stream,seed,p,d,conc,budget,link", LAYERWISE_CASES)
+def test_layerwise_transfers_match_reference(dis64, stream, seed, p, d, conc, budget,
+                                             link):
+    """A layer-wise connector (``hardware.kv_transfer_layerwise``): the
+    simulator's rule (start ``S (L - 1) / L`` before the prefill ends, end
+    at least ``T / L`` after it) against the reference's pipeline of the
+    ``L`` layers' pieces over the shared links; every request's KV arrives
+    no later than sent after its prefill, and no earlier than the last
+    layer's piece allows."""
+    from reference_scheduler import simulate_disaggregated_reference
+    from test_simulate import hard_requests
+    from test_simulate import random_requests as plain_requests
+
+    make = {"random": plain_requests, "hard": hard_requests,
+            "heavy": heavy_tail_requests}[stream]
+    arrival, prompt, output = make(seed)
+    got, hw = dis64(arrival, prompt, output, p, d, conc, budget, link=link,
+                    ttft_slo=2.0, itl_slo=0.05, layerwise=True)
+    ref = simulate_disaggregated_reference(hw, qwen3_8b(np.float64), 1, conc, budget,
+                                           arrival, prompt, output, p, d)
+    assert_matches_reference(got, ref, 2.0, 0.05, budget)
+    after, _ = dis64(arrival, prompt, output, p, d, conc, budget, link=link)
+    assert (got.ttft_s <= after.ttft_s * (1 + 1e-12)).all()
+    assert (got.ttft_s < after.ttft_s).any()
+    kvb = 2 * 36 * 8 * 128 * 2  # Qwen3-8B: layers x KV heads x head dim x bf16, K and V
+    floor = prompt * kvb / link / 36  # the last layer's piece, after the prefill
+    assert (got.ttft_s >= floor * (1 - 1e-9)).all()
 
 
 LRU_POOL_CASES = [
@@ -639,6 +702,19 @@ def test_pools_surrogate_at_zero_load_by_hand():
     np.testing.assert_allclose(float(out["e2e_p50_s"]),
                                prefill + first + 198 * decode(1, ctx), rtol=1e-2)
     assert int(out["status"]) == 0 and float(out["utilization"]) < 1e-4
+    # a layer-wise connector: of the 4.4 ms transfer over 400 Gb/s, only the
+    # last of 36 layers' pieces (0.12 ms) follows the 25.5 ms prefill; over
+    # 1 Gb/s (1.77 s), all but 35/36 of the prefill
+    alone = step(1500, 0, chunk_keys(1500, 0))
+    for link in (LINK, 1.25e8):
+        layered = jax.jit(pools)(hw._replace(kv_link_bytes_per_s=np.float32(link),
+                                             kv_layerwise=np.float32(1.0)),
+                                 qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0,
+                                 1e-6, 1.0, 2.0)
+        transfer = 1500 * KVB / link
+        exposed = max(transfer / 36, transfer - alone * 35 / 36)
+        np.testing.assert_allclose(float(layered["ttft_p50_s"]), alone + exposed,
+                                   rtol=2e-3)
 
 
 # --- sweep-grid's p99 part (sweep.latency.p99) ---------------------------------

@@ -202,5 +202,20 @@ def test_disaggregated_pool_flags_by_engine():
                  "generation_servers: {num_instances: 3, urls: [...]}"):
         assert part in trt
     assert "max_tokens_in_buffer: N}" in engines.pool_note("trtllm", 2, 3)
+    # a layer-wise connector: vLLM's LMCache connector with use_layerwise (its
+    # save_kv_layer); the others send after the prefill, and say so
+    layered = engines.command_line(engines.pool_flags("vllm", "decode", True))
+    assert layered == (
+        """--kv-transfer-config '{"kv_connector":"LMCacheConnectorV1","""
+        """"kv_role":"kv_consumer","kv_connector_extra_config":"""
+        """{"use_layerwise":true}}'""")
+    for e in ("sglang", "trtllm"):
+        same = engines.pool_flags(e, "prefill")
+        assert engines.pool_flags(e, "prefill", True) == same
+        assert engines.pool_note(e, 1, 1, None, True).endswith(
+            "the layer-wise overlap planned here (hardware.kv_transfer_layerwise) "
+            "is vLLM's LMCacheConnectorV1 with use_layerwise")
+    vllm = engines.pool_note("vllm", 1, 1)
+    assert engines.pool_note("vllm", 1, 1, None, True) == vllm
     with pytest.raises(ValueError, match="pool='both': allowed: prefill, decode"):
         engines.pool_flags("vllm", "both")

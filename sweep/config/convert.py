@@ -31,6 +31,7 @@ def hardware_params(hw: Hardware, gpu_memory_utilization: float) -> HardwarePara
         fp8_flops_per_s=hw.fp8_flops_per_s,
         fp4_flops_per_s=hw.fp4_flops_per_s,
         kv_link_bytes_per_s=hw.kv_link_bytes_per_s,
+        kv_layerwise=float(hw.kv_transfer_layerwise),
     )
 
 

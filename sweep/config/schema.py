@@ -151,6 +151,13 @@ class Hardware:
                   "one direction (disaggregated prefill/decode): the node's "
                   "scale-out NIC per GPU (InfiniBand NDR 400 Gb/s = 5e10), or "
                   "NVLink when prefill and decode share a node"})
+    kv_transfer_layerwise: bool = field(
+        default=False,
+        metadata={"help": "disaggregated prefill/decode: the KV connector sends "
+                  "each layer's KV as the prefill computes it (vLLM's "
+                  "LMCacheConnectorV1 with use_layerwise), so the transfer "
+                  "overlaps the prefill; false: it starts when the prefill ends "
+                  "(vLLM's NixlConnector)"})
     max_gpus_per_node: int = field(
         default=8,
         metadata={"help": "GPUs one node holds: the largest tensor-parallel size "

@@ -449,15 +449,16 @@ class SweepAccessor:
                 f"'search.spec_proposer=[{option}]' prints them")
         if value("disaggregated"):
             p, d = int(value("prefill_instances")), int(value("decode_instances"))
+            layerwise = bool(config_value(self._ds, "kv_transfer_layerwise"))
             pre_tp = int(value("prefill_tensor_parallel") or tp)
             own = ("" if pre_tp == tp else f" (the prefill instances at TP {pre_tp}: "
                    f"{engines.command_line(flags_at(pre_tp))})")
             pools = "; ".join(f"{pool}: {engines.command_line(f)}"
                               for pool in ("prefill", "decode")
-                              if (f := engines.pool_flags(engine, pool)))
+                              if (f := engines.pool_flags(engine, pool, layerwise)))
             notes.append(f"disaggregated: {p} prefill and {d} decode instances with "
                          f"these flags{own}" + (f", plus {pools}" if pools else "")
-                         + "; " + engines.pool_note(engine, p, d))
+                         + "; " + engines.pool_note(engine, p, d, None, layerwise))
         return ServingFlags(engine, flags, engines.command_line(flags),
                             None if replicas is None else int(replicas),
                             tuple(notes))

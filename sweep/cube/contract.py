@@ -282,7 +282,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv_transfer_s", "s", "KV transfer of the mean prompt from a prefill "
            "to a decode instance (0 aggregated)", option=DISAGGREGATION_OPTION),
     Metric("zero_load_ttft_s", "s", "TTFT of the mean prompt alone: its chunked "
-           "prefill at the token budget, plus the KV transfer disaggregated",
+           "prefill at the token budget, plus the KV transfer disaggregated (the part "
+           "after the prefill: all of it, or with hardware.kv_transfer_layerwise "
+           "max(T - S (L - 1) / L, T / L))",
            option=DISAGGREGATION_OPTION),
     Metric("prefill_pool_req_per_s", "request / s", "requests per second the "
            "prefill instances sustain (NaN aggregated)",

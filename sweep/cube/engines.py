@@ -66,7 +66,12 @@ SGLang; TensorRT-LLM):
   ``--kv-transfer-config '{"kv_connector": "NixlConnector", "kv_role":
   "kv_producer"}'`` on prefill, ``kv_consumer`` on decode (our reading of
   vLLM's ``KVTransferConfig``; its NixlConnector guide starts both pools
-  with ``kv_both``), a proxy in front; SGLang's ``--disaggregation-mode
+  with ``kv_both``), a proxy in front; with a layer-wise transfer
+  (``hardware.kv_transfer_layerwise``) the connector is ``LMCacheConnectorV1``
+  with ``kv_connector_extra_config: {"use_layerwise": true}`` (vLLM's
+  LMCache connector reads that key; its ``save_kv_layer`` sends a layer's
+  KV as the layer ends), and the other engines' notes say their pools send
+  after the prefill; SGLang's ``--disaggregation-mode
   prefill`` / ``decode`` with ``--disaggregation-transfer-backend nixl``
   (the default is Mooncake), ``sglang_router.launch_router
   --pd-disaggregation`` in front (SGLang's docs, "PD Disaggregation");
@@ -138,7 +143,7 @@ class Engine(NamedTuple):
     draft_speculation: Callable[[int, str, bool], dict[str, int | str]] | None = None
     # a disaggregated pool ("prefill" or "decode") -> the flags that make an
     # instance one of it
-    pools: Callable[[str], dict[str, str]] = lambda pool: {}
+    pools: Callable[[str, bool], dict[str, str]] = lambda pool, layerwise: {}
     # (prefill instances, decode instances, longest prompt or None) -> what
     # the pools' flags leave out: the front that routes requests to them
     pool_note: Callable[[int, int, int | None], str] = lambda p, d, n: ""
@@ -146,6 +151,17 @@ class Engine(NamedTuple):
 
 KV_CONNECTOR = "NixlConnector"
 """The connector in vLLM's pools' flags (``KVTransferConfig.kv_connector``)."""
+KV_CONNECTOR_LAYERWISE = "LMCacheConnectorV1"
+"""vLLM's connector that sends each layer's KV as it is computed, with
+``kv_connector_extra_config: {"use_layerwise": true}`` (its
+``save_kv_layer``; ``hardware.kv_transfer_layerwise``)."""
+
+
+def _vllm_pools(pool: str, layerwise: bool) -> dict[str, str]:
+    extra = ',"kv_connector_extra_config":{"use_layerwise":true}' if layerwise else ""
+    connector = KV_CONNECTOR_LAYERWISE if layerwise else KV_CONNECTOR
+    return {"--kv-transfer-config": (
+        f'\'{{"kv_connector":"{connector}","kv_role":"{KV_ROLES[pool]}"{extra}}}\'')}
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 """vLLM's ``kv_role`` of each disaggregated pool."""
 
@@ -192,8 +208,7 @@ ENGINES = {
         lambda k, d, eagle: {"--speculative-config":
                              f'\'{{"method": "{"eagle3" if eagle else "draft_model"}", '
                              f'"model": "{d}", "num_speculative_tokens": {k}}}\''},
-        pools=lambda pool: {"--kv-transfer-config": (
-            f'\'{{"kv_connector":"{KV_CONNECTOR}","kv_role":"{KV_ROLES[pool]}"}}\'')},
+        pools=_vllm_pools,
         pool_note=_vllm_pool_note),
     "sglang": Engine(
         "SGLang", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
@@ -210,7 +225,7 @@ ENGINES = {
             "--speculative-draft-model-path": d,
             "--speculative-num-steps": k, "--speculative-eagle-topk": 1,
             "--speculative-num-draft-tokens": k + 1},
-        pools=lambda pool: {"--disaggregation-mode": pool,
+        pools=lambda pool, layerwise: {"--disaggregation-mode": pool,
                             "--disaggregation-transfer-backend": "nixl"},
         pool_note=_sglang_pool_note),
     "trtllm": Engine(
@@ -290,19 +305,26 @@ def flags(name: str, *, tensor_parallel: int, concurrency: int | None,
     return out
 
 
-def pool_flags(name: str, pool: str) -> dict[str, str]:
+def pool_flags(name: str, pool: str, layerwise: bool = False) -> dict[str, str]:
     """The flags that make an instance of engine ``name`` one of a
-    disaggregated deployment's pools (``pool``: ``prefill`` or ``decode``)."""
+    disaggregated deployment's pools (``pool``: ``prefill`` or ``decode``;
+    ``layerwise``: a connector that sends the KV layer by layer, vLLM's
+    only)."""
     if pool not in KV_ROLES:
         raise ValueError(f"pool={pool!r}: allowed: " + ", ".join(KV_ROLES))
-    return engine(name).pools(pool)
+    return engine(name).pools(pool, layerwise)
 
 
 def pool_note(name: str, prefill_instances: int, decode_instances: int,
-              longest_prompt_tokens: int | None = None) -> str:
+              longest_prompt_tokens: int | None = None, layerwise: bool = False) -> str:
     """What engine ``name``'s pool flags leave out (module docstring)."""
-    return engine(name).pool_note(prefill_instances, decode_instances,
+    note = engine(name).pool_note(prefill_instances, decode_instances,
                                   longest_prompt_tokens)
+    if layerwise and name != "vllm":
+        note += ("; these pools send the KV once the prefill ends: the layer-wise "
+                 f"overlap planned here (hardware.kv_transfer_layerwise) is vLLM's "
+                 f"{KV_CONNECTOR_LAYERWISE} with use_layerwise")
+    return note
 
 
 def notes(name: str, weight_dtype: str = PLAIN, spec_tokens: int = 0,

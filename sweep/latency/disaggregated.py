@@ -21,7 +21,10 @@ instance (``tests/reference_scheduler.py``'s
   at a time, first come first served in the order the prefills end (a
   transfer starts when both are free: ``_transfers``); the first token
   reaches the user when it has arrived, so TTFT = prefill pool TTFT + the
-  wait for the links + transfer;
+  wait for the links + transfer; with a layer-wise connector
+  (``hw.kv_layerwise``) the transfer may start ``S (L - 1) / L`` before its
+  prefill ends (``S`` the prompt's own prefill, alone on its instance) and
+  ends at least ``T / L`` after it (``roofline.kv_transfer_overlap``);
 * the decode pool: ``d`` instances, the requests round-robin over them in
   the order their prefills end (a router picks the decode instance when it
   hands the request on), each with its whole prompt
@@ -80,13 +83,16 @@ def _round_robin(times, members, instances, max_instances: int):
     return members[None, :] & (rank[None, :] % instances == r) & (r < instances)
 
 
-def _transfers(ready, transfer_s, to_decode, pre_rows, dec_rows):
-    """When each request's KV has arrived: ``ready + transfer_s``, each
-    instance's link carrying one transfer at a time, first come first
-    served in the order the prefills end (a prefill instance's sending link,
-    a decode instance's receiving link: a transfer waits for both). Requests
+def _transfers(ready, transfer_s, lead_s, tail_s, to_decode, pre_rows, dec_rows):
+    """When each request's KV has arrived, each instance's link carrying one
+    transfer at a time, first come first served in the order the prefills
+    end (a prefill instance's sending link, a decode instance's receiving
+    link: a transfer waits for both): it starts at ``ready - lead_s`` or when
+    both are free, whichever is later, and ends ``transfer_s`` later, and
+    not before ``ready + tail_s`` (``roofline.kv_transfer_overlap``; sent
+    after the prefill, ``lead_s`` 0 and ``tail_s = transfer_s``). Requests
     not in ``to_decode`` send no KV over a shared link (their first token is
-    the last; ``ready + transfer_s``)."""
+    the last; as on free links)."""
     dt = ready.dtype
     order = jnp.argsort(jnp.where(to_decode, ready, jnp.inf), stable=True)
     sender = jnp.argmax(pre_rows, axis=0)
@@ -94,16 +100,16 @@ def _transfers(ready, transfer_s, to_decode, pre_rows, dec_rows):
 
     def one(links, i):
         send_free, recv_free = links
-        start = jnp.maximum(ready[i], jnp.maximum(send_free[sender[i]],
-                                                  recv_free[receiver[i]]))
-        done = start + transfer_s[i]
+        start = jnp.maximum(ready[i] - lead_s[i], jnp.maximum(send_free[sender[i]],
+                                                              recv_free[receiver[i]]))
+        done = jnp.maximum(start + transfer_s[i], ready[i] + tail_s[i])
+        alone = jnp.maximum(ready[i] - lead_s[i] + transfer_s[i], ready[i] + tail_s[i])
         shared = to_decode[i]
         send_free = send_free.at[sender[i]].set(
             jnp.where(shared, done, send_free[sender[i]]))
         recv_free = recv_free.at[receiver[i]].set(
             jnp.where(shared, done, recv_free[receiver[i]]))
-        return (send_free, recv_free), jnp.where(shared, done,
-                                                 ready[i] + transfer_s[i])
+        return (send_free, recv_free), jnp.where(shared, done, alone)
 
     links = (jnp.full(pre_rows.shape[0], -jnp.inf, dt),
              jnp.full(dec_rows.shape[0], -jnp.inf, dt))
@@ -172,7 +178,16 @@ def simulate_disaggregated_requests(
     ready = arrival + _pick(pre_rows, pre.ttft_s)  # the prefill's end
     dec_rows = _round_robin(ready, to_decode, d, max_decode_instances)
     link = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp), prompt)
-    sent = _transfers(ready, link, to_decode, pre_rows, dec_rows)
+    # each prompt's own prefill, alone on its instance, as the layer-wise
+    # overlap's span (the cached prefix as the prefill pool finds it)
+    cached = jnp.maximum(
+        roofline.cached_prefix_tokens(prompt, jnp.asarray(prefix_hit_fraction, dt)),
+        jnp.clip(jnp.round(jnp.asarray(cached_tokens, dt)), 0.0, prompt - 1.0))
+    alone = jax.vmap(lambda p, c: roofline.chunked_prefill(
+        hw, model, pre_tp, 0.0, 0.0, p, token_budget, 0.0, c)[0])(
+            prompt, jnp.broadcast_to(cached, prompt.shape))
+    lead, tail = roofline.kv_transfer_overlap(hw, model, link, alone)
+    sent = _transfers(ready, link, lead, tail, to_decode, pre_rows, dec_rows)
     ttft = sent - arrival
     decode_stream = Requests(jnp.where(to_decode, sent, 0.0), prompt,
                              jnp.maximum(output - 1.0, 1.0))
@@ -276,7 +291,9 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
       ``p``: Erlang-``p`` gaps, or on a trace's recorded arrivals its
       tables of ``p`` splits), every request one output
       token; its TTFT per prompt band plus that band's KV transfer
-      (``roofline.kv_transfer_s``) is the TTFT;
+      (``roofline.kv_transfer_s``; with a layer-wise connector its part
+      after the band's prefill alone, ``roofline.kv_transfer_exposed_s``)
+      is the TTFT;
     * the decode pool: ``d`` engines each offered ``lam / d`` (round-robin
       too), each prompt
       held in KV on arrival (``RECEIVED_FRACTION`` as a prefix hit) and
@@ -293,8 +310,14 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     p = jnp.maximum(jnp.floor(prefill_instances), 1.0)
     d = jnp.maximum(jnp.floor(decode_instances), 1.0)
     pre_tp = tp if prefill_tp is None else prefill_tp
-    transfer = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp),
-                                      wl.prefill.prompt_tokens)
+    prompts = wl.prefill.prompt_tokens
+    transfer = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp), prompts)
+    # a layer-wise connector sends during each band's own prefill (alone,
+    # its cached prefix at the workload's hit fraction)
+    alone = jax.vmap(lambda p: roofline.chunked_prefill(
+        hw, model, pre_tp, 0.0, 0.0, p, token_budget, 0.0,
+        roofline.cached_prefix_tokens(p, prefix_hit_fraction))[0])(prompts)
+    transfer = roofline.kv_transfer_exposed_s(hw, model, transfer, alone)
 
     def pair(prefill, decode):
         return jnp.stack(jnp.broadcast_arrays(prefill, decode))

@@ -45,6 +45,9 @@ class HardwareParams(NamedTuple):
     fp4_flops_per_s: jax.Array = 0.0
     # one GPU's link to another instance (disaggregated prefill/decode's KV transfer)
     kv_link_bytes_per_s: jax.Array = 5.0e10
+    # 1: the KV leaves layer by layer as the prefill computes it
+    # (``roofline.kv_transfer_overlap``); 0: once the prefill has ended
+    kv_layerwise: jax.Array = 0.0
 
 
 class ModelParams(NamedTuple):

@@ -214,8 +214,9 @@ def evaluate_point(hw, model, wl: WorkloadParams, pt: GridPoint, static_utilizat
         metrics.update({
             "gpus": gpus,
             "kv_transfer_s": jnp.where(split, dis.kv_transfer_s, 0.0),
-            "zero_load_ttft_s": dis.prefill_s + jnp.where(split, dis.kv_transfer_s,
-                                                           0.0),
+            "zero_load_ttft_s": dis.prefill_s + jnp.where(
+                split, roofline.kv_transfer_exposed_s(hw, model, dis.kv_transfer_s,
+                                                      dis.prefill_s), 0.0),
             "prefill_pool_req_per_s": jnp.where(split, dis.prefill_pool_req_per_s,
                                                 nan),
             "decode_pool_req_per_s": jnp.where(split, dis.decode_pool_req_per_s, nan),

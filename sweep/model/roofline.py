@@ -110,7 +110,10 @@ prefilling): a prompt's KV, ``P x kv_bytes_per_token``, goes from the prefill
 to the decode instance once its prefill ends; each of the ``tp`` GPUs sends
 its shard (``1 / tp`` of the KV heads) over its own link, so the transfer
 takes ``P kv_bytes_per_token / (tp kv_link_bytes_per_s)``
-(``kv_transfer_s``), not overlapped with the prefill.
+(``kv_transfer_s``), after the prefill, or, with a connector that sends
+each layer's KV as it is computed (``hw.kv_layerwise``), overlapping it:
+all but ``max(T - S (L - 1) / L, T / L)`` of it during the prefill of ``S``
+(``kv_transfer_overlap``, ``kv_transfer_exposed_s``).
 
 A run of steps whose KV read and attention keys grow linearly with the step
 (a long prompt's chunks; the simulator's runs between scheduling events) has
@@ -626,6 +629,37 @@ def kv_transfer_s(hw: HardwareParams, model: ModelParams, tp, prompt_tokens):
     kv_bytes_per_token / (tp kv_link_bytes_per_s)`` (each GPU of the TP group
     sends its shard over its own link)."""
     return prompt_tokens * kv_bytes_per_token(model) / (tp * hw.kv_link_bytes_per_s)
+
+
+def kv_transfer_overlap(hw: HardwareParams, model: ModelParams, transfer_s, prefill_s):
+    """How a KV transfer of ``transfer_s`` overlaps its prefill of
+    ``prefill_s`` (the prompt's own steps, alone): ``(lead, tail)``, the
+    transfer starting ``lead`` before the prefill ends and ending at least
+    ``tail`` after it, its link busy for all of ``transfer_s``.
+
+    Sent once the prefill has ended: ``(0, T)``. Layer by layer
+    (``hw.kv_layerwise``): the ``L`` layers' KV, ``T / L`` each, ready at
+    ``l S / L`` as the layers compute, the link sending them in order, so
+    the first may leave ``S (L - 1) / L`` before the end and the last
+    leaves at the end: ``(S (L - 1) / L, T / L)``, and on a free link the
+    part after the prefill is ``max(T - lead, tail)``
+    (``kv_transfer_exposed_s``). A prompt of several chunks counts as one
+    step of their total time: its earlier chunks' KV could leave sooner,
+    so this errs long.
+    """
+    layers = model.layers
+    on = hw.kv_layerwise > 0
+    return (jnp.where(on, prefill_s * (layers - 1.0) / layers, 0.0),
+            jnp.where(on, transfer_s / layers, transfer_s))
+
+
+def kv_transfer_exposed_s(hw: HardwareParams, model: ModelParams, transfer_s,
+                          prefill_s):
+    """The part of a KV transfer after its prefill ends, on a free link
+    (``kv_transfer_overlap``): ``T`` sent after the prefill, ``max(T - S (L -
+    1) / L, T / L)`` layer by layer."""
+    lead, tail = kv_transfer_overlap(hw, model, transfer_s, prefill_s)
+    return jnp.maximum(transfer_s - lead, tail)
 
 
 def kv_capacity_tokens(hw, model, tp):

@@ -205,7 +205,10 @@ def enumerate_deployments(job) -> list[Deployment]:
                                               transfer)
                 return busy_by_p[p]
 
-            ttft0 = prefill_s(cand, hw, model, pre_tp, 1) + transfer
+            # zero-load TTFT: the prefill and the transfer's part after it
+            alone = prefill_s(cand, hw, model, pre_tp, 1)
+            ttft0 = alone + np.asarray(
+                roofline.kv_transfer_exposed_s(hw, model, transfer, alone), np.float64)
             # likewise a decode instance decoding or receiving
             dec_busy = np.maximum(1.0 / decode_rps, transfer)
             ok = (fits & (step <= app.slo.itl_p99_s) & (ttft0 <= app.slo.ttft_p99_s)
@@ -389,7 +392,8 @@ def pool_flags(job, d: Deployment, engine: str = "vllm") -> dict[str, str]:
         values = {**engine_flags(job, replace(cand, tp=tp), engine, d.concurrency,
                                  d.token_budget, prefill=pool == "prefill",
                                  decode=pool == "decode"),
-                  **engines.pool_flags(engine, pool)}
+                  **engines.pool_flags(engine, pool,
+                                       cand.hardware.kv_transfer_layerwise)}
         out[pool] = (f"{engines.command_line(values)}  "
                      f"(x {count_text(count, 'instance')})")
     return out
@@ -405,7 +409,7 @@ def pool_notes(job, d: Deployment, engine: str = "vllm") -> list[str]:
         longest = min(longest, int(cand.model.max_context_tokens))
     return [*engine_notes(job, cand, engine),
             engines.pool_note(engine, d.prefill_instances, d.decode_instances,
-                              longest)]
+                              longest, cand.hardware.kv_transfer_layerwise)]
 
 
 def winner(aggregated, result: Result) -> str | None:
