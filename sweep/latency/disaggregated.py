@@ -66,7 +66,12 @@ from sweep.latency.simulate import (
     simulate_requests,
     summarize,
 )
-from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
+from sweep.latency.surrogate import (
+    LatencyWorkload,
+    cached_workload,
+    latency_workload,
+    surrogate,
+)
 from sweep.latency.workload import WorkloadTables, context_limit
 from sweep.model import roofline
 from sweep.model.batching import CONTINUOUS
@@ -310,13 +315,17 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     p = jnp.maximum(jnp.floor(prefill_instances), 1.0)
     d = jnp.maximum(jnp.floor(decode_instances), 1.0)
     pre_tp = tp if prefill_tp is None else prefill_tp
-    prompts = wl.prefill.prompt_tokens
+    # the prefill pool's bands as its surrogate sees them (with prefix
+    # caching, of the work left: ``cached_workload``), each band's whole
+    # prompt sent; a layer-wise connector sends during the band's own
+    # prefill (alone, its cached prefix found)
+    work, cached = cached_workload(wl.prefill, prefix_hit_fraction,
+                                   roofline.kv_capacity_tokens(hw, model, pre_tp))
+    prompts = work.prompt_tokens + cached
     transfer = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp), prompts)
-    # a layer-wise connector sends during each band's own prefill (alone,
-    # its cached prefix at the workload's hit fraction)
-    alone = jax.vmap(lambda p: roofline.chunked_prefill(
-        hw, model, pre_tp, 0.0, 0.0, p, token_budget, 0.0,
-        roofline.cached_prefix_tokens(p, prefix_hit_fraction))[0])(prompts)
+    alone = jax.vmap(lambda p, c: roofline.chunked_prefill(
+        hw, model, pre_tp, 0.0, 0.0, p, token_budget, 0.0, c)[0])(
+            prompts, jnp.broadcast_to(cached, prompts.shape))
     transfer = roofline.kv_transfer_exposed_s(hw, model, transfer, alone)
 
     def pair(prefill, decode):
