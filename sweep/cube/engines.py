@@ -155,6 +155,8 @@ KV_CONNECTOR_LAYERWISE = "LMCacheConnectorV1"
 """vLLM's connector that sends each layer's KV as it is computed, with
 ``kv_connector_extra_config: {"use_layerwise": true}`` (its
 ``save_kv_layer``; ``hardware.kv_transfer_layerwise``)."""
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+"""vLLM's ``kv_role`` of each disaggregated pool."""
 
 
 def _vllm_pools(pool: str, layerwise: bool) -> dict[str, str]:
@@ -162,8 +164,6 @@ def _vllm_pools(pool: str, layerwise: bool) -> dict[str, str]:
     connector = KV_CONNECTOR_LAYERWISE if layerwise else KV_CONNECTOR
     return {"--kv-transfer-config": (
         f'\'{{"kv_connector":"{connector}","kv_role":"{KV_ROLES[pool]}"{extra}}}\'')}
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-"""vLLM's ``kv_role`` of each disaggregated pool."""
 
 
 def _vllm_pool_note(p: int, d: int, longest: int | None) -> str:
@@ -226,7 +226,7 @@ ENGINES = {
             "--speculative-num-steps": k, "--speculative-eagle-topk": 1,
             "--speculative-num-draft-tokens": k + 1},
         pools=lambda pool, layerwise: {"--disaggregation-mode": pool,
-                            "--disaggregation-transfer-backend": "nixl"},
+                                       "--disaggregation-transfer-backend": "nixl"},
         pool_note=_sglang_pool_note),
     "trtllm": Engine(
         "TensorRT-LLM", "--tp_size", "--max_batch_size", "--max_num_tokens",
