@@ -725,6 +725,34 @@ def test_pools_surrogate_at_zero_load_by_hand():
                                    rtol=2e-3)
 
 
+def test_pools_surrogate_links_cap_the_rate_by_hand():
+    """A link moves one transfer at a time: 1,500-token prompts over 1 Gb/s
+    (1.769 s each) on 2 prefill and 3 decode instances carry at most 2 /
+    1.769 = 1.13 requests a second, however fast the pools; offered 4, the
+    surrogate achieves that and says saturated, its utilization the links'
+    load 4 x 1.769 / 2; offered 0.5, the load (0.44) is in the utilization
+    and nothing is capped."""
+    from sweep.cube import status as flags
+    from sweep.latency.disaggregated import pool_workloads, pools
+    from sweep.latency.workload import WorkloadTables
+
+    wl = pool_workloads(WorkloadTables("fixed", np.array([1500.0]), np.array([1.0]),
+                                       np.array([200.0]), np.array([1.0])), False)
+    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8))
+    run = jax.jit(pools)
+    transfer = 1500 * KVB / 1.25e8
+    over = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 4.0, 2.0, 3.0)
+    np.testing.assert_allclose(float(over["achieved_req_per_s"]), 2 / transfer,
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(over["utilization"]), 4 * transfer / 2, rtol=1e-5)
+    assert int(over["status"]) & flags.SATURATED
+    under = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 0.5, 2.0, 3.0)
+    np.testing.assert_allclose(float(under["achieved_req_per_s"]), 0.5, rtol=1e-5)
+    np.testing.assert_allclose(float(under["utilization"]), 0.5 * transfer / 2,
+                               rtol=1e-5)
+    assert not int(under["status"]) & flags.SATURATED
+
+
 # --- sweep-grid's p99 part (sweep.latency.p99) ---------------------------------
 
 P99_RATE, P99_REQUESTS = 8.0, 200

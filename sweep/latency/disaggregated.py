@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sweep.cube import status as flags
 from sweep.latency.arrivals import Requests
 from sweep.latency.simulate import (
     SimOutcome,
@@ -308,7 +309,11 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
       the ITL percentiles, and links are not shared (no wait for a link).
 
     E2E percentiles add the pools' (an upper bound at p99), the achieved
-    rate is the smaller pool's and goodput counts the requests that meet
+    rate is the smaller pool's, and at most what the links carry: the
+    busier side's ``min(p, d)`` links each move one transfer at a time, all
+    of it (``lam E[T] / min(p, d)``, their load, is in the utilization, and
+    ``SATURATED`` from 1; below it the wait for a link is not modelled),
+    and goodput counts the requests that meet
     the TTFT SLO in the first pool and the ITL SLO in the second, taken as
     independent. Returns the keys of ``surrogate``'s dict.
     """
@@ -323,6 +328,9 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
                                    roofline.kv_capacity_tokens(hw, model, pre_tp))
     prompts = work.prompt_tokens + cached
     transfer = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp), prompts)
+    # a link carries one transfer at a time, all of it whenever it starts:
+    # the busier side's links (min(p, d) of them) carry every request
+    link_load = arrival_rate_per_s * (work.band_probs @ transfer) / jnp.minimum(p, d)
     alone = jax.vmap(lambda p, c: roofline.chunked_prefill(
         hw, model, pre_tp, 0.0, 0.0, p, token_budget, 0.0, c)[0])(
             prompts, jnp.broadcast_to(cached, prompts.shape))
@@ -346,6 +354,7 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
         return r["goodput_req_per_s"] / jnp.maximum(r["achieved_req_per_s"], 1e-30)
 
     rate = jnp.minimum(pre["achieved_req_per_s"] * p, dec["achieved_req_per_s"] * d)
+    rate = rate * jnp.minimum(1.0, 1.0 / jnp.maximum(link_load, 1e-30))
     return {
         "ttft_p50_s": pre["ttft_p50_s"], "ttft_p99_s": pre["ttft_p99_s"],
         "itl_p50_s": dec["itl_p50_s"], "itl_p99_s": dec["itl_p99_s"],
@@ -354,10 +363,12 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
         "output_tokens_per_s": rate * mean_output_tokens,
         "achieved_req_per_s": rate,
         "goodput_req_per_s": rate * share(pre) * share(dec),
-        "utilization": jnp.maximum(pre["utilization"], dec["utilization"]),
+        "utilization": jnp.maximum(jnp.maximum(pre["utilization"], dec["utilization"]),
+                                   link_load),
         "slot_utilization": dec["slot_utilization"],
         "prefill_utilization": pre["prefill_utilization"],
         "mean_itl_s": dec["mean_itl_s"],
         "mean_running": p * pre["mean_running"] + d * dec["mean_running"],
-        "status": pre["status"] | dec["status"],
+        "status": (pre["status"] | dec["status"]
+                   | jnp.where(link_load >= 1.0, flags.SATURATED, flags.OK)),
     }
