@@ -493,10 +493,9 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
         """When request ``i``'s KV has arrived, its links free from ``free``."""
         if not layerwise:
             return max(ready[i], free) + transfer[i]
-        t, piece = ready[i] - alone_s(i), transfer[i] / layers
+        span, piece, t = alone_s(i), transfer[i] / layers, free
         for layer in range(1, layers + 1):
-            t = max(t, ready[i] - alone_s(i) * (1.0 - layer / layers), free) + piece
-            free = t
+            t = max(t, ready[i] - span * (1.0 - layer / layers)) + piece
         return t
 
     send_free = [-math.inf] * int(prefill_instances)

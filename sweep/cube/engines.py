@@ -147,6 +147,8 @@ class Engine(NamedTuple):
     # (prefill instances, decode instances, longest prompt or None) -> what
     # the pools' flags leave out: the front that routes requests to them
     pool_note: Callable[[int, int, int | None], str] = lambda p, d, n: ""
+    # its pools' flags can send the KV layer by layer (``pools``' second argument)
+    layerwise: bool = False
 
 
 KV_CONNECTOR = "NixlConnector"
@@ -209,7 +211,7 @@ ENGINES = {
                              f'\'{{"method": "{"eagle3" if eagle else "draft_model"}", '
                              f'"model": "{d}", "num_speculative_tokens": {k}}}\''},
         pools=_vllm_pools,
-        pool_note=_vllm_pool_note),
+        pool_note=_vllm_pool_note, layerwise=True),
     "sglang": Engine(
         "SGLang", "--tp-size", "--max-running-requests", "--chunked-prefill-size",
         "--mem-fraction-static", False,
@@ -318,9 +320,9 @@ def pool_flags(name: str, pool: str, layerwise: bool = False) -> dict[str, str]:
 def pool_note(name: str, prefill_instances: int, decode_instances: int,
               longest_prompt_tokens: int | None = None, layerwise: bool = False) -> str:
     """What engine ``name``'s pool flags leave out (module docstring)."""
-    note = engine(name).pool_note(prefill_instances, decode_instances,
-                                  longest_prompt_tokens)
-    if layerwise and name != "vllm":
+    e = engine(name)
+    note = e.pool_note(prefill_instances, decode_instances, longest_prompt_tokens)
+    if layerwise and not e.layerwise:
         note += ("; these pools send the KV once the prefill ends: the layer-wise "
                  f"overlap planned here (hardware.kv_transfer_layerwise) is vLLM's "
                  f"{KV_CONNECTOR_LAYERWISE} with use_layerwise")

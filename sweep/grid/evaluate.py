@@ -363,9 +363,10 @@ def padded_inputs(axes: tuple, tables: tuple, table_dims: tuple) -> tuple[tuple,
     ten thousand requests per workload and rate). A flat program's input
     shapes then depend on few grid sizes (``iterate_blocks``: a grid of one
     GPU or of two runs one program); its points never index the padding."""
+    tables = jax.tree.map(np.asarray, tables)
     own = [shapes.power_of_two(len(jax.tree.leaves(a)[0])) for a in axes]
     lengths = [max(n, shapes.AXIS_MIN) for n in own]
-    leaves = [(np.shape(x), np.asarray(x).itemsize, dims)
+    leaves = [(x.shape, x.itemsize, dims)
               for t, dims in zip(tables, table_dims) for x in jax.tree.leaves(t)]
 
     def padded_bytes(d=None) -> float:

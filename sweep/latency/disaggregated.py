@@ -64,6 +64,7 @@ from sweep.latency.simulate import (
     SimResult,
     itl_add_points,
     pool,
+    prompt_hits,
     simulate_requests,
     summarize,
 )
@@ -186,12 +187,9 @@ def simulate_disaggregated_requests(
     link = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp), prompt)
     # each prompt's own prefill, alone on its instance, as the layer-wise
     # overlap's span (the cached prefix as the prefill pool finds it)
-    cached = jnp.maximum(
-        roofline.cached_prefix_tokens(prompt, jnp.asarray(prefix_hit_fraction, dt)),
-        jnp.clip(jnp.round(jnp.asarray(cached_tokens, dt)), 0.0, prompt - 1.0))
-    alone = jax.vmap(lambda p, c: roofline.chunked_prefill(
-        hw, model, pre_tp, 0.0, 0.0, p, token_budget, 0.0, c)[0])(
-            prompt, jnp.broadcast_to(cached, prompt.shape))
+    alone = roofline.chunked_prefill(
+        hw, model, pre_tp, 0.0, 0.0, prompt, token_budget, 0.0,
+        prompt_hits(prompt, prefix_hit_fraction, cached_tokens))[0]
     lead, tail = roofline.kv_transfer_overlap(hw, model, link, alone)
     sent = _transfers(ready, link, lead, tail, to_decode, pre_rows, dec_rows)
     ttft = sent - arrival
@@ -331,9 +329,8 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     # a link carries one transfer at a time, all of it whenever it starts:
     # the busier side's links (min(p, d) of them) carry every request
     link_load = arrival_rate_per_s * (work.band_probs @ transfer) / jnp.minimum(p, d)
-    alone = jax.vmap(lambda p, c: roofline.chunked_prefill(
-        hw, model, pre_tp, 0.0, 0.0, p, token_budget, 0.0, c)[0])(
-            prompts, jnp.broadcast_to(cached, prompts.shape))
+    alone = roofline.chunked_prefill(hw, model, pre_tp, 0.0, 0.0, prompts,
+                                     token_budget, 0.0, cached)[0]
     transfer = roofline.kv_transfer_exposed_s(hw, model, transfer, alone)
 
     def pair(prefill, decode):

@@ -1100,6 +1100,16 @@ def _initial(num_req: int, max_slots: int, dt) -> _State:
     )
 
 
+def prompt_hits(prompt, prefix_hit_fraction, cached_tokens):
+    """Each prompt's tokens found in the prefix cache: the larger of its
+    share ``prefix_hit_fraction`` in whole blocks and its own
+    ``cached_tokens`` (at most the prompt less one token)."""
+    dt = prompt.dtype
+    return jnp.maximum(
+        roofline.cached_prefix_tokens(prompt, jnp.asarray(prefix_hit_fraction, dt)),
+        jnp.clip(jnp.round(jnp.asarray(cached_tokens, dt)), 0.0, prompt - 1.0))
+
+
 def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Requests,
                       batching=CONTINUOUS, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
                       overlong=REJECT, mine=None, spec_tokens=0, spec_acceptance=0.0,
@@ -1192,10 +1202,8 @@ def simulate_requests(hw, model, tp, concurrency, token_budget, requests: Reques
         output_tokens=output[order].astype(jnp.int32),
         num_served=served.sum(dtype=jnp.int32),
         spec_tokens=spec_k.astype(jnp.int32), spec_gain=gain.astype(dt),
-        hit=jnp.maximum(
-            roofline.cached_prefix_tokens(prompt, jnp.asarray(prefix_hit_fraction, dt)),
-            jnp.clip(jnp.round(jnp.asarray(cached_tokens, dt)), 0.0, prompt - 1.0)
-        )[order].astype(jnp.int32),
+        hit=prompt_hits(prompt, prefix_hit_fraction, cached_tokens)[order].astype(
+            jnp.int32),
     )
     init = _initial(num_req, max_slots, dt)
 

@@ -821,9 +821,12 @@ def _fewer(job: OptimizeJob, cache: dict[tuple, Config], rnd: int, init,
         return None
     top = min(confirmed, key=lambda a: a.cost_per_mtok_out_usd)
     c = top.candidate
+    cands = None  # stacked once for every probe of this call
     while (r := probe_count(top.replicas, missed.get(c))) is not None:
         missed.setdefault(c, 0)
-        found = _best_at(job, c, r, top, init, ttft_t, itl_t, rnd)
+        if cands is None:
+            cands = _candidates(job, ttft_t, itl_t)
+        found = _best_at(job, c, r, top, init, cands, ttft_t, itl_t, rnd)
         if found is not None and found.key not in cache:
             return found
         # no steady state there, or simulated already (a miss: met, it would
@@ -840,16 +843,17 @@ def probe_count(confirmed: int, missed: int | None) -> int | None:
     return r if r > (missed or 0) else None
 
 
-def _best_at(job: OptimizeJob, c: int, r: int, top: Config, init, ttft_t,
-             itl_t, rnd: int) -> Config | None:
-    """The surrogate's best configuration of candidate ``c`` on ``r``
-    replicas, from the starts of ``init`` and from ``top``'s engine
-    settings (``_fewer``), with its numbers there; None where the surrogate
-    finds no steady state."""
+def _best_at(job: OptimizeJob, c: int, r: int, top: Config, init,
+             cands: descent.Candidates, ttft_t, itl_t, rnd: int) -> Config | None:
+    """The surrogate's best configuration of candidate ``c`` of ``cands``
+    (``_candidates`` at targets ``ttft_t``, ``itl_t``) on ``r`` replicas,
+    from the starts of ``init`` and from ``top``'s engine settings
+    (``_fewer``), with its numbers there; None where the surrogate finds no
+    steady state."""
     start = np.array(init, np.float32)
     start[..., 2] = np.log(r)
     start[c, 0] = np.log([top.concurrency, top.token_budget, r])
-    res = descent.search(_candidates(job, ttft_t, itl_t), start, job.settings,
+    res = descent.search(cands, start, job.settings,
                          descent.at_replicas(job.settings, r))
     worst = np.maximum(res.reach["ttft_p99_s"][c] / ttft_t[c],
                        res.reach["itl_p99_s"][c] / itl_t[c])
