@@ -7,6 +7,7 @@ or of TP 2."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 import jax
@@ -751,6 +752,59 @@ def test_pools_surrogate_links_cap_the_rate_by_hand():
     np.testing.assert_allclose(float(under["utilization"]), 0.5 * transfer / 2,
                                rtol=1e-5)
     assert not int(under["status"]) & flags.SATURATED
+
+
+def _md1_wait_quantile(rho: float, level: float) -> float:
+    """The ``level`` quantile of the M/D/1 wait in service times, by Erlang's
+    formula (1909): ``P(W <= t) = (1 - rho) sum_{k <= t} (rho (k - t))^k /
+    k! e^{-rho (k - t)}``, bisected in float64."""
+    def cdf(t):
+        return (1 - rho) * sum((rho * (k - t)) ** k / math.factorial(k)
+                               * math.exp(-rho * (k - t)) for k in range(int(t) + 1))
+    lo, hi = 0.0, 100.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < level else (lo, mid)
+    return hi
+
+
+def _erlang_lindley_wait_quantile(rho: float, k: int, level: float) -> float:
+    """The same for Erlang-``k`` gaps (a stream dealt round-robin over ``k``
+    links): Lindley's recursion over 400,000 arrivals, float64."""
+    gaps = np.random.default_rng(1).gamma(k, 1.0 / (rho * k), 400_000)
+    w, waits = 0.0, np.empty(len(gaps))
+    for i, g in enumerate(gaps):
+        waits[i] = w
+        w = max(0.0, w + 1.0 - g)
+    return float(np.quantile(waits, level))
+
+
+def test_pools_surrogate_waits_for_the_links():
+    """A link moves one transfer at a time, first come first served: 1,500-
+    token prompts over 1 Gb/s (T = 1.769 s each) at 0.3 requests a second.
+    One prefill and one decode instance: the link is an M/D/1 queue at load
+    0.53, so p99 TTFT = prefill alone + T + the M/D/1 wait's p99 (Erlang's
+    formula: 3.65 T), within 1 %. Two prefill and three decode instances:
+    each of the two busier-side links takes every other request (Erlang-2
+    gaps, load 0.27); the surrogate's Kingman-scaled wait errs high, by at
+    most 10 % of the TTFT against Lindley's recursion."""
+    from sweep.latency.disaggregated import pool_workloads, pools
+    from sweep.latency.workload import WorkloadTables
+
+    wl = pool_workloads(WorkloadTables("fixed", np.array([1500.0]), np.array([1.0]),
+                                       np.array([200.0]), np.array([1.0])), False)
+    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8))
+    run = jax.jit(pools)
+    transfer, rate = 1500 * KVB / 1.25e8, 0.3
+    alone = step(1500, 0, chunk_keys(1500, 0))
+    one = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, rate, 1.0, 1.0)
+    np.testing.assert_allclose(
+        float(one["ttft_p99_s"]),
+        alone + transfer * (1.0 + _md1_wait_quantile(rate * transfer, 0.99)), rtol=1e-2)
+    two = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, rate, 2.0, 3.0)
+    truth = alone + transfer * (1.0 + _erlang_lindley_wait_quantile(
+        rate / 2 * transfer, 2, 0.99))
+    assert truth <= float(two["ttft_p99_s"]) <= 1.1 * truth
 
 
 # --- sweep-grid's p99 part (sweep.latency.p99) ---------------------------------

@@ -70,6 +70,7 @@ from sweep.latency.simulate import (
 )
 from sweep.latency.surrogate import (
     LatencyWorkload,
+    Link,
     cached_workload,
     latency_workload,
     surrogate,
@@ -294,10 +295,14 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
       round-robin as the simulator deals them (the surrogate's ``split``
       ``p``: Erlang-``p`` gaps, or on a trace's recorded arrivals its
       tables of ``p`` splits), every request one output
-      token; its TTFT per prompt band plus that band's KV transfer
-      (``roofline.kv_transfer_s``; with a layer-wise connector its part
-      after the band's prefill alone, ``roofline.kv_transfer_exposed_s``)
-      is the TTFT;
+      token; its TTFT per prompt band, the wait for a link and that band's
+      KV transfer (``roofline.kv_transfer_s``; with a layer-wise connector
+      its part after the band's prefill alone,
+      ``roofline.kv_transfer_exposed_s``) is the TTFT. The busier side's
+      ``min(p, d)`` links each carry ``lam / min(p, d)`` of the transfers,
+      dealt round-robin (Erlang-``min(p, d)`` gaps), one at a time, all of
+      each: a GI/G/1 queue whose wait is added to the prefill's
+      (``waiting.Link``);
     * the decode pool: ``d`` engines each offered ``lam / d`` (round-robin
       too), each prompt
       held in KV on arrival (``RECEIVED_FRACTION`` as a prefix hit) and
@@ -307,11 +312,9 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
       the ITL percentiles, and links are not shared (no wait for a link).
 
     E2E percentiles add the pools' (an upper bound at p99), the achieved
-    rate is the smaller pool's, and at most what the links carry: the
-    busier side's ``min(p, d)`` links each move one transfer at a time, all
-    of it (``lam E[T] / min(p, d)``, their load, is in the utilization, and
-    ``SATURATED`` from 1; below it the wait for a link is not modelled),
-    and goodput counts the requests that meet
+    rate is the smaller pool's, and at most what the links carry
+    (``lam E[T] / min(p, d)``, their load, is in the utilization, and
+    ``SATURATED`` from 1), and goodput counts the requests that meet
     the TTFT SLO in the first pool and the ITL SLO in the second, taken as
     independent. Returns the keys of ``surrogate``'s dict.
     """
@@ -325,13 +328,19 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     work, cached = cached_workload(wl.prefill, prefix_hit_fraction,
                                    roofline.kv_capacity_tokens(hw, model, pre_tp))
     prompts = work.prompt_tokens + cached
-    transfer = roofline.kv_transfer_s(hw, model, jnp.minimum(pre_tp, tp), prompts)
+    link_tp = jnp.minimum(pre_tp, tp)
+    transfer = roofline.kv_transfer_s(hw, model, link_tp, prompts)
     # a link carries one transfer at a time, all of it whenever it starts:
     # the busier side's links (min(p, d) of them) carry every request
-    link_load = arrival_rate_per_s * (work.band_probs @ transfer) / jnp.minimum(p, d)
+    links = jnp.minimum(p, d)
+    link_load = arrival_rate_per_s * (work.band_probs @ transfer) / links
     alone = roofline.chunked_prefill(hw, model, pre_tp, 0.0, 0.0, prompts,
                                      token_budget, 0.0, cached)[0]
-    transfer = roofline.kv_transfer_exposed_s(hw, model, transfer, alone)
+    link = Link(link_load, transfer,
+                roofline.kv_transfer_s(hw, model, link_tp, work.prompt_spread_tokens),
+                roofline.kv_transfer_exposed_s(hw, model, transfer, alone),
+                1.0 / links)
+    no_link = jax.tree.map(jnp.zeros_like, link)._replace(arrival_scv=1.0)
 
     def pair(prefill, decode):
         return jnp.stack(jnp.broadcast_arrays(prefill, decode))
@@ -345,7 +354,7 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
             pair(ttft_slo_s, itl_slo_s), pair(jnp.inf, itl_slo_s),
             pair(0.0, spec_tokens), pair(0.0, spec_acceptance),
             pair(prefix_hit_fraction, RECEIVED_FRACTION),
-            pair(transfer, jnp.zeros_like(transfer)), pair(p, d)))
+            jax.tree.map(pair, link, no_link), pair(p, d)))
 
     def share(r):  # of the requests offered to the pool
         return r["goodput_req_per_s"] / jnp.maximum(r["achieved_req_per_s"], 1e-30)

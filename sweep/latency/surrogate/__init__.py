@@ -55,18 +55,18 @@ from sweep.latency.surrogate.state import (
     tagged_gap_s,
     throughput,
 )
-from sweep.latency.surrogate.waiting import prefill_wait, slot_queue
+from sweep.latency.surrogate.waiting import Link, prefill_wait, slot_queue
 from sweep.model import roofline
 from sweep.model._numerics import quantile
 
-__all__ = ["BAND_EDGES", "LatencyWorkload", "cached_workload", "latency_workload",
-           "speculative_workload", "surrogate"]
+__all__ = ["BAND_EDGES", "LatencyWorkload", "Link", "cached_workload",
+           "latency_workload", "speculative_workload", "surrogate"]
 
 
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
               spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-              ttft_delay_s=0.0, split=1.0, random_split=False):
+              link=None, split=1.0, random_split=False):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -88,9 +88,11 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
       prefix_hit_fraction: prefix caching (``cached_workload``): each
         prompt's prefill computes only what follows its cached prefix, as
         chunks that read the prefix. 0: off.
-      ttft_delay_s: added to every TTFT after the engine's first token, per
-        prompt band (``(J,)``) or one for all: a disaggregated prefill
-        instance's KV transfer (``sweep.latency.disaggregated.pools``). 0: none.
+      link: a disaggregated prefill instance's KV link
+        (``waiting.Link``; ``sweep.latency.disaggregated.pools``): each
+        request's first token reaches the user when its KV has crossed it,
+        the band's exposed transfer after the wait for the link (added to
+        the wait before the prefill: ``waiting._wait_lattice``). None: no link.
       split, random_split: the engines the stream is dealt over, this one
         among them (real-valued; 1: the whole stream; default), and whether
         each arrival goes to a random one (default: round-robin). Dealt
@@ -145,9 +147,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                      st.prefill_util, service_shape(st.service_s, wl))
                   if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
-                        arrival_scv)
+                        arrival_scv, link)
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
-    delay = jnp.broadcast_to(jnp.asarray(ttft_delay_s, dtype), w.shape)
+    delay = jnp.zeros_like(w) if link is None else link.exposed_s
 
     def ttft_band(t):  # as engine_ttft_band: t of shape (..., 1) -> (..., J)
         return engine_ttft_band(t - delay.reshape((1,) * (t.ndim - 1) + (-1,)))

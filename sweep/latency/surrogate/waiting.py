@@ -19,7 +19,9 @@ against wrap-around: Abate & Whitt 1992, Queueing Systems 10, 5-88); the
 residual law is a mixture of uniforms, one per band, whose span keeps the
 band's second moment (its within-band spread included: on heavy tails the
 top bands' spread carries much of ``E[X^2]``), discretised
-mean-preservingly. The admission wait is convolved in on the same lattice.
+mean-preservingly. The admission wait is convolved in on the same lattice,
+and so is a disaggregated prefill instance's wait for its KV link
+(``Link``).
 This holds at any service variability (``benchmarks/mg1_wait_tail.py``
 measured the previous two-moment tail at 0.67-0.82x the exact p99 at cv 2),
 and it is smooth in every parameter. ``1 - rho`` is kept positive by
@@ -46,6 +48,18 @@ from sweep.model._numerics import (
 WAIT_POINTS = 1024
 """Lattice points of the wait distribution (static)."""
 _DAMPING = 6.0  # e^-6 of the mass beyond the lattice wraps around
+
+
+class Link(NamedTuple):
+    """A disaggregated prefill instance's KV link (``disaggregated.pools``):
+    after its prefill, a request's KV waits for the link, which carries one
+    transfer at a time, first come first served."""
+
+    load: jax.Array  # the link's utilisation
+    transfer_s: jax.Array  # shape=(J,), each band's transfer (the link held)
+    spread_s: jax.Array  # shape=(J,), its std within the band
+    exposed_s: jax.Array  # shape=(J,), its part after the prefill, link free
+    arrival_scv: jax.Array  # the squared coefficient of variation of its gaps
 
 
 class Wait(NamedTuple):
@@ -95,8 +109,9 @@ def _atoms_hat(atoms_s, probs, dt, damp, cdtype):
 
 
 def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_service_s,
-                  slot_probs, arrival_scv=1.0, trace=None) -> Wait:
-    """Admission wait + the exact M/G/1 prefill wait, on one lattice.
+                  slot_probs, arrival_scv=1.0, trace=None, link=None) -> Wait:
+    """Admission wait + the exact M/G/1 prefill wait (+ the wait for a KV
+    link), on one lattice.
 
     Args:
       rho: prefill server utilisation (any value; kept below 1 by ``slack``).
@@ -121,20 +136,38 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         and whose slot wait law (``bursts.trace_slot_atoms``: its bursts) is
         added to the admission queue's (its saturation), where ``on`` is 1;
         None: no workload of the program has recorded arrivals.
+      link: a ``Link`` whose wait is added, on the prefill pool of a
+        disaggregated deployment; or None. The link is a GI/G/1 queue of its
+        load with the bands' transfers as its service law
+        (Pollaczek-Khinchine, scaled as the prefill's for its arrivals'
+        variability). Its wait is added to the wait before the prefill, so
+        it errs high twice: it counts as stretched by co-batching
+        (``percentiles.ttft_law``; by at most that room, a part of one
+        step), and the link's backlog is not drained by the prompt's own
+        prefill (a prefill instance's link does drain while the instance
+        computes the next prompt: taking that slack off made the p99 TTFT
+        2-10 % low where a decode instance receives from two prefill
+        instances, ``benchmarks/README.md``).
     """
     dtype = service_s.dtype
     cdtype = jnp.complex128 if dtype == jnp.float64 else jnp.complex64
     rho = 1.0 - slack(1.0 - rho)
     rho_s = 1.0 - slack(1.0 - slot_util)
-    # heavy tails: the top bands' spread carries much of E[X^2]
-    service_span = service_s + safe_div(spread_s**2, service_s)
-    mean_s, second_s2 = probs @ service_s, probs @ (service_s * service_span)
-    residual_mean = safe_div(second_s2, 2.0 * mean_s)
-    # E[X]^2 / E[X^2] = 1 / (1 + c_s^2); the factor is exactly 1 at Poisson
-    kingman = 1.0 + (arrival_scv - 1.0) * safe_div(mean_s**2, second_s2)
+
+    def law(service_s, spread_s, arrival_scv, rho):
+        """The service's band spans, Kingman's factor on it, and the span of
+        the lattice its M/G/1 wait needs."""
+        # heavy tails: the top bands' spread carries much of E[X^2]
+        span = service_s + safe_div(spread_s**2, service_s)
+        mean_s, second_s2 = probs @ service_s, probs @ (service_s * span)
+        # E[X]^2 / E[X^2] = 1 / (1 + c_s^2); the factor is exactly 1 at Poisson
+        kingman = 1.0 + (arrival_scv - 1.0) * safe_div(mean_s**2, second_s2)
+        residual_mean = safe_div(second_s2, 2.0 * mean_s)
+        return span, kingman, 16.0 * residual_mean / (1.0 - rho)
+
+    service_span, kingman, queue_span = law(service_s, spread_s, arrival_scv, rho)
     slot_residual = safe_div(slot_probs @ slot_service_s**2,
                              2.0 * (slot_probs @ slot_service_s))
-    queue_span = 16.0 * residual_mean / (1.0 - rho)
     slot_span = p_slot * (16.0 * slot_residual / (1.0 - rho_s)
                           + 2.0 * safe_max(slot_service_s))
     if trace is not None:
@@ -142,6 +175,15 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         queue_span = jnp.where(on > 0, 1.25 * safe_max(atoms_s), queue_span)
         slot_span = slot_span + jnp.where(on > 0, 1.25 * safe_max(slot_atoms_s), 0.0)
     span = queue_span + 2.0 * safe_max(service_span) + slot_span + 1e-9
+    laws = [(service_s * kingman, service_span * kingman, probs, rho),
+            (slot_service_s, slot_service_s, slot_probs, rho_s)]
+    if link is not None:
+        rho_l = 1.0 - slack(1.0 - link.load)
+        link_span, link_kingman, link_queue = law(link.transfer_s, link.spread_s,
+                                                  link.arrival_scv, rho_l)
+        span = span + link_queue + 2.0 * safe_max(link_span)
+        laws.append((link.transfer_s * link_kingman, link_span * link_kingman,
+                     probs, rho_l))
     dt = span / WAIT_POINTS
     k = jnp.arange(WAIT_POINTS, dtype=dtype)
     damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)
@@ -152,12 +194,9 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         return (1.0 - u) / (1.0 - u * _residual_hat(service, service_span, w, dt,
                                                      damp, cdtype))
 
-    # both laws through one batched transform (one copy of the code to compile)
-    prefill_hat, slot_hat = jax.vmap(pk)(
-        jnp.stack([service_s * kingman, slot_service_s]),
-        jnp.stack([service_span * kingman, slot_service_s]),
-        jnp.stack([probs, slot_probs]),
-        jnp.stack([rho, rho_s]))
+    # the laws through one batched transform (one copy of the code to compile)
+    prefill_hat, slot_hat, *link_hat = jax.vmap(pk)(
+        *(jnp.stack(x) for x in zip(*laws)))
     if trace is not None:
         prefill_hat = jnp.where(on > 0, _atoms_hat(atoms_s, atom_probs, dt, damp,
                                                    cdtype), prefill_hat)
@@ -168,6 +207,8 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         # added to the Poisson one, which holds the slots' saturation
         slot = slot * jnp.where(on > 0, _atoms_hat(slot_atoms_s, slot_atom_probs,
                                                    dt, damp, cdtype), 1.0)
+    if link_hat:
+        slot = slot * link_hat[0]
     density = jnp.fft.ifft(prefill_hat * slot).real.astype(dtype) / damp
     cdf = jnp.clip(jnp.cumsum(jnp.maximum(density, 0.0)), 0.0, 1.0)
     return Wait(dt, cdf)
@@ -239,7 +280,7 @@ def p_wait(occupancy, theta, slots, full_util):
 
 
 def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
-                 trace_gaps, arrival_scv=1.0) -> Wait:
+                 trace_gaps, arrival_scv=1.0, link=None) -> Wait:
     """The wait for a slot and then for the prefill server. Given that it
     waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
     heavy-traffic form of M/G/c), ``S`` a slot's holding time when every slot
@@ -253,6 +294,8 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
         or None: no workload of the program has one.
       arrival_scv: the arrivals' squared coefficient of variation
         (``_wait_lattice``).
+      link: a disaggregated prefill instance's KV ``Link``, its wait added
+        (``_wait_lattice``), or None.
     """
     w = wl.band_probs
     holding = (w @ st.service_s + st.mean_wait_s
@@ -272,7 +315,8 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
         trace = (atoms_s, atom_probs, *slot_atoms, wl.trace_arrivals)
     return _wait_lattice(st.prefill_util, st.service_s,
                          per_token_s * wl.prompt_spread_tokens, w, sq.p_wait,
-                         sq.full_util, holding_full / slots, w, arrival_scv, trace)
+                         sq.full_util, holding_full / slots, w, arrival_scv, trace,
+                         link)
 
 
 def wait_cdf_beyond_zero(wait: Wait, s):
