@@ -228,6 +228,9 @@ class ReferenceResult:
     duration_s: float
     oversize: bool
     rejected: np.ndarray  # bool per request: beyond the context, not served
+    # per request, the cached prefix its (first) admission found (None: the
+    # disaggregated reference's)
+    hit_tokens: np.ndarray | None = None
 
 
 def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
@@ -393,6 +396,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         duration_s=t,
         oversize=oversize,
         rejected=rejected,
+        hit_tokens=np.array([r.hit for r in by_index]),
     )
 
 
@@ -434,7 +438,8 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
     def run(tp, instances, members, arrive, prompts, outputs, cached=None,
             hashes=None, **kw):
         """Round-robin over ``instances`` schedulers, in ``members``' order:
-        per-request (ttft, e2e, largest gap), every gap, and the run totals."""
+        per-request (ttft, e2e, largest gap, cached prefix found), every gap,
+        and the run totals."""
         got, gaps, steps, preemptions, duration, oversize = {}, [], 0, 0, 0.0, False
         for j in range(instances):
             mine = members[j::instances]
@@ -447,7 +452,8 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
                 prefix_cache=None if hashes is None else (
                     [hashes[i] for i in mine], prefix_cache[1]), **kw)
             for pos, i in enumerate(mine):
-                got[i] = (res.ttft_s[pos], res.e2e_s[pos], res.max_gap_s[pos])
+                got[i] = (res.ttft_s[pos], res.e2e_s[pos], res.max_gap_s[pos],
+                          res.hit_tokens[pos])
             gaps.extend(res.itl_s)
             steps += res.steps
             preemptions += res.preemptions
@@ -472,16 +478,13 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
     transfer = {i: prompt[i] * kvb / links for i in served}
     # a layer-wise connector: layer l's KV, transfer / L, ready l/L of the
     # way through the prompt's own prefill alone (its chunks' steps, as
-    # above, with nothing beside them); sent in layer order, one at a time
+    # above, with nothing beside them, after the cached prefix its prefill
+    # instance found); sent in layer order, one at a time
     layers = int(_f(model.layers))
     layerwise = _f(getattr(hw, "kv_layerwise", 0.0)) > 0
-    if layerwise and prefix_cache is not None:
-        raise NotImplementedError("a layer-wise transfer beside per-instance LRU "
-                                  "caches: the prompt's own prefill needs its hit")
 
     def alone_s(i):
-        hit = math.floor(prefix_hit_fraction * prompt[i] / 16) * 16
-        done, s = hit, 0.0
+        done, s = int(first[i][3]), 0.0
         while done < prompt[i]:
             m = min(int(token_budget), prompt[i] - done)
             keys = m * done + m * (m + 1) / 2.0
@@ -513,7 +516,7 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
                      spec_acceptance=spec_acceptance,
                      cached=[p - 1 for p in prompt])
     e2e, max_gap = list(ttft), [0.0] * n
-    for i, (gap, tail, largest) in rest.items():
+    for i, (gap, tail, largest, _) in rest.items():
         e2e[i] = ttft[i] + tail
         max_gap[i] = max(gap, largest)
     return ReferenceResult(

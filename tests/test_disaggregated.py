@@ -364,22 +364,28 @@ def test_layerwise_transfers_match_reference(dis64, stream, seed, p, d, conc, bu
 
 
 LRU_POOL_CASES = [
-    # (seed, p, d, KV tokens per instance, context, overlong)
-    (50, 2, 1, 600, np.inf, REJECT),  # evicting caches
-    (51, 1, 2, 100_000, np.inf, REJECT),  # one instance keeping every block
-    (52, 2, 2, 900, 150.0, REJECT),  # rejected prompts
-    (53, 2, 1, 700, 150.0, TRUNCATE),  # truncated prompts share no block
+    # (seed, p, d, KV tokens per instance, context, overlong, layer-wise link)
+    (50, 2, 1, 600, np.inf, REJECT, None),  # evicting caches
+    (51, 1, 2, 100_000, np.inf, REJECT, None),  # one instance keeping every block
+    (52, 2, 2, 900, 150.0, REJECT, None),  # rejected prompts
+    (53, 2, 1, 700, 150.0, TRUNCATE, None),  # truncated prompts share no block
+    # layer by layer over 20 Gb/s: each prompt's pieces leave during its
+    # own prefill after the prefix its instance found
+    (54, 2, 2, 600, np.inf, REJECT, 2.5e9),
 ]
 
 
-@pytest.mark.parametrize("seed,p,d,kv_tokens,context,overlong", LRU_POOL_CASES)
+@pytest.mark.parametrize("seed,p,d,kv_tokens,context,overlong,layerwise",
+                         LRU_POOL_CASES)
 def test_prefill_instances_caches_match_reference(dis64, seed, p, d, kv_tokens,
-                                                  context, overlong):
+                                                  context, overlong, layerwise):
     """A trace's block hashes in a disaggregated deployment: each prefill
     instance an LRU cache of the prompts dealt to it (``pool_table``'s hits
     fed to the simulator), against the reference, whose prefill instances
     each find them in an ``OrderedDict`` cache of their own; two instances
-    find less than one cache of the same stream."""
+    find less than one cache of the same stream. With a layer-wise
+    connector, each prompt's own prefill (the span its KV's pieces leave
+    over) starts after the prefix its instance's cache found."""
     from types import SimpleNamespace
 
     from helpers import conversation_stream
@@ -398,8 +404,9 @@ def test_prefill_instances_caches_match_reference(dis64, seed, p, d, kv_tokens,
     table, _ = prefix_cache.pool_table(trace, R, context, truncate, p)
     cached = prefix_cache.cached_tokens(table, kv_tokens, xp=np)
     ttft_slo, itl_slo = 1.0, 0.05
-    got, hw = dis64(arrival, prompt, output, p, d, 8, 512, memory, LINK, ttft_slo,
-                    itl_slo, context, overlong, cached)
+    got, hw = dis64(arrival, prompt, output, p, d, 8, 512, memory, layerwise or LINK,
+                    ttft_slo, itl_slo, context, overlong, cached,
+                    layerwise=layerwise is not None)
     ref = simulate_disaggregated_reference(
         hw, qwen3_8b(np.float64, context), 1.0, 8, 512, arrival, prompt, output, p, d,
         context, truncate, prefix_cache=(hashes, 16))
