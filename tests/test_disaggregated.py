@@ -119,14 +119,18 @@ def test_layerwise_transfer_in_sweep_grid_by_hand(tmp_path):
         assert float(pt.zero_load_ttft_s) == pytest.approx(prefill + exposed, rel=2e-5)
         assert exposed == (transfer / 36 if link == LINK else
                            pytest.approx(transfer - prefill * 35 / 36))
-    # the cube's flags name the layer-wise connector; SGLang's note says its
-    # pools send after the prefill
+    # the cube's flags name the layer-wise connector; SGLang's and
+    # TensorRT-LLM's notes say their pools send after the prefill, and where
+    # a layer-wise transfer is proposed for them
     cube = sweep.open_cube(out)
     assert any('"kv_connector":"LMCacheConnectorV1","kv_role":"kv_producer",'
                '"kv_connector_extra_config":{"use_layerwise":true}' in n
                for n in cube.sweep.to_serving_flags().notes)
-    assert any("these pools send the KV once the prefill ends" in n
-               for n in cube.sweep.to_serving_flags("sglang").notes)
+    for engine, proposal in (("sglang", "sgl-project/sglang#28529"),
+                             ("trtllm", "NVIDIA/TensorRT-LLM#15727")):
+        assert any("these pools send the KV once the prefill ends" in n
+                   and proposal in n
+                   for n in cube.sweep.to_serving_flags(engine).notes)
 
 
 @pytest.mark.slow

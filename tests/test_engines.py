@@ -209,12 +209,15 @@ def test_disaggregated_pool_flags_by_engine():
         """--kv-transfer-config '{"kv_connector":"LMCacheConnectorV1","""
         """"kv_role":"kv_consumer","kv_connector_extra_config":"""
         """{"use_layerwise":true}}'""")
-    for e in ("sglang", "trtllm"):
+    # (their own are open pull requests, named)
+    for e, proposal in (("sglang", "sgl-project/sglang#28529"),
+                        ("trtllm", "NVIDIA/TensorRT-LLM#15727")):
         same = engines.pool_flags(e, "prefill")
         assert engines.pool_flags(e, "prefill", True) == same
-        assert engines.pool_note(e, 1, 1, None, True).endswith(
-            "the layer-wise overlap planned here (hardware.kv_transfer_layerwise) "
-            "is vLLM's LMCacheConnectorV1 with use_layerwise")
+        note = engines.pool_note(e, 1, 1, None, True)
+        assert ("the layer-wise overlap planned here (hardware.kv_transfer_layerwise) "
+                "is vLLM's LMCacheConnectorV1 with use_layerwise (") in note
+        assert note.endswith(f"is an open pull request, {proposal}, not in a release)")
     vllm = engines.pool_note("vllm", 1, 1)
     assert engines.pool_note("vllm", 1, 1, None, True) == vllm
     with pytest.raises(ValueError, match="pool='both': allowed: prefill, decode"):

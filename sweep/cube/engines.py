@@ -71,7 +71,8 @@ SGLang; TensorRT-LLM):
   with ``kv_connector_extra_config: {"use_layerwise": true}`` (vLLM's
   LMCache connector reads that key; its ``save_kv_layer`` sends a layer's
   KV as the layer ends), and the other engines' notes say their pools send
-  after the prefill; SGLang's ``--disaggregation-mode
+  after the prefill (their layer-wise or chunk-wise transfers are open pull
+  requests, 2026-12: ``Engine.layerwise_proposal``); SGLang's ``--disaggregation-mode
   prefill`` / ``decode`` with ``--disaggregation-transfer-backend nixl``
   (the default is Mooncake), ``sglang_router.launch_router
   --pd-disaggregation`` in front (SGLang's docs, "PD Disaggregation");
@@ -149,6 +150,8 @@ class Engine(NamedTuple):
     pool_note: Callable[[int, int, int | None], str] = lambda p, d, n: ""
     # its pools' flags can send the KV layer by layer (``pools``' second argument)
     layerwise: bool = False
+    # where they cannot: the layer-wise transfer proposed for it, unreleased
+    layerwise_proposal: str = ""
 
 
 KV_CONNECTOR = "NixlConnector"
@@ -229,7 +232,10 @@ ENGINES = {
             "--speculative-num-draft-tokens": k + 1},
         pools=lambda pool, layerwise: {"--disaggregation-mode": pool,
                                        "--disaggregation-transfer-backend": "nixl"},
-        pool_note=_sglang_pool_note),
+        pool_note=_sglang_pool_note,
+        layerwise_proposal="SGLang's layer-pipelined transfer, "
+        "--enable-disagg-layer-pipeline on the Mooncake backend, is an open pull "
+        "request, sgl-project/sglang#28529, not in a release"),
     "trtllm": Engine(
         "TensorRT-LLM", "--tp_size", "--max_batch_size", "--max_num_tokens",
         "--kv_cache_free_gpu_memory_fraction", True,
@@ -239,7 +245,10 @@ ENGINES = {
          "fp4": "an NVFP4 checkpoint of NVIDIA ModelOpt"},
         None, "prefix caching: TensorRT-LLM reuses KV blocks by default (no flag; "
         "kv_cache_config: {enable_block_reuse: true} in the --extra_llm_api_options "
-        "YAML)", pool_note=_trtllm_pool_note),
+        "YAML)", pool_note=_trtllm_pool_note,
+        layerwise_proposal="TensorRT-LLM's transfer of each prefill chunk's KV as "
+        "the chunk ends is an open pull request, NVIDIA/TensorRT-LLM#15727, not in "
+        "a release"),
 }
 """Engine name (what ``engine=`` takes) -> its argument names."""
 
@@ -325,7 +334,8 @@ def pool_note(name: str, prefill_instances: int, decode_instances: int,
     if layerwise and not e.layerwise:
         note += ("; these pools send the KV once the prefill ends: the layer-wise "
                  f"overlap planned here (hardware.kv_transfer_layerwise) is vLLM's "
-                 f"{KV_CONNECTOR_LAYERWISE} with use_layerwise")
+                 f"{KV_CONNECTOR_LAYERWISE} with use_layerwise "
+                 f"({e.layerwise_proposal})")
     return note
 
 
