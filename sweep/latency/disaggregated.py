@@ -51,6 +51,7 @@ the pool's share of the rate (module ``pools``' docstring).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -75,6 +76,7 @@ from sweep.latency.surrogate import (
     latency_workload,
     surrogate,
 )
+from sweep.latency.surrogate.lengths import pad_hit_rows
 from sweep.latency.workload import WorkloadTables, context_limit
 from sweep.model import roofline
 from sweep.model.batching import CONTINUOUS
@@ -242,8 +244,40 @@ def simulate_disaggregated(hw, model, tp, concurrency, token_budget,
 # --- the surrogate's two pools -------------------------------------------------
 
 
-def _unstack(out: dict) -> tuple[dict, dict]:
-    return tuple({k: v[i] for k, v in out.items()} for i in range(2))
+class SurrogateEngine(NamedTuple):
+    """``surrogate``'s arguments after ``token_budget``: one engine's (an
+    aggregated one, or a pool's instances)."""
+
+    workload: LatencyWorkload
+    tp: jax.Array
+    arrival_rate_per_s: jax.Array
+    ttft_slo_s: jax.Array
+    itl_slo_s: jax.Array
+    spec_tokens: jax.Array
+    spec_acceptance: jax.Array
+    prefix_hit_fraction: jax.Array
+    link: Link
+    split: jax.Array
+
+
+def surrogates(hw, model, concurrency, token_budget,
+               engines: list[SurrogateEngine]) -> list[dict]:
+    """``surrogate`` of each engine, batched into one ``vmap`` (one call each
+    traced, and compiled, the surrogate once each): the pools, and with them
+    the aggregated engine of a grid that lists both."""
+    workloads = pad_hit_rows([e.workload for e in engines])
+    engines = [e._replace(workload=w) for e, w in zip(engines, workloads)]
+    out = jax.vmap(lambda e: surrogate(hw, model, e.workload, e.tp, concurrency,
+                                       token_budget, *e[2:]))(
+        jax.tree.map(lambda *x: jnp.stack(jnp.broadcast_arrays(*x)), *engines))
+    return [{k: v[i] for k, v in out.items()} for i in range(len(engines))]
+
+
+def no_link(link: Link) -> Link:
+    """A link that carries nothing: an engine's own first token."""
+    return jax.tree.map(jnp.zeros_like, link)._replace(
+        arrival_scv=jnp.ones_like(link.arrival_scv))
+
 
 RECEIVED_FRACTION = 0.999
 """The share of a prompt a decode instance holds on arrival, as the
@@ -286,10 +320,23 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
           mean_output_tokens, arrival_rate_per_s, prefill_instances,
           decode_instances, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, spec_tokens=0.0,
           spec_acceptance=0.0, prefix_hit_fraction=0.0, prefill_tp=None) -> dict:
-    """A disaggregated deployment's figures from the surrogate, per pool
-    (``tp`` the decode instances' tensor parallelism, ``prefill_tp`` the
-    prefill instances', None: the same; a transfer crosses the smaller
-    group's links).
+    """A disaggregated deployment's figures from the surrogate
+    (``pool_engines``): the keys of ``surrogate``'s dict."""
+    engines, deployment = pool_engines(
+        hw, model, tp, token_budget, wl, mean_output_tokens, arrival_rate_per_s,
+        prefill_instances, decode_instances, ttft_slo_s, itl_slo_s, spec_tokens,
+        spec_acceptance, prefix_hit_fraction, prefill_tp)
+    return deployment(*surrogates(hw, model, concurrency, token_budget, engines))
+
+
+def pool_engines(hw, model, tp, token_budget, wl: PoolWorkloads, mean_output_tokens,
+                 arrival_rate_per_s, prefill_instances, decode_instances,
+                 ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf, spec_tokens=0.0,
+                 spec_acceptance=0.0, prefix_hit_fraction=0.0, prefill_tp=None):
+    """A disaggregated deployment's pools as the surrogate's engines (``tp``
+    the decode instances' tensor parallelism, ``prefill_tp`` the prefill
+    instances', None: the same; a transfer crosses the smaller group's
+    links), and the function that makes the deployment's figures of theirs.
 
     * the prefill pool: ``p`` engines each offered ``lam / p``, dealt
       round-robin as the simulator deals them (the surrogate's ``split``
@@ -316,7 +363,12 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
     (``lam E[T] / min(p, d)``, their load, is in the utilization, and
     ``SATURATED`` from 1), and goodput counts the requests that meet
     the TTFT SLO in the first pool and the ITL SLO in the second, taken as
-    independent. Returns the keys of ``surrogate``'s dict.
+    independent.
+
+    Returns:
+      The two pools' ``SurrogateEngine``s, and ``deployment(prefill,
+      decode)``, the deployment's figures (the keys of ``surrogate``'s dict)
+      from their surrogates' (``surrogates``).
     """
     p = jnp.maximum(jnp.floor(prefill_instances), 1.0)
     d = jnp.maximum(jnp.floor(decode_instances), 1.0)
@@ -340,21 +392,19 @@ def pools(hw, model, tp, concurrency, token_budget, wl: PoolWorkloads,
                 roofline.kv_transfer_s(hw, model, link_tp, work.prompt_spread_tokens),
                 roofline.kv_transfer_exposed_s(hw, model, transfer, alone),
                 1.0 / links)
-    no_link = jax.tree.map(jnp.zeros_like, link)._replace(arrival_scv=1.0)
+    engines = [
+        SurrogateEngine(wl.prefill, pre_tp, arrival_rate_per_s / p, ttft_slo_s,
+                        jnp.inf, 0.0, 0.0, prefix_hit_fraction, link, p),
+        SurrogateEngine(wl.decode, tp, arrival_rate_per_s / d, itl_slo_s, itl_slo_s,
+                        spec_tokens, spec_acceptance, RECEIVED_FRACTION,
+                        no_link(link), d)]
 
-    def pair(prefill, decode):
-        return jnp.stack(jnp.broadcast_arrays(prefill, decode))
+    return engines, partial(_deployment, p=p, d=d, link_load=link_load,
+                            mean_output_tokens=mean_output_tokens)
 
-    # one surrogate batched over the two pools: two calls traced (and
-    # compiled) it twice
-    pre, dec = _unstack(jax.vmap(
-        lambda w, tp, *a: surrogate(hw, model, w, tp, concurrency, token_budget, *a))(
-            jax.tree.map(pair, wl.prefill, wl.decode), pair(pre_tp, tp),
-            pair(arrival_rate_per_s / p, arrival_rate_per_s / d),
-            pair(ttft_slo_s, itl_slo_s), pair(jnp.inf, itl_slo_s),
-            pair(0.0, spec_tokens), pair(0.0, spec_acceptance),
-            pair(prefix_hit_fraction, RECEIVED_FRACTION),
-            jax.tree.map(pair, link, no_link), pair(p, d)))
+
+def _deployment(pre: dict, dec: dict, *, p, d, link_load, mean_output_tokens) -> dict:
+    """The deployment's figures from its pools' surrogates (``pool_engines``)."""
 
     def share(r):  # of the requests offered to the pool
         return r["goodput_req_per_s"] / jnp.maximum(r["achieved_req_per_s"], 1e-30)

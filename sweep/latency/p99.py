@@ -67,9 +67,12 @@ from sweep.cube import status as flags
 from sweep.grid.evaluate import Part, blocking, write_blocking
 from sweep.latency.arrivals import request_hits, workload_requests
 from sweep.latency.disaggregated import (
+    SurrogateEngine,
+    no_link,
+    pool_engines,
     pool_workloads,
-    pools,
     simulate_disaggregated,
+    surrogates,
 )
 from sweep.latency.prefix_cache import Streams, padded_curves, padded_tables
 from sweep.latency.prefix_cache import cached_tokens as prefix_cache_hits
@@ -207,17 +210,25 @@ class SurrogatePoint:
         split = disaggregated > 0
 
         def figures(hw):
-            if self.aggregated:
-                r = dict(surrogate(hw, model, served, tensor_parallel, concurrency,
-                                   token_budget, rate, slo[0], slo[1], spec_tokens,
-                                   spec_acceptance, hit))
-            if self.pools:
-                d = pools(hw, model, tensor_parallel, concurrency, token_budget,
-                          pooled, served.mean_output_tokens, rate, prefill_instances,
-                          decode_instances, slo[0], slo[1], spec_tokens,
-                          spec_acceptance, pool_hit, pre_tp)
-                r = (jax.tree.map(lambda a, b: jnp.where(split, b, a), r, d)
-                     if self.aggregated else d)
+            engine = (served, tensor_parallel, rate, slo[0], slo[1], spec_tokens,
+                      spec_acceptance, hit)
+            if not self.pools:
+                r = surrogate(hw, model, served, tensor_parallel, concurrency,
+                              token_budget, *engine[2:])
+                return {f: r[f] for f in _P99S}, r
+            pool_list, deployment = pool_engines(
+                hw, model, tensor_parallel, token_budget, pooled,
+                served.mean_output_tokens, rate, prefill_instances, decode_instances,
+                slo[0], slo[1], spec_tokens, spec_acceptance, pool_hit, pre_tp)
+            # a grid of both kinds batches the engine with the pools: one
+            # surrogate compiled, not two
+            alone = ([SurrogateEngine(*engine, no_link(pool_list[0].link), 1.0)]
+                     if self.aggregated else [])
+            *one, pre, dec = surrogates(hw, model, concurrency, token_budget,
+                                        alone + pool_list)
+            r = deployment(pre, dec)
+            if one:
+                r = jax.tree.map(lambda a, b: jnp.where(split, b, a), one[0], r)
             return {f: r[f] for f in _P99S}, r
 
         if self.sensitivity:

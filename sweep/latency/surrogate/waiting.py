@@ -178,7 +178,9 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
     laws = [(service_s * kingman, service_span * kingman, probs, rho),
             (slot_service_s, slot_service_s, slot_probs, rho_s)]
     if link is not None:
-        rho_l = 1.0 - slack(1.0 - link.load)
+        # slack keeps 1e-3 more than 1 - rho: a link that carries nothing
+        # (rho 0) must leave the law exactly as it is
+        rho_l = jnp.maximum(1.0 - slack(1.0 - link.load), 0.0)
         link_span, link_kingman, link_queue = law(link.transfer_s, link.spread_s,
                                                   link.arrival_scv, rho_l)
         span = span + link_queue + 2.0 * safe_max(link_span)
