@@ -492,13 +492,15 @@ def simulate_disaggregated_reference(hw, model, tp, concurrency, token_budget,
             done += m
         return s
 
+    span = {i: alone_s(i) for i in served} if layerwise else {}
+
     def arrived(i, free):
         """When request ``i``'s KV has arrived, its links free from ``free``."""
         if not layerwise:
             return max(ready[i], free) + transfer[i]
-        span, piece, t = alone_s(i), transfer[i] / layers, free
+        piece, t = transfer[i] / layers, free
         for layer in range(1, layers + 1):
-            t = max(t, ready[i] - span * (1.0 - layer / layers)) + piece
+            t = max(t, ready[i] - span[i] * (1.0 - layer / layers)) + piece
         return t
 
     send_free = [-math.inf] * int(prefill_instances)

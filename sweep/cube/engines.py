@@ -334,8 +334,8 @@ def pool_note(name: str, prefill_instances: int, decode_instances: int,
     if layerwise and not e.layerwise:
         note += ("; these pools send the KV once the prefill ends: the layer-wise "
                  f"overlap planned here (hardware.kv_transfer_layerwise) is vLLM's "
-                 f"{KV_CONNECTOR_LAYERWISE} with use_layerwise "
-                 f"({e.layerwise_proposal})")
+                 f"{KV_CONNECTOR_LAYERWISE} with use_layerwise"
+                 + (f" ({e.layerwise_proposal})" if e.layerwise_proposal else ""))
     return note
 
 

@@ -110,10 +110,13 @@ def _transfers(ready, transfer_s, lead_s, tail_s, to_decode, pre_rows, dec_rows)
 
     def one(links, i):
         send_free, recv_free = links
-        start = jnp.maximum(ready[i] - lead_s[i], jnp.maximum(send_free[sender[i]],
-                                                              recv_free[receiver[i]]))
-        done = jnp.maximum(start + transfer_s[i], ready[i] + tail_s[i])
-        alone = jnp.maximum(ready[i] - lead_s[i] + transfer_s[i], ready[i] + tail_s[i])
+
+        def done_from(free):  # the transfer's end, its links free from ``free``
+            return jnp.maximum(jnp.maximum(ready[i] - lead_s[i], free) + transfer_s[i],
+                               ready[i] + tail_s[i])
+
+        done = done_from(jnp.maximum(send_free[sender[i]], recv_free[receiver[i]]))
+        alone = done_from(-jnp.inf)
         shared = to_decode[i]
         send_free = send_free.at[sender[i]].set(
             jnp.where(shared, done, send_free[sender[i]]))
@@ -259,6 +262,11 @@ class SurrogateEngine(NamedTuple):
     link: Link
     split: jax.Array
 
+    def evaluate(self, hw, model, concurrency, token_budget) -> dict:
+        """``surrogate`` of this engine."""
+        return surrogate(hw, model, self.workload, self.tp, concurrency, token_budget,
+                         *self[2:])
+
 
 def surrogates(hw, model, concurrency, token_budget,
                engines: list[SurrogateEngine]) -> list[dict]:
@@ -267,8 +275,7 @@ def surrogates(hw, model, concurrency, token_budget,
     the aggregated engine of a grid that lists both."""
     workloads = pad_hit_rows([e.workload for e in engines])
     engines = [e._replace(workload=w) for e, w in zip(engines, workloads)]
-    out = jax.vmap(lambda e: surrogate(hw, model, e.workload, e.tp, concurrency,
-                                       token_budget, *e[2:]))(
+    out = jax.vmap(lambda e: e.evaluate(hw, model, concurrency, token_budget))(
         jax.tree.map(lambda *x: jnp.stack(jnp.broadcast_arrays(*x)), *engines))
     return [{k: v[i] for k, v in out.items()} for i in range(len(engines))]
 

@@ -77,7 +77,7 @@ from sweep.latency.disaggregated import (
 from sweep.latency.prefix_cache import Streams, padded_curves, padded_tables
 from sweep.latency.prefix_cache import cached_tokens as prefix_cache_hits
 from sweep.latency.simulate import simulate
-from sweep.latency.surrogate import LatencyWorkload, latency_workload, surrogate
+from sweep.latency.surrogate import LatencyWorkload, latency_workload
 from sweep.latency.surrogate.lengths import pad_hit_rows
 from sweep.latency.workload import WorkloadTables, served_tables
 from sweep.model import precision, roofline, sensitivity
@@ -210,11 +210,10 @@ class SurrogatePoint:
         split = disaggregated > 0
 
         def figures(hw):
-            engine = (served, tensor_parallel, rate, slo[0], slo[1], spec_tokens,
-                      spec_acceptance, hit)
+            engine = SurrogateEngine(served, tensor_parallel, rate, slo[0], slo[1],
+                                     spec_tokens, spec_acceptance, hit, None, 1.0)
             if not self.pools:
-                r = surrogate(hw, model, served, tensor_parallel, concurrency,
-                              token_budget, *engine[2:])
+                r = engine.evaluate(hw, model, concurrency, token_budget)
                 return {f: r[f] for f in _P99S}, r
             pool_list, deployment = pool_engines(
                 hw, model, tensor_parallel, token_budget, pooled,
@@ -222,7 +221,7 @@ class SurrogatePoint:
                 slo[0], slo[1], spec_tokens, spec_acceptance, pool_hit, pre_tp)
             # a grid of both kinds batches the engine with the pools: one
             # surrogate compiled, not two
-            alone = ([SurrogateEngine(*engine, no_link(pool_list[0].link), 1.0)]
+            alone = ([engine._replace(link=no_link(pool_list[0].link))]
                      if self.aggregated else [])
             *one, pre, dec = surrogates(hw, model, concurrency, token_budget,
                                         alone + pool_list)

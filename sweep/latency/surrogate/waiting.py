@@ -178,8 +178,10 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
     laws = [(service_s * kingman, service_span * kingman, probs, rho),
             (slot_service_s, slot_service_s, slot_probs, rho_s)]
     if link is not None:
-        # slack keeps 1e-3 more than 1 - rho: a link that carries nothing
-        # (rho 0) must leave the law exactly as it is
+        # a link that carries nothing (``disaggregated.no_link``) has no
+        # residual law (no mass), so the Pollaczek-Khinchine transform is 1
+        # only at rho 0 exactly; slack keeps 1e-3 more than 1 - rho, which
+        # made it -0.001 and scaled the lattice by 1.001
         rho_l = jnp.maximum(1.0 - slack(1.0 - link.load), 0.0)
         link_span, link_kingman, link_queue = law(link.transfer_s, link.spread_s,
                                                   link.arrival_scv, rho_l)
