@@ -710,9 +710,12 @@ def test_pools_surrogate_at_zero_load_by_hand():
 
     wl = pool_workloads(WorkloadTables("fixed", np.array([1500.0]), np.array([1.0]),
                                        np.array([200.0]), np.array([1.0])), False)
-    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(LINK))
-    out = jax.jit(pools)(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0,
-                         1e-6, 1.0, 2.0)
+    # every leaf a float32 array, as the layer-wise calls below pass theirs:
+    # one program for the three calls (a Python 0.0 is weakly typed)
+    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(LINK),
+                                   kv_layerwise=np.float32(0.0))
+    run = jax.jit(pools)
+    out = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 1e-6, 1.0, 2.0)
     prefill = step(1500, 0, chunk_keys(1500, 0)) + 1500 * KVB / LINK
     ctx = float(wl.decode.decode_context_tokens)
     assert 1500 < ctx < 1700  # the prompt and half the output, about
@@ -727,10 +730,10 @@ def test_pools_surrogate_at_zero_load_by_hand():
     # 1 Gb/s (1.77 s), all but 35/36 of the prefill
     alone = step(1500, 0, chunk_keys(1500, 0))
     for link in (LINK, 1.25e8):
-        layered = jax.jit(pools)(hw._replace(kv_link_bytes_per_s=np.float32(link),
-                                             kv_layerwise=np.float32(1.0)),
-                                 qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0,
-                                 1e-6, 1.0, 2.0)
+        layered = run(hw._replace(kv_link_bytes_per_s=np.float32(link),
+                                  kv_layerwise=np.float32(1.0)),
+                      qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 1e-6, 1.0,
+                      2.0)
         transfer = 1500 * KVB / link
         exposed = max(transfer / 36, transfer - alone * 35 / 36)
         np.testing.assert_allclose(float(layered["ttft_p50_s"]), alone + exposed,
@@ -750,7 +753,8 @@ def test_pools_surrogate_links_cap_the_rate_by_hand():
 
     wl = pool_workloads(WorkloadTables("fixed", np.array([1500.0]), np.array([1.0]),
                                        np.array([200.0]), np.array([1.0])), False)
-    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8))
+    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8),
+                                   kv_layerwise=np.float32(0.0))
     run = jax.jit(pools)
     transfer = 1500 * KVB / 1.25e8
     over = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 4.0, 2.0, 3.0)
@@ -802,7 +806,8 @@ def test_pools_surrogate_waits_for_the_links():
 
     wl = pool_workloads(WorkloadTables("fixed", np.array([1500.0]), np.array([1.0]),
                                        np.array([200.0]), np.array([1.0])), False)
-    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8))
+    hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8),
+                                   kv_layerwise=np.float32(0.0))
     run = jax.jit(pools)
     transfer, rate = 1500 * KVB / 1.25e8, 0.3
     alone = step(1500, 0, chunk_keys(1500, 0))
