@@ -261,11 +261,12 @@ class SurrogateEngine(NamedTuple):
     prefix_hit_fraction: jax.Array
     link: Link
     split: jax.Array
+    handover: jax.Array | None = None  # 1: a decode pool (``surrogate``'s)
 
     def evaluate(self, hw, model, concurrency, token_budget) -> dict:
         """``surrogate`` of this engine."""
         return surrogate(hw, model, self.workload, self.tp, concurrency, token_budget,
-                         *self[2:])
+                         *self[2:-1], handover=self.handover)
 
 
 def surrogates(hw, model, concurrency, token_budget,
@@ -401,10 +402,10 @@ def pool_engines(hw, model, tp, token_budget, wl: PoolWorkloads, mean_output_tok
                 1.0 / links)
     engines = [
         SurrogateEngine(wl.prefill, pre_tp, arrival_rate_per_s / p, ttft_slo_s,
-                        jnp.inf, 0.0, 0.0, prefix_hit_fraction, link, p),
+                        jnp.inf, 0.0, 0.0, prefix_hit_fraction, link, p, 0.0),
         SurrogateEngine(wl.decode, tp, arrival_rate_per_s / d, itl_slo_s, itl_slo_s,
                         spec_tokens, spec_acceptance, RECEIVED_FRACTION,
-                        no_link(link), d)]
+                        no_link(link), d, 1.0)]
 
     return engines, partial(_deployment, p=p, d=d, link_load=link_load,
                             mean_output_tokens=mean_output_tokens)

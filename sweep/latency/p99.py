@@ -221,7 +221,7 @@ class SurrogatePoint:
                 slo[0], slo[1], spec_tokens, spec_acceptance, pool_hit, pre_tp)
             # a grid of both kinds batches the engine with the pools: one
             # surrogate compiled, not two
-            alone = ([engine._replace(link=no_link(pool_list[0].link))]
+            alone = ([engine._replace(link=no_link(pool_list[0].link), handover=0.0)]
                      if self.aggregated else [])
             *one, pre, dec = surrogates(hw, model, concurrency, token_budget,
                                         alone + pool_list)

@@ -66,7 +66,7 @@ __all__ = ["BAND_EDGES", "LatencyWorkload", "Link", "cached_workload",
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
               spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-              link=None, split=1.0, random_split=False):
+              link=None, split=1.0, random_split=False, handover=None):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -101,6 +101,10 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         prefill wait), dealt at random it stays Poisson; a trace's recorded
         arrivals are read from the tables of that split and routing
         (``bursts.split_workload``).
+      handover: 1 for a disaggregated decode pool, whose requests arrive from
+        a prefill instance and wait for the step in progress
+        (``percentiles.itl_law``), 0 for any other engine batched with one;
+        None (default): no such pool in the program.
 
     Returns:
       A dict of scalars: ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``,
@@ -158,8 +162,9 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     ttft_p50, ttft_p99 = quantile(lambda t: ttft_band(t[:, None]) @ w, LEVELS,
                                   ttft_lo, ttft_hi)
 
-    itl_cdf, itl_sf, itl_lo, itl_hi, slow = itl_law(hw, model, tp, wl, st, d_st.pre, n,
-                                                    slots, k, trace_gaps)
+    itl_cdf, itl_sf, itl_lo, itl_hi, slow = itl_law(
+        hw, model, tp, wl, st, d_st.pre, n, slots, k, trace_gaps,
+        None if handover is None else jnp.asarray(handover, dtype))
     itl_p50, itl_p99 = quantile(itl_cdf, LEVELS, itl_lo, itl_hi, sf=itl_sf)
     e2e_p50, e2e_p99 = e2e_quantiles(ttft_band, wl, gap_s, ttft_lo, ttft_hi)
     good = good_fraction(ttft_band, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s)

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sweep.latency.surrogate.bursts import at_window
-from sweep.latency.surrogate.chunks import Prefill, ramp_cdf, ramp_sf
+from sweep.latency.surrogate.chunks import Prefill, ramp_cdf, ramp_sf, uniform_cdf
 from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
 from sweep.latency.surrogate.state import State
 from sweep.latency.surrogate.waiting import WAIT_POINTS, Wait, wait_cdf_beyond_zero
@@ -119,7 +119,7 @@ def _full_step(st: State, wl):
 
 
 def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
-            trace_gaps):
+            trace_gaps, handover=None):
     """ITL: the CDF and its complement (functions), its bracket and the
     per-gap slow probabilities.
 
@@ -128,6 +128,9 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
       trace_gaps: ``(atoms, probs)``, a trace's wait law in mean gaps
         (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace),
         or None: no workload of the program has one.
+      handover: 1 where each request arrives from a prefill instance with
+        its prompt's KV (a disaggregated decode pool), 0 where it does not;
+        None: no engine of the program is such a pool.
 
     Returns:
       ``(cdf, sf, lo, hi, parts)`` where ``parts`` maps an SLO to the decode steps'
@@ -229,6 +232,22 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     carried = 1.0 + (1.0 - queued) * ahead
     mixed = jnp.minimum(
         MIXED_SHARE_MARGIN * carried * st.prefill_steps_per_s / st.steps_per_s, 1.0)
+    if handover is not None:
+        # a request handed over by a prefill instance waits for the step in
+        # progress, when there is one, before its first step: that gap is
+        # one step and a uniform share of another (the first gap of each
+        # request, 1 / E[tokens] of them), with the probability that the
+        # instance is decoding at the hand-over: P(N >= 1) of Poisson(n)
+        # others, or on a trace the arrivals within a decode time before it
+        # (``bursts.trace_counts``). On the code trace these first gaps were
+        # every gap above the p99 (benchmarks/README.md, "Decode steps in
+        # bursts")
+        busy = -jnp.expm1(-n)
+        if trace_gaps is not None:
+            before, before_probs = at_window(wl.trace_counts, n)
+            busy = ((1.0 - wl.trace_arrivals) * busy
+                    + wl.trace_arrivals * (before_probs @ -jnp.expm1(-before)))
+        waited = handover * busy / jnp.maximum(wl.mean_output_tokens, 1.0)
 
     def row(v):
         return jax.tree.map(lambda a: a[None, :], v)
@@ -240,7 +259,13 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         z = (tt - dec[None, :]) if below else (dec[None, :] - tt)
         decode_part = jax.nn.sigmoid(z / dec_scale[None, :]) @ dec_w
         chunk_part = ramp_fn(tt, row(ramps), ramp_scale[None, :]) @ chunk_w
-        return (1.0 - mixed) * decode_part + mixed * chunk_part / total
+        law = (1.0 - mixed) * decode_part + mixed * chunk_part / total
+        if handover is None:
+            return law
+        d, s = dec[None, :], dec_scale[None, :]
+        late = (uniform_cdf(tt, d, 2.0 * d, s) if below
+                else uniform_cdf(-tt, -2.0 * d, -d, s)) @ dec_w
+        return (1.0 - waited) * law + waited * late
 
     def cdf(t):
         return mixture(t, True, ramp_cdf)
@@ -258,6 +283,8 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
 
     hi = jnp.maximum(jnp.max(dec + 40.0 * dec_scale),
                      jnp.max(ramps.f2 + 40.0 * ramp_scale))
+    if handover is not None:
+        hi = jnp.maximum(hi, jnp.max(2.0 * dec + 40.0 * dec_scale))
     return cdf, sf, 0.25 * jnp.min(dec), hi, slow
 
 
