@@ -361,10 +361,12 @@ def pool_engines(hw, model, tp, token_budget, wl: PoolWorkloads, mean_output_tok
     * the decode pool: ``d`` engines each offered ``lam / d`` (round-robin
       too), each prompt
       held in KV on arrival (``RECEIVED_FRACTION`` as a prefix hit) and
-      ``output - 1`` tokens to make; its ITL is the deployment's. Its own
-      first token (the wait for a slot: a gap in the simulator's ITL) is
-      held to the ITL SLO in the goodput, as in the simulator, but is not in
-      the ITL percentiles, and links are not shared (no wait for a link).
+      ``output - 1`` tokens to make; its ITL is the deployment's. Each
+      request's first gap there waits for the step in progress
+      (``handover``: the surrogate's ITL law holds it); the wait for a slot
+      before it is held to the ITL SLO in the goodput, as in the simulator,
+      but is not in the ITL percentiles, and links are not shared (no wait
+      for a link).
 
     E2E percentiles add the pools' (an upper bound at p99), the achieved
     rate is the smaller pool's, and at most what the links carry
