@@ -240,8 +240,8 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         # instance is decoding at the hand-over: P(N >= 1) of Poisson(n)
         # others, or on a trace the arrivals within a decode time before it
         # (``bursts.trace_counts``). On the code trace these first gaps were
-        # every gap above the p99 (benchmarks/README.md, "Decode steps in
-        # bursts")
+        # every gap above the p99 (benchmarks/README.md, "The first gap
+        # after a hand-over")
         busy = -jnp.expm1(-n)
         if trace_gaps is not None:
             before, before_probs = at_window(wl.trace_counts, n)
