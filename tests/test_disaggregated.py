@@ -860,7 +860,10 @@ def test_pools_surrogate_first_gaps_after_hand_overs():
     for name, arrival in (("recorded", recorded), ("poisson", poisson)):
         ref = simulate_disaggregated_reference(h100(), qwen3_8b(np.float64), 1.0, 64,
                                                2048, arrival, prompt, output, 2, 2)
-        wl = pool_workloads(tables, True, recorded if name == "recorded" else None)
+        # the Poisson stream's (zero) trace tables shaped as the trace's: one
+        # compiled program for both
+        wl = (pool_workloads(tables, True, recorded) if name == "recorded"
+              else pool_workloads(tables, True, trace_rows=True))
         got = run(h100(np.float32), qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl,
                   float(output.mean()), rate, 2.0, 2.0)
         p99[name] = float(got["itl_p99_s"]), np.quantile(ref.itl_s, 0.99)

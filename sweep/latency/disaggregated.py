@@ -266,7 +266,10 @@ class SurrogateEngine(NamedTuple):
     def evaluate(self, hw, model, concurrency, token_budget) -> dict:
         """``surrogate`` of this engine."""
         return surrogate(hw, model, self.workload, self.tp, concurrency, token_budget,
-                         *self[2:-1], handover=self.handover)
+                         self.arrival_rate_per_s, self.ttft_slo_s, self.itl_slo_s,
+                         self.spec_tokens, self.spec_acceptance,
+                         self.prefix_hit_fraction, link=self.link, split=self.split,
+                         handover=self.handover)
 
 
 def surrogates(hw, model, concurrency, token_budget,

@@ -142,7 +142,8 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     z_mid = jnp.asarray(Z_MID, dtype)
     z_edges = jnp.asarray(Z_EDGES, dtype)
     root_n = safe_sqrt(n)
-    skew = -jnp.expm1(-n) / 6.0
+    busy = -jnp.expm1(-n)  # P(N >= 1), N ~ Poisson(n) others decoding
+    skew = busy / 6.0
 
     def tagged(z):
         others = n + z * root_n + (z**2 - 1.0) * skew
@@ -242,12 +243,12 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         # (``bursts.trace_counts``). On the code trace these first gaps were
         # every gap above the p99 (benchmarks/README.md, "The first gap
         # after a hand-over")
-        busy = -jnp.expm1(-n)
+        decoding = busy
         if trace_gaps is not None:
             before, before_probs = at_window(wl.trace_counts, n)
-            busy = ((1.0 - wl.trace_arrivals) * busy
-                    + wl.trace_arrivals * (before_probs @ -jnp.expm1(-before)))
-        waited = handover * busy / jnp.maximum(wl.mean_output_tokens, 1.0)
+            decoding = ((1.0 - wl.trace_arrivals) * busy
+                        + wl.trace_arrivals * (before_probs @ -jnp.expm1(-before)))
+        waited = handover * decoding / jnp.maximum(wl.mean_output_tokens, 1.0)
 
     def row(v):
         return jax.tree.map(lambda a: a[None, :], v)
