@@ -86,7 +86,9 @@ def sweep():
         return
     for _ in iterate_blocks(part.fn, part.axes, part.plan, part.tables,
                             part.table_dims, batch=part.batch,
-                            devices=jax.devices()[:devices]):
+                            devices=jax.devices()[:devices],
+                            flat=part.flat, points=part.points,
+                            xla_defaults=part.xla_defaults):
         pass
 
 t0 = time.perf_counter(); sweep(); first = time.perf_counter() - t0

@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import os
 import types
 from importlib import metadata
 from pathlib import Path
@@ -75,14 +76,48 @@ def _static(static: dict) -> tuple:
     return tuple(sorted(static.items()))
 
 
+CPU_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+"""XLA's options on the CPU: its loop emitters rather than its MLIR fusion
+emitters. They compile the search, the calibration's fit, the optimizer's
+verification and the surrogate's grid blocks in two thirds to four fifths
+of the time, and the surrogate's blocks then run 10 % faster in half the
+memory. The roofline's and the simulator's grid blocks keep XLA's defaults
+(``jit``'s ``xla_defaults``; ``grid.evaluate.Part.xla_defaults``)
+(benchmarks/README.md, "XLA's CPU emitters")."""
+
+
+@functools.cache
+def compiler_options() -> dict:
+    """``CPU_OPTIONS`` where the default backend is the CPU and its XLA takes
+    them; none on an accelerator, with an XLA that does not know them, or
+    where ``XLA_FLAGS`` sets them itself (the user's choice stands)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if jax.default_backend() != "cpu" or any(k in flags for k in CPU_OPTIONS):
+        return {}
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=CPU_OPTIONS)(np.float32(0))
+    except Exception:  # an XLA without these options refuses them
+        return {}
+    return dict(CPU_OPTIONS)
+
+
+def jit(fn, /, *, xla_defaults: bool = False, **kwargs) -> jax.stages.Wrapped:
+    """``jax.jit(fn, **kwargs)`` compiled with ``compiler_options()`` (those
+    in ``kwargs`` added), or with XLA's defaults (``xla_defaults``): every
+    program of the package and of its tests."""
+    options = {**({} if xla_defaults else compiler_options()),
+               **kwargs.pop("compiler_options", {})}
+    return jax.jit(fn, compiler_options=options or None, **kwargs)
+
+
 @functools.lru_cache(maxsize=32)
-def _jitted(fn, static: tuple) -> jax.stages.Wrapped:
-    return jax.jit(functools.partial(fn, **dict(static)))
+def _jitted(fn, static: tuple, xla_defaults: bool) -> jax.stages.Wrapped:
+    return jit(functools.partial(fn, **dict(static)), xla_defaults=xla_defaults)
 
 
-def jitted(fn, /, **static) -> jax.stages.Wrapped:
+def jitted(fn, /, xla_defaults: bool = False, **static) -> jax.stages.Wrapped:
     """``fn`` with its ``static`` keyword arguments, jitted (once per value)."""
-    return _jitted(fn, _static(static))
+    return _jitted(fn, _static(static), xla_defaults)
 
 
 def name(fn) -> str:
@@ -225,10 +260,10 @@ def call(fn, static: dict, *args):
     return program(fn, static, args)(*args)
 
 
-def program(fn, static: dict, args):
-    """``fn`` with ``static``, jitted, for arguments like ``args``: the
-    exported program kept for them (read back, or traced and kept now), or
-    the plain jit without a folder to keep it in.
+def program(fn, static: dict, args, *, xla_defaults: bool = False):
+    """``fn`` with ``static``, jitted (``jit``'s ``xla_defaults``), for
+    arguments like ``args``: the exported program kept for them (read back,
+    or traced and kept now), or the plain jit without a folder to keep it in.
 
     Its arguments are taken as they are: a caller that places them (on a
     mesh) places them alike at every call, since a committed argument
@@ -236,8 +271,9 @@ def program(fn, static: dict, args):
     """
     path = kept_path(fn, static, args)
     if path is None:
-        return jitted(fn, **static)
-    kept = _programs.get(path.name)
+        return jitted(fn, xla_defaults, **static)
+    held = f"{path.name}:xla_defaults" if xla_defaults else path.name
+    kept = _programs.get(held)
     if kept is None:
         _register(args)
         exp = None
@@ -247,9 +283,10 @@ def program(fn, static: dict, args):
             except Exception:  # an unreadable file is rebuilt below
                 exp = None
         if exp is None:
-            exp = export.export(jitted(fn, **static))(*args)
+            exp = export.export(jitted(fn, xla_defaults, **static))(*args)
             keep(path, name(fn), exp.serialize())
-        kept = _programs[path.name] = jax.jit(_named(exp.call, fn.__name__))
+        kept = _programs[held] = jit(
+            _named(exp.call, fn.__name__), xla_defaults=xla_defaults)
     return kept
 
 

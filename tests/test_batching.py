@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sweep.config.schema import Batching
+from sweep.exported import jit
 from sweep.model import batching
 from sweep.model.params import GridPoint, HardwareParams, ModelParams, WorkloadParams
 from sweep.model.point import evaluate_point
@@ -65,7 +66,7 @@ def test_traced_index_under_jit_and_vmap_equals_a_loop():
     index = jnp.arange(len(batching.POLICIES), dtype=jnp.int32)
     conc = jnp.float32(64.0)
 
-    @jax.jit
+    @jit
     def answers(i):
         return (batching.running(i, conc), batching.slot_utilization(i, conc / 128),
                 batching.is_continuous(i))

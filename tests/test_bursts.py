@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sweep.exported import jit
 from sweep.latency.surrogate.bursts import (
     GAIN_MAX,
     RHO_GRID,
@@ -287,7 +288,7 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     randomly = np.array([False] * 4 + [True])
 
     def run(wls, splits, lams, randomly):
-        return jax.jit(jax.vmap(lambda wl, split, lam, random: surrogate(
+        return jit(jax.vmap(lambda wl, split, lam, random: surrogate(
             hw, model, wl, 1.0, 64.0, 2048.0, lam, split=split,
             random_split=random)))(wls, splits, lams, randomly)
 
@@ -342,7 +343,6 @@ def test_surrogate_waits_behind_long_prompts_as_fcfs_does():
     float64, each chunk timed by hand): the surrogate reads it within -10 %
     / +20 %; with the wait table of service proportional to the prompt
     (shape 0) it read 0.86x."""
-    import jax
     from helpers import chunked, compose_app
 
     from sweep.config.convert import hardware_params, model_params
@@ -369,7 +369,7 @@ def test_surrogate_waits_behind_long_prompts_as_fcfs_does():
     wl = latency_workload(WorkloadTables("long", values, counts / n,
                                          np.array([20.0]), np.array([1.0])),
                           pairs=pairs, arrival_s=t)
-    out = jax.jit(lambda lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))(
+    out = jit(lambda lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))(
         np.float32(lam))
     ratio = float(out["ttft_p99_s"]) / fcfs
     assert 0.9 < ratio < 1.2, ratio
@@ -421,7 +421,6 @@ def test_long_prompts_in_runs_wait_behind_each_other():
     queue's with each prompt's own chunked prefill, where drawing waits
     independently of the prompts read 0.81x at 1 req/s; and so with the
     same requests in a random order."""
-    import jax
     from helpers import chunked, compose_app, conversation_stream
 
     from sweep.config.convert import hardware_params, model_params
@@ -433,7 +432,7 @@ def test_long_prompts_in_runs_wait_behind_each_other():
     rng = np.random.default_rng(5)
     _, prompts, outputs = conversation_stream(rng, 200, 512)
     t = np.cumsum(rng.exponential(400.0, 200)).astype(int) / 1e3
-    run = jax.jit(lambda wl, lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))
+    run = jit(lambda wl, lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))
     shuffled = np.random.default_rng(0).permutation(200)
     for order in (np.arange(200), shuffled):
         p, o = prompts[order], outputs[order]
@@ -480,7 +479,8 @@ def test_decoders_crowd_a_bursts_full_chunk_steps_on_the_code_trace():
         part = grid_job([*base, f"latency={method}", *extra]).parts[1]
         (_, _, values), = iterate_blocks(part.fn, part.axes, part.plan, part.tables,
                                          part.table_dims, flat=True,
-                                         points=part.points)
+                                         points=part.points,
+                                         xla_defaults=part.xla_defaults)
         return values["itl_p99_s"].ravel()
 
     sim = p99_itl("simulate", "latency.num_requests=8819")

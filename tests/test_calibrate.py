@@ -29,6 +29,7 @@ from sweep.config.schema import (
     Hardware,
     Model,
 )
+from sweep.exported import jit
 from sweep.grid import calibration
 
 DATA = Path(__file__).parent / "data"
@@ -425,7 +426,7 @@ def test_simulator_matches_reference_when_calibrated():
         model = ModelParams(*(np.float64(x) for x in (
             h.PARAMS, 0.0, h.PARAMS, h.LAYERS, h.QH, h.KVH, h.HD, 4096, 1.0, 2, 2,
             np.inf)))
-        got = jax.jit(lambda r: simulate_requests(
+        got = jit(lambda r: simulate_requests(
             hw, model, 1.0, 8.0, 512.0, r, CONTINUOUS, np.inf, np.inf, REJECT,
             np.ones(n, bool), max_slots=8))(Requests(arrival, prompt, output))
         got = jax.tree.map(np.asarray, got)

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 import sweep
 from sweep.config.schema import ConfigError
+from sweep.exported import jit
 from sweep.model.params import REJECT, TRUNCATE
 
 PROMPT, OUT_MEAN, LONG, BUDGET, N = 1500, 360, 8192, 2048, 64
@@ -206,7 +207,7 @@ def ttft_of_link():
                    disaggregated=f32(1), prefill_instances=f32(1),
                    decode_instances=f32(2))
 
-    @jax.jit
+    @jit
     def ttft(link, prompt):
         wl = WorkloadParams(prompt, f32(OUT_MEAN), jnp.array([OUT_MEAN], f32),
                             jnp.array([1.0], f32))
@@ -260,7 +261,7 @@ def dis64():
     from sweep.latency.arrivals import Requests
     from sweep.latency.disaggregated import simulate_disaggregated_requests
 
-    @jax.jit
+    @jit
     def run(hw, model, conc, budget, arrival, prompt, output, p, d, ttft_slo, itl_slo,
             overlong, cached, tp, prefill_tp):
         return simulate_disaggregated_requests(
@@ -714,7 +715,7 @@ def test_pools_surrogate_at_zero_load_by_hand():
     # one program for the three calls (a Python 0.0 is weakly typed)
     hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(LINK),
                                    kv_layerwise=np.float32(0.0))
-    run = jax.jit(pools)
+    run = jit(pools)
     out = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 1e-6, 1.0, 2.0)
     prefill = step(1500, 0, chunk_keys(1500, 0)) + 1500 * KVB / LINK
     ctx = float(wl.decode.decode_context_tokens)
@@ -755,7 +756,7 @@ def test_pools_surrogate_links_cap_the_rate_by_hand():
                                        np.array([200.0]), np.array([1.0])), False)
     hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8),
                                    kv_layerwise=np.float32(0.0))
-    run = jax.jit(pools)
+    run = jit(pools)
     transfer = 1500 * KVB / 1.25e8
     over = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 4.0, 2.0, 3.0)
     np.testing.assert_allclose(float(over["achieved_req_per_s"]), 2 / transfer,
@@ -808,7 +809,7 @@ def test_pools_surrogate_waits_for_the_links():
                                        np.array([200.0]), np.array([1.0])), False)
     hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8),
                                    kv_layerwise=np.float32(0.0))
-    run = jax.jit(pools)
+    run = jit(pools)
     transfer, rate = 1500 * KVB / 1.25e8, 0.3
     alone = step(1500, 0, chunk_keys(1500, 0))
     one = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, rate, 1.0, 1.0)
@@ -855,7 +856,7 @@ def test_pools_surrogate_first_gaps_after_hand_overs():
         return values, counts / counts.sum()
 
     tables = WorkloadTables("code", *marginal(prompt), *marginal(output), None, pairs)
-    run = jax.jit(pools)
+    run = jit(pools)
     p99 = {}
     for name, arrival in (("recorded", recorded), ("poisson", poisson)):
         ref = simulate_disaggregated_reference(h100(), qwen3_8b(np.float64), 1.0, 64,

@@ -31,6 +31,7 @@ from reference_scheduler import simulate_reference
 import sweep
 from sweep.config.convert import hardware_params, model_params
 from sweep.errors import ConfigError
+from sweep.exported import jit
 from sweep.latency.arrivals import Requests
 from sweep.latency.simulate import simulate_requests
 from sweep.latency.surrogate import latency_workload, surrogate
@@ -300,7 +301,7 @@ LONG = (np.array([0.0, 0.0, 0.0, 0.0, 0.05]), np.array([1000.0] * 4 + [60000.0])
 
 @pytest.fixture(scope="module")
 def sim_draft64():
-    @jax.jit
+    @jit
     def run(hw, model, conc, budget, k, a, arrival, prompt, output):
         return simulate_requests(hw, model, 1.0, conc, budget,
                                  Requests(arrival, prompt, output), CONTINUOUS,
@@ -357,7 +358,7 @@ def test_surrogate_zero_load_itl_by_hand():
     wl = latency_workload(WorkloadTables(
         "fixed", np.array([1500.0]), np.array([1.0]), np.array([200.0]),
         np.array([1.0])))
-    fn = jax.jit(surrogate, compiler_options={"xla_backend_optimization_level": 0})
+    fn = jit(surrogate, compiler_options={"xla_backend_optimization_level": 0})
     out = fn(h100(f32), llama(f32), wl, f32(1), f32(64), f32(2048), f32(1e-6),
              f32(np.inf), f32(np.inf), f32(4), f32(0.5))
     verify = max((W_T + 1600 * Q_T) / BW,

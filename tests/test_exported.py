@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sweep import exported
+from sweep.exported import jit
 
 
 class Pair(NamedTuple):
@@ -36,7 +37,7 @@ def test_a_kept_program_gives_the_traced_results():
     args = (Pair(jnp.float32(0.9), jnp.asarray(np.linspace(0, 1, 12).reshape(4, 3),
                                                 jnp.float32)),
             jnp.asarray([0.1, 0.2, 0.3], jnp.float32))
-    traced = jax.tree.map(np.asarray, jax.jit(_program)(*args, offset=1.0))
+    traced = jax.tree.map(np.asarray, jit(_program)(*args, offset=1.0))
     path = exported.kept_path(_program, {"offset": 1.0}, args)
     path.unlink(missing_ok=True)
     exported._programs.clear()
@@ -102,7 +103,7 @@ def test_without_a_cache_folder_the_program_is_just_called():
                 jnp.ones(3, jnp.float32))
         out = exported.call(_program, {"offset": -1.0}, *args)
         jax.tree.map(np.testing.assert_array_equal, out,
-                     jax.jit(_program)(*args, offset=-1.0))
+                     jit(_program)(*args, offset=-1.0))
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
     assert not exported.kept_path(_program, {"offset": -1.0}, args).exists()
@@ -177,3 +178,25 @@ def test_a_description_holds_while_other_objects_share_its_code_parts():
             *code.co_names]
     assert exported.describe(point) == before
     del held
+
+
+def test_cpu_options_unless_xla_flags_name_them(monkeypatch):
+    """On the CPU the package's programs compile with ``CPU_OPTIONS`` (XLA's
+    loop emitters), the grid's roofline and simulator blocks with XLA's
+    defaults; an ``XLA_FLAGS`` that names the option decides for all."""
+    from helpers import grid_job
+
+    assert jax.default_backend() == "cpu"
+    small = ["grid=small", "hardware=h100_sxm", "model=qwen3_8b"]
+    for method, defaults in (("surrogate", False), ("simulate", True)):
+        roofline, p99 = grid_job([*small, f"latency={method}"]).parts
+        assert (roofline.xla_defaults, p99.xla_defaults) == (True, defaults)
+    exported.compiler_options.cache_clear()
+    try:
+        assert exported.compiler_options() == exported.CPU_OPTIONS
+        monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_fusion_emitters=true")
+        exported.compiler_options.cache_clear()
+        assert exported.compiler_options() == {}
+    finally:
+        monkeypatch.undo()
+        exported.compiler_options.cache_clear()

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sweep import exported
+from sweep.exported import jit
 from sweep.grid.evaluate import (
     FLAT_MIN,
     MIN_CHUNK_BYTES,
@@ -126,7 +127,7 @@ def test_points_that_do_not_fit_are_flagged_with_nan_metrics(job, cube):
 
 # --- property tests: one compiled shape, values drawn by hypothesis ----------
 
-_point = jax.jit(evaluate_point)
+_point = jit(evaluate_point)
 
 
 def _params(job, bw_scale=1.0, flops_scale=1.0):
@@ -227,7 +228,8 @@ def test_surrogate_grids_of_other_sizes_share_one_program():
         cube = {}
         for _, region, values in iterate_blocks(p.fn, p.axes, p.plan, p.tables,
                                                 p.table_dims, flat=True,
-                                                points=p.points):
+                                                points=p.points,
+                                                xla_defaults=p.xla_defaults):
             for k, v in values.items():
                 cube.setdefault(k, np.zeros(p.plan.shape, v.dtype))[region] = v
         cubes.append(cube)

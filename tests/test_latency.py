@@ -21,6 +21,7 @@ import pytest
 from sweep.config.convert import hardware_params, model_params
 from sweep.cube import status
 from sweep.cube.status import KV_INFEASIBLE, OK, SATURATED
+from sweep.exported import jit
 from sweep.latency.arrivals import sample_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import (
@@ -86,7 +87,7 @@ def _objective(hw, model, wl, tp, log_c, log_b, rate, ttft_slo, itl_slo, spec_k,
 # LLVM's optimisation passes dominate the compilation and change no checked
 # digit; the tests run a few dozen small batches, for which speed is moot
 LEVEL0 = {"xla_backend_optimization_level": 0}
-_batched = jax.jit(jax.vmap(
+_batched = jit(jax.vmap(
     jax.value_and_grad(_objective, argnums=(4, 5, 6), has_aux=True),
     in_axes=(0, None, 0, 0, 0, 0, 0, 0, 0, 0, 0)),
     compiler_options=LEVEL0)
@@ -307,7 +308,7 @@ def test_wait_probability_is_the_birth_death_chain():
              (200.0, 0.2, 256, 0.85), (0.5, 0.1, 1, 0.5), (3.0, 0.9, 16, 0.4)]
     expected = [_birth_death_p_wait(*x) for x in cases]
     m, theta, c, q = (jnp.asarray(x, jnp.float32) for x in zip(*cases))
-    got = np.asarray(jax.jit(p_wait)(m, theta, c, q))
+    got = np.asarray(jit(p_wait)(m, theta, c, q))
     # slack(1 - q) is 1 - q + 1e-3 (its floor)
     np.testing.assert_allclose(got, expected, rtol=1e-2)
 
@@ -324,12 +325,12 @@ def test_wait_probability_is_erlang_c_for_constant_holding():
         expected.append(c * b / (c - a * (1.0 - b)))
     with jax.enable_x64(True):  # r = a / theta is 1e6: lgamma needs float64
         c, a = (jnp.asarray(x, jnp.float64) for x in zip(*cases))
-        got = np.asarray(jax.jit(p_wait)(a, 1e-6, c, a / c))
+        got = np.asarray(jit(p_wait)(a, 1e-6, c, a / c))
     np.testing.assert_allclose(got, expected, rtol=5e-3)
 
 
 def test_numerics_helpers_have_finite_gradients():
-    @jax.jit
+    @jit
     def probe():
         """Everything below in one compilation (op-by-op dispatch is slow)."""
         slack_in = jnp.asarray([0.5, 0.1, 0.0, -0.5, -5.0], jnp.float32)
@@ -378,14 +379,14 @@ def test_forward_value_and_grad_is_reverse_mode():
 
     with jax.enable_x64(True):
         x = jnp.asarray([0.3, 1.1, 2.0], jnp.float64)
-        (v_f, aux_f), g_f = jax.jit(nm.value_and_grad_fwd(f, has_aux=True))(x, 2.0)
-        (v_r, aux_r), g_r = jax.jit(jax.value_and_grad(f, has_aux=True))(x, 2.0)
+        (v_f, aux_f), g_f = jit(nm.value_and_grad_fwd(f, has_aux=True))(x, 2.0)
+        (v_r, aux_r), g_r = jit(jax.value_and_grad(f, has_aux=True))(x, 2.0)
         np.testing.assert_allclose(float(v_f), float(v_r), rtol=1e-14)
         np.testing.assert_allclose(np.asarray(aux_f["q"]), np.asarray(aux_r["q"]),
                                    rtol=1e-14)
         np.testing.assert_allclose(np.asarray(g_f), np.asarray(g_r), rtol=1e-9)
         assert np.all(np.asarray(g_f) != 0)
-        value, grad = jax.jit(nm.value_and_grad_fwd(lambda x: jnp.sum(x ** 3)))(x)
+        value, grad = jit(nm.value_and_grad_fwd(lambda x: jnp.sum(x ** 3)))(x)
         np.testing.assert_allclose(float(value), np.sum(np.asarray(x) ** 3))
         np.testing.assert_allclose(np.asarray(grad), 3 * np.asarray(x) ** 2)
 
@@ -395,7 +396,7 @@ def test_betainc_gradient_in_every_argument():
     from scipy.special import betainc as ref
 
     pts = [(9.0, 16.0, 0.7), (0.5, 3.0, 0.2), (300.0, 64.0, 0.9)]
-    grads = jax.jit(jax.vmap(jax.grad(nm.betainc, argnums=(0, 1, 2))))(
+    grads = jit(jax.vmap(jax.grad(nm.betainc, argnums=(0, 1, 2))))(
         *(jnp.asarray(x, jnp.float32) for x in zip(*pts)))
     for i, (a, b, x) in enumerate(pts):
         for j, step in enumerate((1e-5 * a, 1e-5 * b, 1e-7)):
@@ -414,7 +415,7 @@ def test_quantile_gradient_is_the_implicit_one():
         cdf = lambda t: jax.nn.sigmoid((t - loc) / 0.1)  # noqa: E731
         return nm.quantile(cdf, (0.5, 0.99), 0.01, 100.0)
 
-    value, jac = jax.jit(lambda x: jax.jvp(q, (x,), (1.0,)))(2.0)
+    value, jac = jit(lambda x: jax.jvp(q, (x,), (1.0,)))(2.0)
     np.testing.assert_allclose(np.asarray(value),
                                [2.0, 2.0 + 0.1 * math.log(99.0)], rtol=1e-5)
     np.testing.assert_allclose(np.asarray(jac), [1.0, 1.0], rtol=1e-4)
@@ -444,7 +445,7 @@ def test_quantile_is_the_exact_inverse(x64):
         def lattice(t):
             return jnp.interp(t, jnp.asarray(grid, dtype), jnp.asarray(probs, dtype))
 
-        got = jax.jit(lambda lo, hi: [nm.quantile(f, levels, lo, hi)
+        got = jit(lambda lo, hi: [nm.quantile(f, levels, lo, hi)
                                       for f in (lognormal, lattice)])(
             jnp.asarray(1e-4, dtype), jnp.asarray(100.0, dtype))
         outside = nm.quantile(lognormal, levels, jnp.asarray(10.0, dtype),
@@ -473,7 +474,7 @@ def test_quantile_on_a_flat_stretch_at_the_level_is_its_far_end(x64):
             return (0.99 * jax.nn.sigmoid((t - 1.0) / s)
                     + 0.01 * jax.nn.sigmoid((t - 2.0) / s))
 
-        got = jax.jit(lambda lo, hi: nm.quantile(cdf, (0.5, 0.99), lo, hi))(
+        got = jit(lambda lo, hi: nm.quantile(cdf, (0.5, 0.99), lo, hi))(
             jnp.asarray(0.1, dtype), jnp.asarray(10.0, dtype))
     u = nm.QUANTILE_TIE / 0.01
     np.testing.assert_allclose(np.asarray(got, np.float64)[1],
@@ -500,7 +501,7 @@ def _float32_and_float64(workload: str, concurrency, budget, rate):
                 return surrogate(hw, model, wl, 1.0, c, b, r, app.slo.ttft_p99_s,
                                  app.slo.itl_p99_s)
 
-            out = jax.jit(jax.vmap(one), compiler_options=LEVEL0)(
+            out = jit(jax.vmap(one), compiler_options=LEVEL0)(
                 *(jnp.asarray(v, dtype) for v in (concurrency, budget, rate)))
             got[x64] = {k: np.asarray(v, np.float64) for k, v in out.items()}
     return got
@@ -578,7 +579,7 @@ def test_heavy_tail_errs_high_against_the_simulator(setup):
     rows = [("heavy", 64, 2048, 3.0)]
     sur = run(setup, rows)
     reqs = sample_requests(jax.random.key(1), tables["heavy"], 1000, 3.0)
-    sim = jax.jit(lambda r: simulate(hw, model, 1.0, 64.0, 2048.0, r,
+    sim = jit(lambda r: simulate(hw, model, 1.0, 64.0, 2048.0, r,
                                      max_slots=64))(reqs)
     assert int(sim.status) == 0
     for k in ("ttft_p99_s", "itl_p99_s"):

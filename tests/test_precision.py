@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 import sweep  # noqa: F401  (ds.sweep)
 from sweep.config.schema import ConfigError, Grid, Model
+from sweep.exported import jit
 
 # bytes per weight: int4 with one bf16 scale per 128 weights, fp4 (NVFP4) with
 # one 1-byte FP8 scale per 16
@@ -269,7 +270,7 @@ def test_own_keeps_the_model_and_bf16_is_the_bound_bitwise(hydra_ctx):
     n, ctx = (jnp.asarray(x, jnp.float32) for x in np.meshgrid(
         [1.0, 8.0, 64.0, 256.0, 1024.0], [0.0, 1500.0, 16000.0]))
 
-    @jax.jit
+    @jit
     def steps(w, kv):
         m = precision.apply(model, jnp.int32(w), jnp.int32(kv))
         prefill = roofline.prefill_step_s(hw, m, 1.0, n * 16.0)

@@ -27,6 +27,7 @@ from reference_scheduler import simulate_reference
 
 import sweep
 from sweep.config.schema import ConfigError
+from sweep.exported import jit
 from sweep.latency.arrivals import Requests, request_hits
 from sweep.latency.simulate import simulate_requests
 from sweep.latency.surrogate import latency_workload
@@ -136,7 +137,7 @@ def test_surrogate_at_zero_load_by_hand():
     app = compose_app("grid", ["experiment=seed"])
     hw, model = hardware_params(app.hardware, 1.0), model_params(app.model)
     wl = latency_workload(tables())
-    out = jax.jit(jax.vmap(lambda h: surrogate(
+    out = jit(jax.vmap(lambda h: surrogate(
         hw, model, wl, 1.0, 64.0, 2048.0, 1e-6, prefix_hit_fraction=h)))(
         jnp.array([0.0, 0.63], jnp.float32))
     p50, p99 = (np.asarray(out[f"ttft_{q}_s"]) for q in ("p50", "p99"))
@@ -163,7 +164,7 @@ def test_simulator_matches_reference_with_each_requests_share(memory):
     given each request's cached prefix by hand (whole blocks), on bursts with
     20,000-token prompts; with KV for 20,500 tokens, preemptions, after
     which a request finds its prefix again."""
-    run = jax.jit(lambda hw, model, hits: simulate_requests(
+    run = jit(lambda hw, model, hits: simulate_requests(
         hw, model, 1.0, 8.0, 1024.0, Requests(ARRIVAL, PROMPTS, OUTPUTS), CONTINUOUS,
         np.inf, np.inf, 0, None, 0, 0.0, hits, max_slots=8))
     cached = [int(h * p // 16) * 16 for h, p in zip(SHARES, PROMPTS)]

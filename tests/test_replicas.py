@@ -18,6 +18,7 @@ from helpers import optimize_inputs
 
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing
+from sweep.exported import jit
 from sweep.latency.arrivals import Requests, route, split
 from sweep.latency.simulate import itl_percentiles, simulate_requests
 from sweep.model.batching import CONTINUOUS
@@ -66,7 +67,7 @@ def test_split_replicas_pool_every_request(job):
 
     stream = optimize.verification_stream(job, key)
     cand = job.candidates[0]
-    alone = jax.jit(partial(simulate_requests, max_slots=64))
+    alone = jit(partial(simulate_requests, max_slots=64))
     hw = hardware_params(cand.hardware, job.app.search.gpu_memory_utilization)
     model = model_params(cand.model)
     slo = job.app.slo

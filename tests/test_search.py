@@ -19,6 +19,7 @@ from sweep import exported
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing, Search
 from sweep.cube.status import OK
+from sweep.exported import jit
 from sweep.latency.surrogate import latency_workload, surrogate
 from sweep.latency.workload import workload_tables
 from sweep.model.params import stack
@@ -98,7 +99,7 @@ def test_search_finds_the_enumerated_optimum(scenario, key):
         # request, Erlang-r gaps of squared coefficient of variation 1/r
         return surrogate(hw, model, lw, tp, c, b, RATE / r, split=r)
 
-    out = jax.jit(jax.vmap(one))(
+    out = jit(jax.vmap(one))(
         jnp.asarray(np.asarray(TP)[t], jnp.float32), jnp.asarray(c, jnp.float32),
         jnp.asarray(np.maximum(b, c), jnp.float32), jnp.asarray(r, jnp.float32))
     ok = ((np.asarray(out["ttft_p99_s"]) <= SLO[0])
@@ -119,7 +120,7 @@ def test_round_robin_replicas_wait_less_than_a_random_split(scenario):
     cands = _candidates(scenario, [RATE / 4, RATE / 12], tps=(1.0, 1.0))
     # one program for every lane: the candidate, the replicas and the routing
     # (traced here; a Python bool in the search)
-    lanes = jax.jit(jax.vmap(lambda cand, r, rr: descent.replica_surrogate(
+    lanes = jit(jax.vmap(lambda cand, r, rr: descent.replica_surrogate(
         cand, 16.0, 2048.0, r, rr), in_axes=(None, 0, 0)))
     at_4 = jax.tree.map(lambda x: x[0], cands)
     out = lanes(at_4, jnp.asarray([1.0, 1.0, 3.0, 3.0], jnp.float32),

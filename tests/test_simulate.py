@@ -27,6 +27,7 @@ from reference_scheduler import simulate_reference, step_time_s
 
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import ArrivalKind
+from sweep.exported import jit
 from sweep.latency import prefix_cache
 from sweep.latency import simulate as sim
 from sweep.latency.arrivals import Requests, sample_requests
@@ -64,7 +65,7 @@ def random_requests(seed, rate=20.0):
 def sim64():
     """The float64 simulator's per-request outcome (one compilation); every
     run's percentiles are checked against the physical floor."""
-    @jax.jit
+    @jit
     def run(hw, model, conc, budget, arrival, prompt, output, batching, ttft_slo,
             itl_slo, overlong, mine, spec_tokens, spec_acceptance, hit, cached):
         return simulate_requests(hw, model, 1.0, conc, budget,
@@ -474,7 +475,7 @@ def test_vmap_equals_loop_and_float32_close_to_float64(sim64):
     conc = np.array([2.0, 4.0, 8.0, 16.0], np.float32)  # 16 > slots: flagged
     budget = np.array([128.0, 512.0, 2048.0, 512.0], np.float32)
     batching = np.array([CONTINUOUS, STATIC, CONTINUOUS, CONTINUOUS], np.int32)
-    f = jax.jit(jax.vmap(partial(simulate, max_slots=SLOTS),
+    f = jit(jax.vmap(partial(simulate, max_slots=SLOTS),
                          in_axes=(None, None, None, 0, 0, None, 0)))
     grid = jax.tree.map(np.asarray, f(h100(np.float32), qwen3_8b(np.float32), 1.0,
                                       conc, budget, req, batching))
@@ -505,7 +506,7 @@ def test_sample_requests_vmaps_over_keys_and_rates():
                             np.array([10.0, 300.0]), np.array([0.5, 0.5]))
     keys = jax.random.split(jax.random.key(0), 3)
     rates = jnp.array([1.0, 4.0, 16.0])
-    req = jax.jit(jax.vmap(lambda k, r: sample_requests(k, tables, 4000, r)))(keys,
+    req = jit(jax.vmap(lambda k, r: sample_requests(k, tables, 4000, r)))(keys,
                                                                                rates)
     assert req.arrival_s.shape == (3, 4000) and req.arrival_s.dtype == jnp.float32
     assert np.all(np.diff(np.asarray(req.arrival_s), axis=1) >= 0)
@@ -620,7 +621,7 @@ def run_big_rows():
                                 max_slots=BIG_SLOTS)
         return out, summarize(out)
 
-    run = jax.jit(jax.vmap(one))
+    run = jit(jax.vmap(one))
     results = {}
     for dt, x64 in ((np.float32, False), (np.float64, True)):
         with jax.enable_x64(x64):
@@ -765,9 +766,9 @@ def test_itl_histogram_float32_rounding_stays_small():
         h, _ = jax.lax.scan(turn, sim._itl_empty(dt), xs)
         return sim._itl_hist(h)
 
-    got = np.cumsum(np.asarray(jax.jit(fill, static_argnums=0)(np.float32), np.float64))
+    got = np.cumsum(np.asarray(jit(fill, static_argnums=0)(np.float32), np.float64))
     with jax.enable_x64(True):
-        want = np.cumsum(np.asarray(jax.jit(fill, static_argnums=0)(np.float64)))
+        want = np.cumsum(np.asarray(jit(fill, static_argnums=0)(np.float64)))
     total = mid.sum() + 2 * ramps[3].sum() + points[1].sum()
     np.testing.assert_allclose(want[-1], total, rtol=1e-12)
     assert np.abs(got - want).max() <= 1e-5 * total
@@ -778,7 +779,7 @@ def test_clock_pair_keeps_float64_time_in_float32():
     to ~1e-12 s (a plain float32 sum is off by milliseconds)."""
     steps = np.random.default_rng(0).uniform(1e-3, 5e-2, 100_000).astype(np.float32)
 
-    @jax.jit
+    @jit
     def clock(xs):
         def add(c, x):
             return sim._clock_add(*c, x), None

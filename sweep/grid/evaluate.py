@@ -123,6 +123,11 @@ class Part:
     lookups: dict[str, tuple[Any, tuple[str, ...]]] = field(default_factory=dict)
     attrs: dict = field(default_factory=dict)  # added to each of its variables
     batch_points: int | None = None  # per compiled call; None: a whole write block
+    # compiled with XLA's default options (``sweep.exported.jit``): the
+    # roofline's blocks, the same bit for bit on any number of devices, and
+    # the simulator's, which ran 1.5-1.7x faster on the CPU than with the
+    # loop emitters; the surrogate's compile and run faster with them
+    xla_defaults: bool = True
     # the optional variables it computes (``contract.Metric.option``)
     options: frozenset[str] = frozenset()
 
@@ -390,7 +395,8 @@ def padded_inputs(axes: tuple, tables: tuple, table_dims: tuple) -> tuple[tuple,
 def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = (),
                    table_dims: tuple = (), skip: Any = frozenset(),
                    batch: tuple[int, ...] | None = None, devices=None,
-                   flat: bool = False, points: int | None = None
+                   flat: bool = False, points: int | None = None,
+                   xla_defaults: bool = True
                    ) -> Iterator[tuple[int, tuple[slice, ...], dict]]:
     """Yields ``(block id, region, {name: ndarray of the region's shape})``.
 
@@ -410,6 +416,8 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
         size only through those buckets, so grids of other values, or of a
         few more or fewer, reuse it (the p99 part's programs take 3-20 s
         to compile on a 2-core CPU).
+      xla_defaults: compiled with XLA's default options, or with
+        ``sweep.exported.compiler_options()`` (``Part.xla_defaults``).
     """
     batch = tuple(batch or plan.chunks)
     size = (points or shapes.bucket(math.prod(batch))) if flat else 0
@@ -468,7 +476,7 @@ def iterate_blocks(fn: Callable, axes: tuple, plan: Blocking, tables: tuple = ()
         evaluate_regions, dict(fn=fn, shape=None if flat else plan.shape,
                                chunks=None if flat else batch,
                                table_dims=table_dims, mesh=mesh, flat=flat),
-        (axes, tables, first))
+        (axes, tables, first), xla_defaults=xla_defaults)
 
     def dispatch(group):
         return run(axes, tables, starts_of(group))

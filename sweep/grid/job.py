@@ -354,7 +354,8 @@ def run(job: GridJob, out, attrs: dict, config_yaml: str,
                         or results.block_key(part.name, b) not in mine}
                 for b, region, values in iterate_blocks(
                         part.fn, part.axes, part.plan, part.tables, part.table_dims,
-                        skip, part.batch, devices, part.flat, part.points):
+                        skip, part.batch, devices, part.flat, part.points,
+                        part.xla_defaults):
                     if observe:  # here, while the writer (the slower side) writes
                         observe(part, b, region, values)
                     writer.put(part, b, region, values)

@@ -445,4 +445,5 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
     return Part(contract.P99, fn, {**shared, "workload": workload_input,
                                    "arrival_rate_per_s": rate_input}, plan,
                 lookups=lookups, attrs={"method": method.value},
-                batch_points=batch_points, options=options), rates
+                batch_points=batch_points, options=options,
+                xla_defaults=method != LatencyMethod.surrogate), rates
