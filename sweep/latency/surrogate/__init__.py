@@ -164,7 +164,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     itl_cdf, itl_sf, itl_lo, itl_hi, slow = itl_law(
         hw, model, tp, wl, st, d_st.pre, n, slots, k, trace_gaps,
-        None if handover is None else jnp.asarray(handover, dtype))
+        None if handover is None else jnp.asarray(handover, dtype),
+        1.0 / arrival_scv)
     itl_p50, itl_p99 = quantile(itl_cdf, LEVELS, itl_lo, itl_hi, sf=itl_sf)
     e2e_p50, e2e_p99 = e2e_quantiles(ttft_band, wl, gap_s, ttft_lo, ttft_hi)
     good = good_fraction(ttft_band, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s)
