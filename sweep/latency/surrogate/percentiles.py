@@ -144,8 +144,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     z_mid = jnp.asarray(Z_MID, dtype)
     z_edges = jnp.asarray(Z_EDGES, dtype)
     root_n = safe_sqrt(n)
-    busy = -jnp.expm1(-n)  # P(N >= 1), N ~ Poisson(n) others decoding
-    skew = busy / 6.0
+    skew = -jnp.expm1(-n) / 6.0
 
     def tagged(z):
         others = n + z * root_n + (z**2 - 1.0) * skew
@@ -240,19 +239,16 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         # progress, when there is one, before its first step: that gap is
         # one step and a uniform share of another (the first gap of each
         # request, 1 / E[tokens] of them), with the probability that the
-        # instance is decoding at the hand-over: P(N >= 1) of Poisson(n)
-        # others, or on a trace the arrivals within a decode time before it
-        # (``bursts.trace_counts``). On the code trace these first gaps were
-        # every gap above the p99 (benchmarks/README.md, "The first gap
-        # after a hand-over")
-        # without a trace, the requests before it on this instance still
-        # decoding: for exponential decode times of mean n gaps and
-        # Erlang-``dealt`` gaps, the k-th before it is with probability q^k,
-        # q = (dealt n / (dealt n + 1))^dealt, so q / (1 - q) of them, n
-        # where dealt is 1 (Poisson); round-robin dealing spaces them out
-        # (the code trace's first 2,000 requests as a Poisson stream on 2:2,
-        # hand-overs that waited: 5.8 % in the reference, 12.6 % from
-        # P(N >= 1) of Poisson(n))
+        # instance is decoding at the hand-over. On the code trace these
+        # first gaps were every gap above the p99 (benchmarks/README.md, "The
+        # first gap after a hand-over"). Without a trace, the requests before
+        # it on this instance still decoding: for exponential decode times
+        # of mean n gaps and Erlang-``dealt`` gaps, the k-th before it is
+        # with probability q^k, q = (dealt n / (dealt n + 1))^dealt, so
+        # q / (1 - q) of them (n, Poisson's, where dealt is 1; round-robin
+        # dealing spaces them out: "The first gap in the goodput, and
+        # round-robin hand-overs"); on a trace, the arrivals within a decode
+        # time before it (``bursts.trace_counts``)
         x = dealt * n / (dealt * n + 1.0)
         q = jnp.exp(dealt * jnp.log(jnp.maximum(x, 1e-30)))
         decoding = -jnp.expm1(-safe_div(q, 1.0 - q))
@@ -265,6 +261,14 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     def row(v):
         return jax.tree.map(lambda a: a[None, :], v)
 
+    def first_gap(t, below):
+        """The first gap's law after a hand-over that waited, one step and a
+        uniform share of another: its CDF (``below``) or its complement, at
+        times ``t`` of shape (..., 1)."""
+        d, s = dec[None, :], dec_scale[None, :]
+        return (uniform_cdf(t, d, 2.0 * d, s) if below
+                else uniform_cdf(-t, -2.0 * d, -d, s)) @ dec_w
+
     def mixture(t, below, ramp_fn):
         """The law's CDF (``below``) or its complement summed from its own
         terms, mirrored, at times ``t``."""
@@ -275,10 +279,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         law = (1.0 - mixed) * decode_part + mixed * chunk_part / total
         if handover is None:
             return law
-        d, s = dec[None, :], dec_scale[None, :]
-        late = (uniform_cdf(tt, d, 2.0 * d, s) if below
-                else uniform_cdf(-tt, -2.0 * d, -d, s)) @ dec_w
-        return (1.0 - waited) * law + waited * late
+        return (1.0 - waited) * law + waited * first_gap(tt, below)
 
     def cdf(t):
         return mixture(t, True, ramp_cdf)
@@ -298,7 +299,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         if handover is not None:
             # once per request, not per gap: the step in progress at the
             # hand-over, a uniform share of a step before its own
-            late = 1.0 - uniform_cdf(t, dec, 2.0 * dec, dec_scale) @ dec_w
+            late = first_gap(t[:, None], False)[0]
             first = handover * decoding * jnp.maximum(late - q_dec, 0.0)
         return (1.0 - mixed) * q_dec, smooth_min(steps_over, 1.0, 0.05), first
 
