@@ -35,10 +35,19 @@ load a gap is one decode of one sequence).
 **Goodput** (``good_fraction``): a request is good when its TTFT is within
 the TTFT SLO and none of its gaps exceeds the ITL SLO (the simulator's
 definition). Per band pair, ``P(TTFT <= slo)`` times the probability of no
-slow gap: slow decode steps independent per gap, slow chunk steps counted as
-episodes (a prompt whose chunk ramp exceeds the SLO slows every decoder during
-its prefill), each prompt prefilled during the request's decode being one
-chance of an episode.
+slow gap. A decode step is slow when many others decode beside the request,
+and who decodes changes about once per mean decode time (the occupancy of
+an M/G/infinity queue is correlated over a holding time): a request's decode
+steps are slow together, in ``1 + (O - 1) / E[O - 1]`` independent epochs,
+not each on its own (held as independent per gap, the good share of the
+seed scenario at an ITL SLO among its decode steps read 0 where the
+simulator's is 0.27: ``benchmarks/README.md``, "Goodput: a request's decode
+steps are slow together"). Slow chunk steps are counted as episodes (a
+prompt whose chunk ramp exceeds the SLO slows every decoder during its
+prefill), each prompt prefilled during the request's decode being one
+chance of an episode: Poisson, ``lam`` x its decode time of them, or on a
+trace's recorded arrivals the trace's own count within that window
+(``bursts.trace_counts``), which a burst crowds.
 
 Kernel spreads are derivatives taken in forward mode and held constant in
 the gradient; the locations of all kernels carry the full gradient.
@@ -50,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sweep.latency.surrogate.bursts import at_window
+from sweep.latency.surrogate.bursts import at_window, carries_trace
 from sweep.latency.surrogate.chunks import Prefill, ramp_cdf, ramp_sf, uniform_cdf
 from sweep.latency.surrogate.lengths import Z_EDGES, Z_MID
 from sweep.latency.surrogate.state import State
@@ -316,9 +325,21 @@ def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
     ttft_ok = ttft_band_cdf(jnp.minimum(ttft_slo_s, _MAX_SLO_S)[None])  # (J,)
     q_dec, episode, first = slow(jnp.minimum(itl_slo_s, _MAX_SLO_S))
     gaps = jnp.maximum(wl.output_tokens - 1.0, 0.0)  # (J,) output bands
-    # prompts prefilled while the request decodes: lam x its decode time
+    # decode steps slow together, in epochs of one mean decode time ("Goodput")
+    epochs = 1.0 + gaps / jnp.maximum(wl.mean_output_tokens - 1.0, 1.0)
+    decodes_ok = jnp.exp(epochs * jnp.log1p(-jnp.minimum(q_dec, 1.0 - 1e-6)))
+    # prompts prefilled while the request decodes: lam x its decode time, in
+    # mean gaps, Poisson (thinned to the slow ones); on a trace, its count
+    # of arrivals within that window by band, each slow or not
     exposure = lam * gaps * gap_s
-    gaps_ok = jnp.exp(-gaps * q_dec - exposure * (wl.band_probs @ episode))
+    slow_prompt = wl.band_probs @ episode
+    no_episode = jnp.exp(-exposure * slow_prompt)
+    if carries_trace(wl):
+        counts, probs = jax.vmap(lambda x: at_window(wl.trace_counts, x))(exposure)
+        on_trace = jnp.exp(counts * jnp.log1p(-jnp.minimum(slow_prompt, 1.0 - 1e-6)))
+        no_episode = ((1.0 - wl.trace_arrivals) * no_episode
+                      + wl.trace_arrivals * (on_trace @ probs[0]))
+    gaps_ok = decodes_ok * no_episode
     # a first gap only where the request has one
     gaps_ok = gaps_ok * jnp.where(gaps > 0, 1.0 - first, 1.0)
     return jnp.clip(jnp.asarray(ttft_ok @ wl.joint_probs @ gaps_ok, dtype), 0.0, 1.0)
