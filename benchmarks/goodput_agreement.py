@@ -21,15 +21,11 @@ Usage: ``SWEEP_DATA_DIR=... python benchmarks/goodput_agreement.py
 
 from __future__ import annotations
 
-import argparse
-import platform
 import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import xarray as xr
-from pools_agreement import summary, sweep_grid
+from pools_agreement import command_line, summary, sweep_grid
 
 ITL_SLOS_S = [0.007, 0.008, 0.012, 0.03]
 TTFT_SLO_S = 30.0
@@ -66,20 +62,9 @@ def share(ds: xr.Dataset):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--out", type=Path, default=None,
-                        help="keep the cubes here (default: a temporary folder)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="read the cubes already in --out instead of running")
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="a previous run's --out: its surrogate cubes too")
-    args = parser.parse_args()
-    root = args.out or Path(tempfile.mkdtemp(prefix="goodput_agreement_"))
-    root.mkdir(parents=True, exist_ok=True)
-    print(f"# {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{time.strftime('%Y-%m-%d')}; concurrency {CONCURRENCY}, budgets "
-          f"{BUDGETS}, {REQUESTS:,} requests, TTFT SLO {TTFT_SLO_S:g} s")
+    args, root = command_line(__doc__, WORKLOADS, baseline=True)
+    print(f"concurrency {CONCURRENCY}, budgets {BUDGETS}, {REQUESTS:,} requests, "
+          f"TTFT SLO {TTFT_SLO_S:g} s")
     head = "| workload | ITL SLO ms | simulator's shares | surrogate - simulator |"
     print(head + (" baseline - simulator |" if args.baseline else ""))
     print("| --- | ---: | --- | --- |" + (" --- |" if args.baseline else ""))

@@ -73,19 +73,30 @@ def summary(errors: np.ndarray, percent: bool = True) -> str:
             f"{fmt.format(max(errors.max(), 0) * scale)}]")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+def command_line(doc: str, workloads, baseline: bool = False):
+    """An agreement script's arguments (``--workloads``, ``--out``,
+    ``--reuse``, and ``--baseline`` where asked) and its cubes' folder; prints
+    the machine and the date."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(workloads))
     parser.add_argument("--out", type=Path, default=None,
                         help="keep the cubes here (default: a temporary folder)")
     parser.add_argument("--reuse", action="store_true",
                         help="read the cubes already in --out instead of running")
+    if baseline:
+        parser.add_argument("--baseline", type=Path, default=None,
+                            help="a previous run's --out: its surrogate cubes too")
     args = parser.parse_args()
-    root = args.out or Path(tempfile.mkdtemp(prefix="pools_agreement_"))
+    root = args.out or Path(tempfile.mkdtemp(prefix="agreement_"))
     root.mkdir(parents=True, exist_ok=True)
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{time.strftime('%Y-%m-%d')}; P {PREFILL}, D {DECODE}, concurrency "
-          f"{CONCURRENCY}, budgets {BUDGETS}")
+          f"{time.strftime('%Y-%m-%d')}", end="; ")
+    return args, root
+
+
+def main() -> None:
+    args, root = command_line(__doc__, WORKLOADS)
+    print(f"P {PREFILL}, D {DECODE}, concurrency {CONCURRENCY}, budgets {BUDGETS}")
     print("| workload | rate | p99 ITL | p99 TTFT | goodput share at "
           f"{ITL_SLO_S * 1e3:g} ms | wall s (surrogate / simulator) |")
     print("| --- | ---: | --- | --- | --- | --- |")
