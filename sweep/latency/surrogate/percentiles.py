@@ -38,11 +38,11 @@ definition). Per band pair, ``P(TTFT <= slo)`` times the probability of no
 slow gap. A decode step is slow when many others decode beside the request,
 and who decodes changes about once per mean decode time (the occupancy of
 an M/G/infinity queue is correlated over a holding time): a request's decode
-steps are slow together, in ``1 + (O - 1) / E[O - 1]`` independent epochs,
-not each on its own (held as independent per gap, the good share of the
-seed scenario at an ITL SLO among its decode steps read 0 where the
-simulator's is 0.27: ``benchmarks/README.md``, "Goodput: a request's decode
-steps are slow together"). Slow chunk steps are counted as episodes (a
+steps are slow together, in ``1 + (O - 1) / E[O - 1]`` independent epochs
+(none where ``O`` is 1), not each on its own (held as independent per gap,
+the good share of the seed scenario at an ITL SLO among its decode steps
+read 0 where the simulator's is 0.27: ``benchmarks/README.md``, "Goodput: a
+request's decode steps are slow together"). Slow chunk steps are counted as episodes (a
 prompt whose chunk ramp exceeds the SLO slows every decoder during its
 prefill), each prompt prefilled during the request's decode being one
 chance of an episode: Poisson, ``lam`` x its decode time of them, or on a
@@ -325,8 +325,10 @@ def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
     ttft_ok = ttft_band_cdf(jnp.minimum(ttft_slo_s, _MAX_SLO_S)[None])  # (J,)
     q_dec, episode, first = slow(jnp.minimum(itl_slo_s, _MAX_SLO_S))
     gaps = jnp.maximum(wl.output_tokens - 1.0, 0.0)  # (J,) output bands
-    # decode steps slow together, in epochs of one mean decode time ("Goodput")
-    epochs = 1.0 + gaps / jnp.maximum(wl.mean_output_tokens - 1.0, 1.0)
+    # decode steps slow together, in epochs of one mean decode time
+    # ("Goodput"); none without a gap
+    epochs = (jnp.minimum(gaps, 1.0)
+              + gaps / jnp.maximum(wl.mean_output_tokens - 1.0, 1.0))
     decodes_ok = jnp.exp(epochs * jnp.log1p(-jnp.minimum(q_dec, 1.0 - 1e-6)))
     # prompts prefilled while the request decodes: lam x its decode time, in
     # mean gaps, Poisson (thinned to the slow ones); on a trace, its count
