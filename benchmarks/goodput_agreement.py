@@ -21,7 +21,6 @@ Usage: ``SWEEP_DATA_DIR=... python benchmarks/goodput_agreement.py
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import xarray as xr
@@ -46,13 +45,10 @@ def cube(root: Path, name: str, latency: str, slo: float, reuse: bool) -> xr.Dat
     unless ``reuse`` finds it under ``root``)."""
     overrides, rates = WORKLOADS[name]
     out = root / f"{name}_{latency}_{slo:g}.zarr"
-    if not (reuse and out.exists()):
-        if out.exists():
-            shutil.rmtree(out)
-        sweep_grid([*overrides, f"grid.concurrency={CONCURRENCY}",
-                    f"grid.token_budget={BUDGETS}", f"grid.arrival_rate_per_s={rates}",
-                    f"slo.itl_p99_s={slo}", f"slo.ttft_p99_s={TTFT_SLO_S}",
-                    f"latency={latency}", f"latency.num_requests={REQUESTS}"], out)
+    sweep_grid([*overrides, f"grid.concurrency={CONCURRENCY}",
+                f"grid.token_budget={BUDGETS}", f"grid.arrival_rate_per_s={rates}",
+                f"slo.itl_p99_s={slo}", f"slo.ttft_p99_s={TTFT_SLO_S}",
+                f"latency={latency}", f"latency.num_requests={REQUESTS}"], out, reuse)
     return xr.open_zarr(out).load()
 
 

@@ -42,9 +42,14 @@ WORKLOADS = {
 }
 
 
-def sweep_grid(args: list[str], out: Path) -> float:
+def sweep_grid(args: list[str], out: Path, reuse: bool = False) -> float:
     """Runs ``sweep-grid args`` into ``out`` (H100 SXM x Qwen3-8B, TP 1,
-    continuous batching); its wall seconds."""
+    continuous batching), replacing a cube there, or with ``reuse`` keeps
+    one; its wall seconds (NaN: kept)."""
+    if reuse and out.exists():
+        return float("nan")
+    if out.exists():
+        shutil.rmtree(out)
     args = ["hardware=h100_sxm", "model=qwen3_8b", "grid.tensor_parallel=[1]",
             "grid.batching=[continuous]", "grid.traffic_tokens_per_day=[1e8]",
             *args, f"out={out}"]
@@ -54,14 +59,16 @@ def sweep_grid(args: list[str], out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def grid(workload: list[str], rates: list[float], latency: str, out: Path) -> float:
-    """The pools' grid of ``workload`` at ``rates`` into ``out``; wall seconds."""
+def grid(workload: list[str], rates: list[float], latency: str, out: Path,
+         reuse: bool = False) -> float:
+    """The pools' grid of ``workload`` at ``rates`` into ``out``
+    (``sweep_grid``); wall seconds."""
     return sweep_grid([
         *workload, "grid.disaggregated=[true]", f"grid.prefill_instances={PREFILL}",
         f"grid.decode_instances={DECODE}", f"grid.concurrency={CONCURRENCY}",
         f"grid.token_budget={BUDGETS}", f"grid.arrival_rate_per_s={rates}",
         f"slo.itl_p99_s={ITL_SLO_S}", f"latency={latency}",
-        f"latency.num_requests={REQUESTS}"], out)
+        f"latency.num_requests={REQUESTS}"], out, reuse)
 
 
 def summary(errors: np.ndarray, percent: bool = True) -> str:
@@ -105,12 +112,7 @@ def main() -> None:
         cubes, walls = {}, {}
         for latency in ("surrogate", "simulate"):
             out = root / f"{name}_{latency}.zarr"
-            if args.reuse and out.exists():
-                walls[latency] = float("nan")
-            else:
-                if out.exists():
-                    shutil.rmtree(out)
-                walls[latency] = grid(overrides, rates, latency, out)
+            walls[latency] = grid(overrides, rates, latency, out, args.reuse)
             cubes[latency] = xr.open_zarr(out).load()
         sur, sim = cubes["surrogate"], cubes["simulate"]
         for rate in rates:

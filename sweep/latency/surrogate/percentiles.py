@@ -42,11 +42,11 @@ steps are slow together, in ``1 + (O - 1) / E[O - 1]`` independent epochs
 (none where ``O`` is 1), not each on its own (held as independent per gap,
 the good share of the seed scenario at an ITL SLO among its decode steps
 read 0 where the simulator's is 0.27: ``benchmarks/README.md``, "Goodput: a
-request's decode steps are slow together"). Slow chunk steps are counted as episodes (a
-prompt whose chunk ramp exceeds the SLO slows every decoder during its
-prefill), each prompt prefilled during the request's decode being one
-chance of an episode: Poisson, ``lam`` x its decode time of them, or on a
-trace's recorded arrivals the trace's own count within that window
+request's decode steps are slow together"). Slow chunk steps are counted as
+episodes (a prompt whose chunk ramp exceeds the SLO slows every decoder
+during its prefill), each prompt prefilled during the request's decode
+being one chance of an episode: Poisson, ``lam`` x its decode time of them,
+or on a trace's recorded arrivals the trace's own count within that window
 (``bursts.trace_counts``), which a burst crowds.
 
 Kernel spreads are derivatives taken in forward mode and held constant in
@@ -319,6 +319,12 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
     return cdf, sf, 0.25 * jnp.min(dec), hi, slow
 
 
+def _log_none(p):
+    """``log(1 - p)``, ``p`` held below 1: the log-probability that an event
+    of probability ``p`` does not happen."""
+    return jnp.log1p(-jnp.minimum(p, 1.0 - 1e-6))
+
+
 def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
     """Share of requests meeting both SLOs (the simulator's goodput rule)."""
     dtype = wl.band_probs.dtype
@@ -329,7 +335,7 @@ def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
     # ("Goodput"); none without a gap
     epochs = (jnp.minimum(gaps, 1.0)
               + gaps / jnp.maximum(wl.mean_output_tokens - 1.0, 1.0))
-    decodes_ok = jnp.exp(epochs * jnp.log1p(-jnp.minimum(q_dec, 1.0 - 1e-6)))
+    decodes_ok = jnp.exp(epochs * _log_none(q_dec))
     # prompts prefilled while the request decodes: lam x its decode time, in
     # mean gaps, Poisson (thinned to the slow ones); on a trace, its count
     # of arrivals within that window by band, each slow or not
@@ -337,10 +343,10 @@ def good_fraction(ttft_band_cdf, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s):
     slow_prompt = wl.band_probs @ episode
     no_episode = jnp.exp(-exposure * slow_prompt)
     if carries_trace(wl):
-        counts, probs = jax.vmap(lambda x: at_window(wl.trace_counts, x))(exposure)
-        on_trace = jnp.exp(counts * jnp.log1p(-jnp.minimum(slow_prompt, 1.0 - 1e-6)))
-        no_episode = ((1.0 - wl.trace_arrivals) * no_episode
-                      + wl.trace_arrivals * (on_trace @ probs[0]))
+        counts, probs = jax.vmap(at_window, in_axes=(None, 0), out_axes=(0, None))(
+            wl.trace_counts, exposure)
+        no_episode = ((1.0 - wl.trace_arrivals) * no_episode + wl.trace_arrivals
+                      * (jnp.exp(counts * _log_none(slow_prompt)) @ probs))
     gaps_ok = decodes_ok * no_episode
     # a first gap only where the request has one
     gaps_ok = gaps_ok * jnp.where(gaps > 0, 1.0 - first, 1.0)
