@@ -121,3 +121,46 @@ def test_exact_replay_truncates_overlong_prompts(replayed):
     assert_figures(cube, expect([(1000, 4), (2046, 2), (500, 6), (2038, 10)]))
     assert float(cube.rejected_fraction) == 0.0
     assert bool(cube.slo_met)
+
+
+def test_surrogate_reads_the_stretch_the_simulator_replays(tmp_path):
+    """A trace whose first 20 rows (short prompts, 2 s apart) differ from the
+    rest (long prompts, 0.5 s apart): with ``latency.num_requests=20`` the
+    surrogate describes those 20 rows at their own pace, the pace the
+    simulator replays them at. So it equals the surrogate of a trace of those
+    20 rows alone at the target rate times that pace, worked out here:
+    (19 gaps / 38 s) over the whole trace's (39 gaps / 48 s)."""
+    rows = ([(2_000 * i, 200, 20) for i in range(20)]
+            + [(38_000 + 500 * (i + 1), 6000, 20) for i in range(20)])
+    pace = (19 / 38) / (39 / 48)
+    folder = tmp_path / "conf" / "workload"
+    folder.mkdir(parents=True)
+    for name, kept in (("whole", rows), ("first", rows[:20])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"ts_ms": t, "input_length": p,
+                                            "output_length": o}) + "\n"
+                                for t, p, o in kept))
+        (folder / f"{name}.yaml").write_text(WORKLOAD.format(
+            name=name, path=path, overlong="reject"))
+
+    def surrogate(name, rate):
+        out = tmp_path / f"{name}.zarr"
+        proc = run_script("sweep-grid", [
+            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "hardware=h100_sxm",
+            "model=qwen3_8b", f"workload={name}", "grid.tensor_parallel=[1]",
+            "grid.concurrency=[8]", "grid.token_budget=[2048]",
+            "grid.batching=[continuous]", "grid.context_tokens=[1500]",
+            "grid.long_prompt_tokens=[1024]", "grid.traffic_tokens_per_day=[1e8]",
+            f"grid.arrival_rate_per_s=[{rate!r}]", "latency=surrogate",
+            "latency.num_requests=20", "calibration=roofline", f"out={out}"],
+            tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return sweep.open_cube(out).load().squeeze()
+
+    whole, first = surrogate("whole", 2.0), surrogate("first", 2.0 * pace)
+    for name in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s",
+                 "goodput_req_per_s"):
+        np.testing.assert_allclose(float(whole[name]), float(first[name]),
+                                   rtol=1e-5, err_msg=name)
+    # the 6,000-token prompts beyond the stretch are not in it
+    assert float(whole.ttft_p99_s) < 2 * alone(200, 20)[0] < alone(6000, 20)[0]

@@ -23,6 +23,10 @@ roofline-only axes (context, long prompt, traffic): its variables live on
   (``sweep.latency.disaggregated.pools``).
   With ``grid.sensitivity=true`` each point also carries the elasticities of
   its p99 TTFT and ITL to the hardware and calibration constants.
+  Of a trace it reads what the simulator replays: the first
+  ``latency.num_requests`` rows (exact replay) or offsets, a shorter trace
+  repeated, at that stretch's own pace (``arrivals.replayed_tables``): the
+  two backends describe the same requests.
 
 Prefix caching from a trace's block hashes (``workload.trace.hash_column``):
 the simulator takes each request's hits from an LRU cache the size of the
@@ -65,7 +69,7 @@ from sweep.config.schema import (
 from sweep.cube import contract
 from sweep.cube import status as flags
 from sweep.grid.evaluate import Part, blocking, write_blocking
-from sweep.latency.arrivals import request_hits, workload_requests
+from sweep.latency.arrivals import replayed_tables, request_hits, workload_requests
 from sweep.latency.disaggregated import (
     SurrogateEngine,
     no_link,
@@ -176,9 +180,11 @@ class SurrogatePoint:
     ``served`` describes the requests this model serves of the workload,
     ``pooled`` the same requests as a disaggregated deployment's pools see
     them (``sweep.latency.disaggregated.pool_workloads``), ``rejected`` the
-    share it rejects; the served ones arrive at ``arrival_rate_per_s * (1 -
-    rejected)``. The ``workload`` axis's own input is unused (the tables
-    carry the workload). Which surrogates are compiled is static:
+    share it rejects; the served ones arrive at ``arrival_rate_per_s * pace *
+    (1 - rejected)``, ``pace`` the replayed stretch of a trace's own rate
+    over the whole trace's (``arrivals.replayed_tables``; 1 without one). The
+    ``workload`` axis's own input is unused (the tables carry the
+    workload). Which surrogates are compiled is static:
     ``aggregated`` when the grid lists aggregated points, ``pools`` when it
     lists disaggregated ones. With ``sensitivity`` the p99s' elasticities
     too (``sweep.model.sensitivity.differences``), NaN where the
@@ -193,7 +199,7 @@ class SurrogatePoint:
                  token_budget, batching, weight_dtype, kv_dtype, spec_tokens,
                  spec_acceptance, spec_proposer, prefix_caching, disaggregated,
                  prefill_instances, decode_instances, prefill_tensor_parallel,
-                 arrival_rate_per_s, served, pooled, rejected, prefix_hit,
+                 arrival_rate_per_s, served, pooled, rejected, pace, prefix_hit,
                  prefix_curve, pool_curve, slo):
         del workload
         model = roofline.with_proposer(precision.apply(model, weight_dtype, kv_dtype),
@@ -206,7 +212,7 @@ class SurrogatePoint:
         hit, pool_hit = (jnp.where(prefix_caching > 0, jnp.maximum(
             prefix_hit, roofline.lru_hit_fraction(c, *curve)), 0.0)
             for c, curve in ((capacity, prefix_curve), (pool_capacity, pool_curve)))
-        rate = arrival_rate_per_s * (1.0 - rejected)
+        rate = arrival_rate_per_s * pace * (1.0 - rejected)
         split = disaggregated > 0
 
         def figures(hw):
@@ -242,12 +248,21 @@ class SurrogatePoint:
                 | {k: jnp.where(steady, v, jnp.nan) for k, v in elasticity.items()})
 
 
-def served_requests(tables: WorkloadTables, workload: Workload, model: Model
+def served_requests(tables: WorkloadTables, workload: Workload, model: Model,
+                    num_requests: int | None = None,
                     ) -> tuple[WorkloadTables, bool, float, np.ndarray | None]:
     """The length tables of the requests ``model`` serves, whether they pair
     prompts with outputs as recorded (exact replay), the share rejected
     (``sweep.latency.workload.served_tables``), and the arrival times the
-    served requests replay (``workload.arrival=trace``; None: Poisson)."""
+    served requests replay (``workload.arrival=trace``; None: Poisson).
+
+    ``num_requests``: of a trace, the requests a stream of that many replays
+    (``arrivals.replayed_tables``: a grid's surrogate reads what its
+    simulator would); None: the whole trace (the optimizer's search, whose
+    verification streams differ in length by candidate).
+    """
+    if num_requests is not None:
+        tables = replayed_tables(tables, workload, num_requests)[0]
     exact = workload.replay == Replay.exact
     served, rejected = served_tables(
         tables, float(model.max_context_tokens),
@@ -405,7 +420,8 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
         split = app.grid.axes["disaggregated"]
         fn = SurrogatePoint(app.grid.sensitivity, aggregated=min(split) == 0,
                             pools=max(split) > 0)
-        served = [[served_requests(t, w, m) for w, t in zip(workloads, tables)]
+        n = app.latency.num_requests
+        served = [[served_requests(t, w, m, n) for w, t in zip(workloads, tables)]
                   for m in models]
 
         # a grid without recorded arrivals compiles none of their terms;
@@ -428,6 +444,8 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
                               if split_points else []),
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
+            "pace": (np.array([replayed_tables(t, w, n)[1] for w, t in
+                               zip(workloads, tables)], np.float32), ("workload",)),
             "prefix_hit": prefix_hit,
             "prefix_curve": (tuple(map(by_model,
                                        padded_curves([c and c[1] for c in caches]))),
