@@ -154,3 +154,21 @@ def test_bad_trace_through_the_cli(tmp_path, trace, extra, pattern):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(pattern, lines[0]), proc.stderr
     assert not (tmp_path / "c.zarr").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_lengths_without_timestamps_feed_poisson_arrivals(tmp_path):
+    """A file of lengths alone (as ShareGPT's and Vidur's are) under a
+    workload whose config names a timestamp column: with Poisson arrivals
+    the column is not read; replaying its arrivals still needs it (one line)."""
+    path = tmp_path / "lengths.csv"
+    path.write_text("prompt,output\n100,10\n300,30\n300,5\n")
+    tables = workload_tables(trace_workload(path, arrival=ArrivalKind.poisson,
+                                            replay=Replay.exact))
+    assert tables.trace_arrival_s is None
+    np.testing.assert_array_equal(tables.pairs, [[100, 10], [300, 30], [300, 5]])
+    np.testing.assert_allclose(tables.prompt_probs, [1 / 3, 2 / 3])
+    with pytest.raises(ConfigError, match=r"^workload\.trace\[lengths\.csv\]: missing "
+                       r"column\(s\) \['t'\]; the file has \['prompt', 'output'\]; t "
+                       r"is the timestamp column .* allowed without one: "
+                       r"workload\.arrival=poisson$"):
+        workload_tables(trace_workload(path))

@@ -178,25 +178,33 @@ def _numbers(col: _Column) -> np.ndarray:
     return v
 
 
-def load_trace(trace: Trace, data_dir: str | None = None) -> TraceData:
+def load_trace(trace: Trace, data_dir: str | None = None,
+               timestamps: bool = True) -> TraceData:
     """Reads and checks a trace file; raises ``ConfigError`` on bad content.
 
-    Data rows are counted from 1 (the header is not a row).
+    Data rows are counted from 1 (the header is not a row). Without
+    ``timestamps`` (Poisson arrivals) the timestamp column is neither needed
+    nor read: a file of lengths alone (ShareGPT's, Vidur's) feeds a workload
+    whose config names one.
     """
     path = resolve_trace_path(trace.path, data_dir)
     df, lines = _frame(path, trace.format)
     header = list(df.columns)
-    wanted = [c for c in (trace.timestamp_column, trace.prompt_column,
+    stamp = trace.timestamp_column if timestamps else ""
+    wanted = [c for c in (stamp, trace.prompt_column,
                           trace.output_column, trace.hash_column) if c]
     missing = [c for c in wanted if c not in header]
     if missing:
         raise ConfigError(
             f"workload.trace[{path.name}]: missing column(s) {missing}; "
-            f"the file has {header}"
-        )
+            f"the file has {header}" + (
+                f"; {stamp} is the timestamp column (workload.trace."
+                "timestamp_column) that arrival=trace replays: name another, or "
+                "allowed without one: workload.arrival=poisson"
+                if stamp in missing else ""))
     arrival = None
-    if trace.timestamp_column:
-        col = _Column(df, lines, trace.timestamp_column, path)
+    if stamp:
+        col = _Column(df, lines, stamp, path)
         arrival = _timestamps_s(col, trace.timestamp_unit)
         col.refuse(np.diff(arrival, prepend=0.0) < 0, "timestamps decrease")
     lengths = {}
@@ -326,7 +334,8 @@ def workload_tables(w: Workload, data_dir: str | None = None) -> WorkloadTables:
     Raises:
       ConfigError: a trace that cannot feed this workload (one line).
     """
-    trace = load_trace(w.trace, data_dir) if w.trace is not None else None
+    trace = (load_trace(w.trace, data_dir, w.arrival == ArrivalKind.trace)
+             if w.trace is not None else None)
     cols = trace.columns if trace is not None else {}
     prompt = cols.get(w.trace.prompt_column) if trace else None
     output = cols.get(w.trace.output_column) if trace else None
