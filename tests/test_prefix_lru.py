@@ -450,8 +450,10 @@ def test_sweep_optimize_gives_each_replica_its_own_cache(tmp_path):
     rows = trace.read_text().splitlines()
     t = np.array([json.loads(line)["timestamp"] for line in rows], np.float64)
     share = (t[half - 1] - t[0]) / (t[-1] - t[0])
-    assert (f"first {half:,} of {ROWS:,} arrivals ({share:.1%} of its span)"
-            in optimize.trace_coverage(job, half))
+    # at those rows' own pace: their mean rate over the whole trace's
+    pace = ((half - 1) / (t[half - 1] - t[0])) / ((ROWS - 1) / (t[-1] - t[0]))
+    assert (f"first {half:,} of {ROWS:,} arrivals ({share:.1%} of its span) at "
+            f"{pace:.2f}x the target rate" in optimize.trace_coverage(job, half))
     assert optimize.trace_coverage(job, ROWS) is None
 
     key = jax.random.key(0)
