@@ -146,6 +146,18 @@ def workload_requests(key, workload: Workload, workload_tables: WorkloadTables,
                            workload_tables.trace_arrival_s if trace else None)
 
 
+def stretch_pace(recorded_s: np.ndarray, num_requests: int) -> float:
+    """The mean rate of a stream's first ``num_requests`` offsets of a trace
+    (``_trace_arrivals_s``: a shorter trace repeated) over the trace's own:
+    the share of the target rate they arrive at, once stretched by the whole
+    trace's mean rate."""
+    if num_requests < 2:
+        return 1.0
+    offsets = _trace_arrivals_s(recorded_s, num_requests)
+    t = np.asarray(recorded_s, np.float64)
+    return float((num_requests - 1) / offsets[-1] / ((len(t) - 1) / (t[-1] - t[0])))
+
+
 def replayed_tables(tables: WorkloadTables, workload: Workload, num_requests: int
                     ) -> tuple[WorkloadTables, float]:
     """What a stream of ``num_requests`` replays of a trace (``workload_requests``),
@@ -166,8 +178,7 @@ def replayed_tables(tables: WorkloadTables, workload: Workload, num_requests: in
     pace = 1.0
     if trace and recorded is not None:
         offsets = _trace_arrivals_s(recorded, num_requests)
-        pace = ((num_requests - 1) / offsets[-1] if num_requests > 1 else 1.0) / (
-            (len(recorded) - 1) / (recorded[-1] - recorded[0]))
+        pace = stretch_pace(recorded, num_requests)
     if not exact:
         if trace and recorded is not None:
             tables = replace(tables, trace_arrival_s=offsets)

@@ -81,10 +81,10 @@ from sweep.grid.plan import optimize_plan
 from sweep.latency import prefix_cache
 from sweep.latency.arrivals import (
     Requests,
-    replayed_tables,
     request_hits,
     route,
     split,
+    stretch_pace,
     workload_requests,
 )
 from sweep.latency.p99 import served_workload
@@ -658,14 +658,14 @@ def trace_coverage(job: OptimizeJob, requests: int) -> str | None:
     """A note when the simulated requests replay only part of the trace's
     recorded arrivals (``workload.arrival=trace``): a bursty trace's p99
     depends on which of its bursts the simulated rows hold, and those rows
-    run at their own pace (``arrivals.replayed_tables``). None otherwise."""
+    run at their own pace (``arrivals.stretch_pace``). None otherwise."""
     w = job.app.workload
     t = (job.tables.pair_arrival_s if w.replay == Replay.exact
          else job.tables.trace_arrival_s)
     if w.arrival != ArrivalKind.trace or t is None or requests >= len(t):
         return None
     share = (t[requests - 1] - t[0]) / (t[-1] - t[0])
-    pace = replayed_tables(job.tables, w, requests)[1]
+    pace = stretch_pace(t, requests)
     return (f"  the simulated requests replay the trace's first {requests:,} of "
             f"{len(t):,} arrivals ({share:.1%} of its span) at {pace:.2f}x the "
             "target rate (the search read the whole trace at it), and its bursts "
