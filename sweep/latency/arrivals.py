@@ -151,11 +151,15 @@ def stretch_pace(recorded_s: np.ndarray, num_requests: int) -> float:
     (``_trace_arrivals_s``: a shorter trace repeated) over the trace's own:
     the share of the target rate they arrive at, once stretched by the whole
     trace's mean rate."""
-    if num_requests < 2:
+    return _pace(recorded_s, _trace_arrivals_s(recorded_s, num_requests))
+
+
+def _pace(recorded_s: np.ndarray, offsets: np.ndarray) -> float:
+    """``stretch_pace`` of the stream's ``offsets`` (1 for one request)."""
+    if len(offsets) < 2:
         return 1.0
-    offsets = _trace_arrivals_s(recorded_s, num_requests)
     t = np.asarray(recorded_s, np.float64)
-    return float((num_requests - 1) / offsets[-1] / ((len(t) - 1) / (t[-1] - t[0])))
+    return float((len(offsets) - 1) / offsets[-1] / ((len(t) - 1) / (t[-1] - t[0])))
 
 
 def replayed_tables(tables: WorkloadTables, workload: Workload, num_requests: int
@@ -175,14 +179,14 @@ def replayed_tables(tables: WorkloadTables, workload: Workload, num_requests: in
     exact = workload.replay == Replay.exact and tables.pairs is not None
     trace = workload.arrival == ArrivalKind.trace
     recorded = tables.pair_arrival_s if exact else tables.trace_arrival_s
-    pace = 1.0
+    offsets, pace = None, 1.0
     if trace and recorded is not None:
         offsets = _trace_arrivals_s(recorded, num_requests)
-        pace = stretch_pace(recorded, num_requests)
+        pace = _pace(recorded, offsets)
     if not exact:
-        if trace and recorded is not None:
+        if offsets is not None:
             tables = replace(tables, trace_arrival_s=offsets)
-        return tables, float(pace)
+        return tables, pace
     rows = np.arange(num_requests) % len(tables.pairs)
     pairs = tables.pairs[rows]
     pv, pp = np.unique(pairs[:, 0], return_counts=True)
@@ -193,8 +197,8 @@ def replayed_tables(tables: WorkloadTables, workload: Workload, num_requests: in
                    prompt_probs=pp / len(rows), output_values=ov.astype(np.float64),
                    output_probs=op / len(rows),
                    pairs=pairs, pair_hashes=hashes,
-                   pair_arrival_s=offsets if trace and recorded is not None
-                   else tables.pair_arrival_s), float(pace)
+                   pair_arrival_s=tables.pair_arrival_s if offsets is None
+                   else offsets), pace
 
 
 HIT_STREAM = 2

@@ -248,21 +248,12 @@ class SurrogatePoint:
                 | {k: jnp.where(steady, v, jnp.nan) for k, v in elasticity.items()})
 
 
-def served_requests(tables: WorkloadTables, workload: Workload, model: Model,
-                    num_requests: int | None = None,
+def served_requests(tables: WorkloadTables, workload: Workload, model: Model
                     ) -> tuple[WorkloadTables, bool, float, np.ndarray | None]:
     """The length tables of the requests ``model`` serves, whether they pair
     prompts with outputs as recorded (exact replay), the share rejected
     (``sweep.latency.workload.served_tables``), and the arrival times the
-    served requests replay (``workload.arrival=trace``; None: Poisson).
-
-    ``num_requests``: of a trace, the requests a stream of that many replays
-    (``arrivals.replayed_tables``: a grid's surrogate reads what its
-    simulator would); None: the whole trace (the optimizer's search, whose
-    verification streams differ in length by candidate).
-    """
-    if num_requests is not None:
-        tables = replayed_tables(tables, workload, num_requests)[0]
+    served requests replay (``workload.arrival=trace``; None: Poisson)."""
     exact = workload.replay == Replay.exact
     served, rejected = served_tables(
         tables, float(model.max_context_tokens),
@@ -420,8 +411,11 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
         split = app.grid.axes["disaggregated"]
         fn = SurrogatePoint(app.grid.sensitivity, aggregated=min(split) == 0,
                             pools=max(split) > 0)
-        n = app.latency.num_requests
-        served = [[served_requests(t, w, m, n) for w, t in zip(workloads, tables)]
+        # of a trace, the stretch the simulator replays (not the optimizer's
+        # search: its verification streams differ in length by candidate)
+        replayed = [replayed_tables(t, w, app.latency.num_requests)
+                    for w, t in zip(workloads, tables)]
+        served = [[served_requests(t, w, m) for w, (t, _) in zip(workloads, replayed)]
                   for m in models]
 
         # a grid without recorded arrivals compiles none of their terms;
@@ -444,8 +438,8 @@ def part(app: GridApp, workloads, tables, streams, models, inputs, coords):
                               if split_points else []),
             "rejected": (np.array([[s[2] for s in row] for row in served], np.float32),
                          ("model", "workload")),
-            "pace": (np.array([replayed_tables(t, w, n)[1] for w, t in
-                               zip(workloads, tables)], np.float32), ("workload",)),
+            "pace": (np.array([pace for _, pace in replayed], np.float32),
+                     ("workload",)),
             "prefix_hit": prefix_hit,
             "prefix_curve": (tuple(map(by_model,
                                        padded_curves([c and c[1] for c in caches]))),
