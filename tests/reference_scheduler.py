@@ -231,6 +231,9 @@ class ReferenceResult:
     # per request, the cached prefix its (first) admission found (None: the
     # disaggregated reference's)
     hit_tokens: np.ndarray | None = None
+    # per step, the requests running in it and its duration (None: the
+    # disaggregated reference's)
+    running_s: np.ndarray | None = None
 
 
 def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
@@ -272,6 +275,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
     preempted: list[_Req] = []  # the last preempted is readmitted first
     running: list[_Req] = []  # admission order
     t, steps, preemptions, oversize = 0.0, 0, 0, False
+    running_s = []
     batch_open = False
     remaining = len(waiting)
 
@@ -341,12 +345,14 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         kv_read = sum(contexts) + sum(p for _, _, p in chunks)
         keys = (sum((k + 1) * c + k * (k + 1) / 2.0 for c in contexts)
                 + sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks))
+        start = t
         t += step_time_s(hw, model, tp, new, kv_read, keys,
                          len(decodes) + len(chunks))
         t += draft_time_s(hw, model, tp, len(decodes), sum(contexts), k,
                           sum(m for _, m, _ in chunks), sum(p for _, _, p in chunks),
                           sum(m * p + m * (m + 1) / 2.0 for _, m, p in chunks))
         steps += 1
+        running_s.append((len(running), t - start))
 
         def emit(r):
             if r.emitted == 0:
@@ -397,6 +403,7 @@ def simulate_reference(hw, model, tp, concurrency, token_budget, arrival_s,
         oversize=oversize,
         rejected=rejected,
         hit_tokens=np.array([r.hit for r in by_index]),
+        running_s=np.array(running_s, np.float64).reshape(-1, 2),
     )
 
 

@@ -63,6 +63,24 @@ __all__ = ["BAND_EDGES", "LatencyWorkload", "Link", "cached_workload",
            "latency_workload", "speculative_workload", "surrogate"]
 
 
+def engine_state(hw, model, tp, wl, concurrency, token_budget, lam, spec_tokens,
+                 cached_tokens):
+    """One engine's steady state at an admitted rate: ``(slots, kv_mean_slots,
+    n, state, d state / d n, queue)``, its slots (``state.slot_count``), the
+    mean decodes (``state.solve_decodes``) with the state there and its slope
+    in them, and the admission queue (``waiting.slot_queue``)."""
+    mean_decodes = wl.mean_output_tokens - 1.0
+    slots, kv_mean_slots = slot_count(hw, model, tp, wl, concurrency)
+
+    def state_at(decodes, rate):
+        return steady_state(hw, model, tp, wl, decodes, token_budget, rate,
+                            spec_tokens, cached_tokens)
+
+    n, st, d_st = solve_decodes(lambda d: state_at(d, lam), lam, mean_decodes, slots)
+    queue = slot_queue(state_at, st, d_st, n, lam, mean_decodes, slots)
+    return slots, kv_mean_slots, n, st, d_st, queue
+
+
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
               spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
@@ -132,17 +150,10 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     wl, cached = cached_workload(wl, h, roofline.kv_capacity_tokens(hw, model, tp))
     w = wl.band_probs
     mean_decodes = wl.mean_output_tokens - 1.0
-    slots, kv_mean_slots = slot_count(hw, model, tp, wl, conc)
-
-    def state(n):
-        return steady_state(hw, model, tp, wl, n, budget, lam, k, cached)
-
-    n, st, d_st = solve_decodes(state, lam, mean_decodes, slots)
+    slots, kv_mean_slots, n, st, d_st, queue = engine_state(
+        hw, model, tp, wl, conc, budget, lam, k, cached)
     slot_util, utilization, rate = throughput(st, wl, lam, mean_decodes, slots)
     gap_s = tagged_gap_s(st, d_st, n, slots)
-    queue = slot_queue(
-        lambda d, rate: steady_state(hw, model, tp, wl, d, budget, rate, k, cached),
-        st, d_st, lam, mean_decodes, slots)
     _, per_token = jax.jvp(
         lambda p: prefill_work(hw, model, tp, wl, n, budget, p, k, cached).fluid_s,
         (wl.prompt_tokens,), (jnp.ones_like(wl.prompt_tokens),))

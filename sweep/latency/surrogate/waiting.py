@@ -224,10 +224,11 @@ class SlotQueue(NamedTuple):
     p_wait: jax.Array  # probability that an arrival finds every slot taken
     full_util: jax.Array  # offered rate / the rate the slots serve when all taken
     full_residence_s: jax.Array  # a slot's mean holding time when all are taken
+    dispersion: jax.Array  # the occupancy's variance over its mean, below the slots
 
 
-def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
-                slots) -> SlotQueue:
+def slot_queue(state_at, st: State, d_st: State, decodes, lam, mean_decodes,
+               slots) -> SlotQueue:
     """Requests holding a slot: a birth-death chain whose holding time grows
     with the occupancy, and the queue beyond the slots.
 
@@ -239,10 +240,24 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
     holding-time law (Kelly 1979, *Reversibility and Stochastic Networks*,
     ch. 3): ``pi(k) ~ prod_j lam R(j) / j``, a negative binomial of mean
     ``k*`` and variance ``k* / (1 - lam R' )`` (Poisson, hence Erlang C, when
-    ``R' = 0``). Once every slot is taken, requests queue and the slots serve
-    at their saturated rate ``lam_sat`` (where ``lam R_full(lam) = slots``,
-    ``R_full`` the holding time with every slot taken, linear in ``lam``), so
-    the queue's states decay by ``q = lam / lam_sat`` each:
+    ``R' = 0``). ``R`` grows with ``k`` two ways: a request more holds
+    ``decode_share`` decodes more, each step carrying them; and ``k`` above
+    ``k*`` means the arrivals of the last holding time came faster (``k /
+    R`` a second), whose prefills' chunk steps stall every decode: the
+    decode time's elasticity in the rate, over ``R``. Each amplifies the
+    count's variance, ``1 - theta = (1 - lam R'_decodes) (1 - elasticity)``.
+    Without the second the chain's variance was 1.2-1.7x its mean where the
+    Python reference scheduler's occupancy varied 1.5-2.9x (ShareGPT
+    lengths, H100 + Llama-3.1-8B, 3-7 req/s); with it 1.3-2.6x (summed
+    instead of compounded, 1.4-4.0x: ``benchmarks/README.md``, "The slot
+    queue's dispersion"). Once every slot is taken, requests queue and the
+    slots serve at their saturated rate ``lam_sat`` (where ``lam R_full(lam)
+    = slots``, ``R_full`` the holding time with every slot taken, linear in
+    ``lam``; its prefill wait the mean state's: a budget shared with every
+    slot's decodes can saturate the prefill server, whose wait, minutes long
+    at ``n_full`` on long prompts at budget 512, the slots relieve by
+    decoding fewer), so the queue's states decay by ``q = lam / lam_sat``
+    each:
     ``P(wait) = (pi(c) / (1 - q)) / (P(N < c) + pi(c) / (1 - q))``.
     The mean-field utilisation ``lam R / c`` would put ``q`` lower (the prompts
     that queue behind a burst slow every running request's steps), and
@@ -252,18 +267,31 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
     # the share of a slot's holding time spent decoding (n / occupancy, by
     # Little's law; defined at zero load too)
     decode_share = safe_div(mean_decodes * st.step_s, st.residence_s)
-    # theta = lam R', each request more holding decode_share decodes more; at
-    # least 0.02 (a little above Erlang C: on the high side), at most 0.9
-    theta = jnp.clip(lam * d_st.residence_s * decode_share, 0.02, 0.9)
     n_full = slots * decode_share
-    full, d_full = jax.jvp(lambda rate: state_at(n_full, rate).residence_s, (lam,),
-                           (jnp.ones_like(lam),))
+
+    def at(d, rate):  # the decode time and the holding without the prefill wait
+        s = state_at(d, rate)
+        return s.step_s * mean_decodes, s.residence_s - s.mean_wait_s
+
+    # both along the rate, at the mean decodes and at the full slots' (one trace)
+    (_, full), (d_decode, d_full) = jax.vmap(
+        lambda d: jax.jvp(lambda rate: at(d, rate), (lam,), (jnp.ones_like(lam),))
+    )(jnp.stack([decodes, n_full]))
+    elasticity = safe_div(lam * jnp.maximum(jax.lax.stop_gradient(d_decode[0]), 0.0),
+                          st.residence_s)
+    # the two amplify the count's variance in turn: 1 - theta = (1 - lam R'
+    # decode_share) (1 - elasticity); at least 0.02 (a little above Erlang C:
+    # on the high side), at most 0.9
+    by_decodes = jnp.clip(lam * d_st.residence_s * decode_share, 0.0, 0.9)
+    theta = jnp.clip(by_decodes + elasticity * (1.0 - by_decodes), 0.02, 0.9)
+    full, d_full = full[1] + st.mean_wait_s, d_full[1]
     d_full = jnp.maximum(jax.lax.stop_gradient(d_full), 0.0)
     # lam_sat R_full(lam_sat) = slots, R_full linear in the rate around lam
     b = full - d_full * lam
     lam_sat = 2.0 * slots / (b + safe_sqrt(b * b + 4.0 * d_full * slots))
     full_util = lam / lam_sat
-    return SlotQueue(p_wait(occupancy, theta, slots, full_util), full_util, full)
+    return SlotQueue(p_wait(occupancy, theta, slots, full_util), full_util, full,
+                     1.0 / (1.0 - theta))
 
 
 def p_wait(occupancy, theta, slots, full_util):
