@@ -337,8 +337,8 @@ def test_occupancy_disperses_as_the_reference_schedulers(setup, rate):
     The chain's variance over its mean (``waiting.slot_queue``) against the
     Python reference scheduler's, time-weighted over its steps: ShareGPT
     lengths, 6,000 Poisson requests, concurrency 64 (never full), budget
-    8192, float64. The reference measures 2.10 and 2.77; the chain reads 1.86
-    and 2.86, and without the rate's share read 1.43 and 1.84
+    8192, float64. The reference measures 2.10 and 2.77; the chain reads 1.84
+    and 2.78, and without the rate's share read 1.43 and 1.84
     (``benchmarks/README.md``, "The slot queue's dispersion")."""
     from reference_scheduler import simulate_reference
 

@@ -227,7 +227,7 @@ class SlotQueue(NamedTuple):
     dispersion: jax.Array  # the occupancy's variance over its mean, below the slots
 
 
-def slot_queue(state_at, st: State, d_st: State, decodes, lam, mean_decodes,
+def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
                slots) -> SlotQueue:
     """Requests holding a slot: a birth-death chain whose holding time grows
     with the occupancy, and the queue beyond the slots.
@@ -269,22 +269,28 @@ def slot_queue(state_at, st: State, d_st: State, decodes, lam, mean_decodes,
     decode_share = safe_div(mean_decodes * st.step_s, st.residence_s)
     n_full = slots * decode_share
 
-    def at(d, rate):  # the decode time and the holding without the prefill wait
-        s = state_at(d, rate)
-        return s.step_s * mean_decodes, s.residence_s - s.mean_wait_s
-
-    # both along the rate, at the mean decodes and at the full slots' (one trace)
-    (_, full), (d_decode, d_full) = jax.vmap(
-        lambda d: jax.jvp(lambda rate: at(d, rate), (lam,), (jnp.ones_like(lam),))
-    )(jnp.stack([decodes, n_full]))
-    elasticity = safe_div(lam * jnp.maximum(jax.lax.stop_gradient(d_decode[0]), 0.0),
-                          st.residence_s)
+    # the decode time's elasticity in the rate at the same decodes, from the
+    # state's own terms: each arrival a second more takes its prefill's
+    # ``alone`` seconds (``rho / lam`` of them) from the decode steps of
+    # ``decode_s`` and adds its chunk steps, ``lam d step / d lam = step^2
+    # (rho / decode_s - prefill_steps)`` (the blend of chunk sizes and the
+    # slack held fixed)
+    elasticity = safe_div(
+        mean_decodes * st.step_s**2 * jnp.maximum(
+            safe_div(st.prefill_util, st.decode_s) - st.prefill_steps_per_s, 0.0),
+        st.residence_s)
     # the two amplify the count's variance in turn: 1 - theta = (1 - lam R'
     # decode_share) (1 - elasticity); at least 0.02 (a little above Erlang C:
     # on the high side), at most 0.9
     by_decodes = jnp.clip(lam * d_st.residence_s * decode_share, 0.0, 0.9)
     theta = jnp.clip(by_decodes + elasticity * (1.0 - by_decodes), 0.02, 0.9)
-    full, d_full = full[1] + st.mean_wait_s, d_full[1]
+
+    def holding(rate):  # without the prefill wait (the mean state's, below)
+        s = state_at(n_full, rate)
+        return s.residence_s - s.mean_wait_s
+
+    full, d_full = jax.jvp(holding, (lam,), (jnp.ones_like(lam),))
+    full = full + st.mean_wait_s
     d_full = jnp.maximum(jax.lax.stop_gradient(d_full), 0.0)
     # lam_sat R_full(lam_sat) = slots, R_full linear in the rate around lam
     b = full - d_full * lam
