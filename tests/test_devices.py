@@ -82,10 +82,15 @@ def test_four_host_devices_give_the_one_device_cube(tmp_path):
         with xr.open_zarr(tmp_path / f"{name}4.zarr") as ds:
             four_ds = _values(ds)
         # the p99 part's floats (on the arrival-rate axis) within a few float32
-        # units in the last place; everything else bit for bit
+        # units in the last place, of each value or of the variable's largest
+        # (a goodput that is a tail probability of the rate, 3e-4 req/s, is
+        # exact only to the probability's own units); everything else bit for bit
         loose = [v for v, a in one.data_vars.items()
                  if "arrival_rate_per_s" in a.dims and a.dtype.kind == "f"]
         for v in loose:
-            np.testing.assert_allclose(four_ds[v], one[v], rtol=1e-5, err_msg=v)
+            scale = float(np.nanmax(np.abs(one[v].values), initial=0.0))
+            np.testing.assert_allclose(four_ds[v], one[v], rtol=1e-5,
+                                       atol=4 * np.finfo(np.float32).eps * scale,
+                                       err_msg=v)
         xr.testing.assert_identical(four_ds.drop_vars(loose), one.drop_vars(loose))
 
