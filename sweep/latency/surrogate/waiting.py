@@ -248,7 +248,7 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
     count's variance, ``1 - theta = (1 - lam R'_decodes) (1 - elasticity)``.
     Without the second the chain's variance was 1.2-1.7x its mean where the
     Python reference scheduler's occupancy varied 1.5-2.9x (ShareGPT
-    lengths, H100 + Llama-3.1-8B, 3-7 req/s); with it 1.3-2.6x (summed
+    lengths, H100 + Llama-3.1-8B, 3-7 req/s); with it 1.3-2.5x (summed
     instead of compounded, 1.4-4.0x: ``benchmarks/README.md``, "The slot
     queue's dispersion"). Once every slot is taken, requests queue and the
     slots serve at their saturated rate ``lam_sat`` (where ``lam R_full(lam)
