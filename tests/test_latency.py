@@ -26,12 +26,15 @@ from sweep.latency.arrivals import sample_requests
 from sweep.latency.simulate import simulate
 from sweep.latency.surrogate import (
     BAND_EDGES,
+    cached_workload,
+    engine_state,
     latency_workload,
     surrogate,
 )
 from sweep.latency.surrogate.waiting import _wait_lattice, p_wait
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import _numerics as nm
+from sweep.model import roofline
 from sweep.model.params import stack
 
 LONG_PROMPT = 100_000  # tokens: the "long" workload's only prompt
@@ -342,9 +345,6 @@ def test_occupancy_disperses_as_the_reference_schedulers(setup, rate):
     (``benchmarks/README.md``, "The slot queue's dispersion")."""
     from reference_scheduler import simulate_reference
 
-    from sweep.latency.surrogate import cached_workload, engine_state
-    from sweep.model import roofline
-
     (hw, model), _, _ = setup
     tables = workload_tables(h.compose_app("grid", ["workload=offline_batch"]).workload)
     reqs = sample_requests(jax.random.key(7), tables, 6000, rate)
@@ -354,13 +354,17 @@ def test_occupancy_disperses_as_the_reference_schedulers(setup, rate):
     mean = running @ dt / dt.sum()
     measured = ((running - mean) ** 2 @ dt / dt.sum()) / mean
 
-    def chain(wl):
-        capacity = roofline.kv_capacity_tokens(hw, model, 1.0)
-        wl, cached = cached_workload(wl, 0.0, capacity)
-        return engine_state(hw, model, 1.0, wl, 64.0, 8192.0, rate, 0.0, cached)[-1]
-
-    got = float(jit(chain)(latency_workload(tables)).dispersion)
+    got = float(_dispersion(hw, model, latency_workload(tables),
+                            jnp.asarray(rate, jnp.float32)))
     assert got == pytest.approx(measured, rel=0.15), (got, measured)
+
+
+@jit  # both rates through one program: the rate is traced
+def _dispersion(hw, model, wl, rate):
+    """The slot queue's dispersion at concurrency 64, budget 8192."""
+    wl, cached = cached_workload(wl, 0.0, roofline.kv_capacity_tokens(hw, model, 1.0))
+    return engine_state(hw, model, 1.0, wl, 64.0, 8192.0, rate, 0.0,
+                        cached)[-1].dispersion
 
 
 def test_numerics_helpers_have_finite_gradients():
