@@ -5,7 +5,8 @@ x utilisation through ``sweep.latency.simulate.simulate`` (jit + vmap, Poisson
 arrivals from ``sweep.latency.arrivals.sample_requests``) and through
 ``sweep.latency.surrogate.surrogate`` (jit + vmap, float32 as users run it), and
 reports ``surrogate / simulator - 1`` for p99 TTFT and p99 ITL per workload x
-utilisation band: the median of ``|error|`` and the worst under-prediction.
+utilisation band: the median of ``|error|`` and the worst under-prediction;
+and p99 TTFT's bias and spread by concurrency x utilisation band.
 
 Workloads: every shipped one (``conf/workload``; Poisson arrivals at the
 probed rate, lengths from their tables, a trace's timestamps not replayed)
@@ -332,6 +333,19 @@ def report(rows, sim_s, sur_s, num_requests, x64):
                 worst[k[:k.index('_')]].append((np.median(np.abs(e)), e.min()))
             print(f"| {wname} | {lo:.2g}-{hi:.2g} | {len(sel)} | " + " | ".join(cells)
                   + " |")
+    print("\np99 TTFT by concurrency x load band, every workload: signed median "
+          "(the bias) / median |error| / configurations below -25 % / above +50 %")
+    print("| concurrency | " + " | ".join(f"{lo:.2g}-{hi:.2g}" for lo, hi in BANDS)
+          + " |")
+    print("| ---: |" + " --- |" * len(BANDS))
+    for c in sorted({r["concurrency"] for r in ok}):
+        cells = []
+        for lo, hi in BANDS:
+            e = _errors([r for r in ok if r["concurrency"] == c
+                         and lo <= r["load"] < hi], "ttft_p99_s")
+            cells.append(f"{np.median(e):+.1%} / {np.median(np.abs(e)):.1%} / "
+                         f"{np.sum(e < -0.25)} / {np.sum(e > 0.5)}" if len(e) else "")
+        print(f"| {c:g} | " + " | ".join(cells) + " |")
     print("\nall valid configurations:")
     for k in METRICS:
         e = _errors(ok, k)
