@@ -14,18 +14,20 @@ gradient (``_numerics.quantile``).
 
 **ITL** (``itl_law``). Decode-only steps at ``1 + Poisson(n)`` decodes (the
 M/G/infinity occupancy), capped at the slots, taken at band quantiles by the
-Cornish-Fisher expansion; and mixed steps: the ramps of the prompts' chunk
-steps, weighted by their step counts (alone: ``ceil(P / b)`` equal chunks;
-under a prefill queue: ``P / b`` full-budget chunks). The share of gaps that
-fall in mixed steps is prefill steps over all steps times the decoders a chunk
-step carries relative to an average step: the prompts that were ahead of it in
-the prefill queue have just started decoding, ``1 + (1 - rho_p) min(sojourn,
-decode time) / decode time`` (sojourn: the prefill wait and service; decode
-time: a request's ``(O - 1)`` gaps). It is raised by ``MIXED_SHARE_MARGIN``:
-p99 ITL jumps from a decode step to a chunk step where that share crosses 1 %,
-and there the estimate is not that exact (the simulator's share was 6-8 %
-above it in two probes, ``benchmarks/README.md``), so it errs towards the
-jump.
+Cornish-Fisher expansion, and those whose longest context is in each prompt
+band (``_long_context_steps``: a heavy-tailed context's KV read is carried by
+its longest member, not spread normally); and mixed steps: the ramps of the
+prompts' chunk steps, weighted by their step counts (alone: ``ceil(P / b)``
+equal chunks; under a prefill queue: ``P / b`` full-budget chunks). The share
+of gaps that fall in mixed steps is prefill steps over all steps times the
+decoders a chunk step carries relative to an average step: the prompts that
+were ahead of it in the prefill queue have just started decoding, ``1 + (1 -
+rho_p) min(sojourn, decode time) / decode time`` (sojourn: the prefill wait
+and service; decode time: a request's ``(O - 1)`` gaps). It is raised by
+``MIXED_SHARE_MARGIN``: p99 ITL jumps from a decode step to a chunk step where
+that share crosses 1 %, and there the estimate is not that exact (the
+simulator's share was 6-8 % above it in two probes, ``benchmarks/README.md``),
+so it errs towards the jump.
 
 **E2E** per (prompt band, output band), with their joint probabilities: the
 band's TTFT law shifted by ``(O - 1)`` mean gaps of a decoding request
@@ -127,6 +129,55 @@ def _full_step(st: State, wl):
         wl.mean_prompt_tokens)
 
 
+def _long_context_steps(hw, model, tp, wl, n, slots, spec_tokens, dec, dec_w):
+    """The decode steps that carry a long context, as components of the ITL's
+    decode law: ``(steps, logistic scales, probabilities)``, one per prompt
+    band.
+
+    A decode step reads every running request's KV, so one request of a
+    100,000-token context slows every decoder beside it (on an A100 and
+    Llama-3.1-8B, 8 ms steps become 18 ms). The decode law's kernels spread
+    the KV read by its coefficient of variation, a normal tail, where a
+    heavy-tailed context's sum is carried by its longest member (the
+    Python reference scheduler's p99 decode steps, lognormal prompts of cv
+    3, held 197,000 tokens of KV at the median where the median step held
+    4,500: ``benchmarks/README.md``, "Long contexts in the decode steps").
+    Per band ``j``, the step whose longest context is in ``j`` (``P_j`` plus
+    the mean decoded tokens) beside others at the mean context of the bands
+    below it. Per gap, the longest is in a band ``>= j`` when the gap's own
+    request is (``A_j = P(band >= j)``) or one of ``Poisson(n)`` others is:
+    ``1 - (1 - A_j) exp(-n A_j)``. (The others decode longer in such steps,
+    so there are more of them and their gaps weigh more: counting them read
+    the same agreement within a point, ``benchmarks/README.md``.) A band
+    takes its mass from the decode kernels in proportion as its step is
+    slower than the mean one, fully from 10 % slower: below that the
+    kernels' spread holds it.
+    """
+    dtype = n.dtype
+    w = wl.band_probs
+    context = jnp.maximum(
+        wl.prompt_tokens + (wl.decode_context_tokens - wl.mean_prompt_tokens), 0.0)
+    below_w = jnp.cumsum(w) - w
+    below = jnp.where(below_w > 0.0,
+                      safe_div(jnp.cumsum(w * context) - w * context, below_w),
+                      context)
+    count = 1.0 + smooth_min(n, slots - 1.0, 0.05)
+    # the mean step and the long ones in one call
+    both = roofline.verify_step_s(
+        hw, model, tp, count, jnp.concatenate([
+            wl.decode_context_tokens[None], (context + (count - 1.0) * below) / count]),
+        spec_tokens)
+    mean_s, steps = both[0], both[1:]
+    at_least = 1.0 - below_w  # P(band >= j)
+    longest = 1.0 - jnp.exp(-n * at_least) * below_w
+    p = longest - jnp.concatenate([longest[1:], jnp.zeros((1,), dtype)])
+    p = p * jnp.clip(safe_div(steps - mean_s, 0.1 * mean_s), 0.0, 1.0)
+    # as wide as the decode kernels' spread in the number of decodes
+    scale = _LOGISTIC_PER_STD * (_MIN_REL_SPREAD * steps
+                                 + safe_sqrt(dec_w @ (dec - mean_s) ** 2))
+    return steps, scale, p
+
+
 def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
             trace_gaps, handover=None, dealt=1.0):
     """ITL: the CDF and its complement (functions), its bracket and the
@@ -176,7 +227,11 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         return dec, _LOGISTIC_PER_STD * (std + _MIN_REL_SPREAD * dec)
 
     dec, dec_scale = decode_law(tagged(z_mid), decode_s(tagged(z_edges)))
-    dec_w = w
+    long_s, long_scale, long_w = _long_context_steps(hw, model, tp, wl, n, slots,
+                                                     spec_tokens, dec, w)
+    dec = jnp.concatenate([dec, long_s])
+    dec_scale = jnp.concatenate([dec_scale, long_scale])
+    dec_w = jnp.concatenate([w * (1.0 - jnp.sum(long_w)), long_w])
     if trace_gaps is not None:
         # on a trace's recorded arrivals the others decoding are its own
         # crowding, far wider than Poisson(n) in its bursts: those decoding
@@ -187,7 +242,7 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
             1.0 + smooth_min(softplus(others, 0.05), slots - 1.0, 0.05))
         dec = jnp.concatenate([dec, dec_tr])
         dec_scale = jnp.concatenate([dec_scale, scale_tr])
-        dec_w = jnp.concatenate([w * (1.0 - on), count_probs * on])
+        dec_w = jnp.concatenate([dec_w * (1.0 - on), count_probs * on])
 
     # mixed steps beside the tagged request and Poisson(n) others: the ramps
     # at n + 1 decodes, to first order in the decodes (the lines of a chunk
