@@ -174,7 +174,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                   ttft_lo, ttft_hi)
 
     itl_cdf, itl_sf, itl_lo, itl_hi, slow = itl_law(
-        hw, model, tp, wl, st, d_st.pre, n, slots, k, trace_gaps,
+        hw, model, tp, wl, st, d_st.pre, n, slots, k, cached, trace_gaps,
         None if handover is None else jnp.asarray(handover, dtype),
         1.0 / arrival_scv)
     itl_p50, itl_p99 = quantile(itl_cdf, LEVELS, itl_lo, itl_hi, sf=itl_sf)

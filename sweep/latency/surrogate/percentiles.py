@@ -129,7 +129,8 @@ def _full_step(st: State, wl):
         wl.mean_prompt_tokens)
 
 
-def _long_context_steps(hw, model, tp, wl, n, slots, spec_tokens, dec, dec_w):
+def _long_context_steps(hw, model, tp, wl, n, slots, spec_tokens, cached_tokens,
+                        dec, dec_w):
     """The decode steps that carry a long context, as components of the ITL's
     decode law: ``(steps, logistic scales, probabilities)``, one per prompt
     band.
@@ -143,8 +144,9 @@ def _long_context_steps(hw, model, tp, wl, n, slots, spec_tokens, dec, dec_w):
     3, held 197,000 tokens of KV at the median where the median step held
     4,500: ``benchmarks/README.md``, "Long contexts in the decode steps").
     Per band ``j``, the step whose longest context is in ``j`` (``P_j`` plus
-    the mean decoded tokens) beside others at the mean context of the bands
-    below it. Per gap, the longest is in a band ``>= j`` when the gap's own
+    the mean decoded tokens; with prefix caching the whole prompt, cached
+    prefix ``cached_tokens`` included) beside others at the mean context of
+    the bands below it. Per gap, the longest is in a band ``>= j`` when the gap's own
     request is (``A_j = P(band >= j)``) or one of ``Poisson(n)`` others is:
     ``1 - (1 - A_j) exp(-n A_j)``. (The others decode longer in such steps,
     so there are more of them and their gaps weigh more: counting them read
@@ -155,8 +157,8 @@ def _long_context_steps(hw, model, tp, wl, n, slots, spec_tokens, dec, dec_w):
     """
     dtype = n.dtype
     w = wl.band_probs
-    context = jnp.maximum(
-        wl.prompt_tokens + (wl.decode_context_tokens - wl.mean_prompt_tokens), 0.0)
+    whole = wl.prompt_tokens + cached_tokens
+    context = jnp.maximum(whole + (wl.decode_context_tokens - w @ whole), 0.0)
     below_w = jnp.cumsum(w) - w
     below = jnp.where(below_w > 0.0,
                       safe_div(jnp.cumsum(w * context) - w * context, below_w),
@@ -179,12 +181,14 @@ def _long_context_steps(hw, model, tp, wl, n, slots, spec_tokens, dec, dec_w):
 
 
 def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
-            trace_gaps, handover=None, dealt=1.0):
+            cached_tokens, trace_gaps, handover=None, dealt=1.0):
     """ITL: the CDF and its complement (functions), its bracket and the
     per-gap slow probabilities.
 
     Args:
       d_pre: the slope of ``st.pre`` in the number of decodes (no gradient).
+      cached_tokens: shape ``(J,)``, each band's cached prefix (prefix
+        caching: ``wl``'s prompts are the work after it; 0 without).
       trace_gaps: ``(atoms, probs)``, a trace's wait law in mean gaps
         (``bursts.trace_wait_gaps_at``; read where ``wl`` carries a trace),
         or None: no workload of the program has one.
@@ -227,8 +231,8 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
         return dec, _LOGISTIC_PER_STD * (std + _MIN_REL_SPREAD * dec)
 
     dec, dec_scale = decode_law(tagged(z_mid), decode_s(tagged(z_edges)))
-    long_s, long_scale, long_w = _long_context_steps(hw, model, tp, wl, n, slots,
-                                                     spec_tokens, dec, w)
+    long_s, long_scale, long_w = _long_context_steps(
+        hw, model, tp, wl, n, slots, spec_tokens, cached_tokens, dec, w)
     dec = jnp.concatenate([dec, long_s])
     dec_scale = jnp.concatenate([dec_scale, long_scale])
     dec_w = jnp.concatenate([w * (1.0 - jnp.sum(long_w)), long_w])
