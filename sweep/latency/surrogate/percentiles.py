@@ -137,23 +137,22 @@ def _long_context_steps(hw, model, tp, wl, n, slots, spec_tokens, cached_tokens,
 
     A decode step reads every running request's KV, so one request of a
     100,000-token context slows every decoder beside it (on an A100 and
-    Llama-3.1-8B, 8 ms steps become 18 ms). The decode law's kernels spread
-    the KV read by its coefficient of variation, a normal tail, where a
-    heavy-tailed context's sum is carried by its longest member (the
-    Python reference scheduler's p99 decode steps, lognormal prompts of cv
-    3, held 197,000 tokens of KV at the median where the median step held
-    4,500: ``benchmarks/README.md``, "Long contexts in the decode steps").
-    Per band ``j``, the step whose longest context is in ``j`` (``P_j`` plus
-    the mean decoded tokens; with prefix caching the whole prompt, cached
-    prefix ``cached_tokens`` included) beside others at the mean context of
-    the bands below it. Per gap, the longest is in a band ``>= j`` when the gap's own
+    Llama-3.1-8B, 8 ms steps become 18 ms). The decode law's kernels spread the
+    KV read by its coefficient of variation, a normal tail, where a
+    heavy-tailed context's sum is carried by its longest member (the Python
+    reference scheduler's p99 decode steps, lognormal prompts of cv 3, held
+    197,000 tokens of KV at the median where the median step held 4,500:
+    ``benchmarks/README.md``, "Long contexts in the decode steps"). Per band
+    ``j``, the step whose longest context is in ``j`` (``P_j`` plus the mean
+    decoded tokens; with prefix caching the whole prompt, cached prefix
+    ``cached_tokens`` included) beside others at the mean context of the bands
+    below it. Per gap, the longest is in a band ``>= j`` when the gap's own
     request is (``A_j = P(band >= j)``) or one of ``Poisson(n)`` others is:
-    ``1 - (1 - A_j) exp(-n A_j)``. (The others decode longer in such steps,
-    so there are more of them and their gaps weigh more: counting them read
-    the same agreement within a point, ``benchmarks/README.md``.) A band
-    takes its mass from the decode kernels in proportion as its step is
-    slower than the mean one, fully from 10 % slower: below that the
-    kernels' spread holds it.
+    ``1 - (1 - A_j) exp(-n A_j)``. (The others decode longer in such steps, so
+    there are more of them and their gaps weigh more: counting them read the
+    same agreement within a point, ``benchmarks/README.md``.) A band takes its
+    mass from the decode kernels in proportion as its step is slower than the
+    mean one, fully from 10 % slower: below that the kernels' spread holds it.
     """
     dtype = n.dtype
     w = wl.band_probs
