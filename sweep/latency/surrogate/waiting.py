@@ -8,8 +8,10 @@ does not grow), continued to real ``c`` through the incomplete beta
 function, and beyond ``c`` a queue served at the slots' saturated rate (the
 mean-field utilisation put the waiting probability 8x low in a probe at
 concurrency 16: ``benchmarks/README.md``). Given that it waits, a request
-waits as in M/G/1 with service ``S / c`` (whose mean is the Allen-Cunneen
-one: Whitt 1993, Prod. Oper. Manag. 2, 114-161). The prefill server is M/G/1
+waits as in M/G/1 whose service is the interval between releases, of mean
+``S / c`` (the Allen-Cunneen mean: Whitt 1993, Prod. Oper. Manag. 2,
+114-161), each carrying the prefill of the prompt its release admits
+(``_release_intervals``). The prefill server is M/G/1
 with the band mixture as its service law, and its wait is the exact
 Pollaczek-Khinchine law: a geometric sum of residual service times,
 ``P(W <= t) = (1 - rho) sum_k rho^k R^{*k}(t)`` (Kleinrock 1975, *Queueing
@@ -108,6 +110,22 @@ def _atoms_hat(atoms_s, probs, dt, damp, cdtype):
     return jnp.fft.fft((pmf * damp).astype(cdtype))
 
 
+def _release_intervals(holding_s, holding_probs, prefill_s, prefill_probs):
+    """The law of the interval between slot releases when every slot is taken
+    (``(intervals, probs)``, flat over holding band x prefill band).
+
+    Every release admits a prompt, whose chunk steps stall every running
+    request's decode: an interval is the decode steps of a holding time over
+    the slots less the mean prefill (at least 0, on the high side), plus the
+    prefill of the prompt admitted, drawn from the bands on its own. A
+    100,000-token prompt at budget 2,048 stalls the slots for seconds, and
+    the queue for them builds behind it as behind one long service.
+    """
+    decode = jnp.maximum(holding_s - prefill_probs @ prefill_s, 0.0)
+    return ((decode[:, None] + prefill_s[None, :]).ravel(),
+            (holding_probs[:, None] * prefill_probs[None, :]).ravel())
+
+
 def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_service_s,
                   slot_probs, arrival_scv=1.0, trace=None, link=None) -> Wait:
     """Admission wait + the exact M/G/1 prefill wait (+ the wait for a KV
@@ -119,10 +137,12 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         means; spread_s: the service's std within each band.
       p_slot: probability of waiting for a slot (``slot_queue``).
       slot_util: the slots' utilisation when all are taken; slot_service_s,
-        slot_probs: the law of a slot's holding time then. Given that it
-        waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
-        heavy-traffic form of M/G/c, whose mean is the Allen-Cunneen one),
-        which keeps the holding time's variability in the tail.
+        slot_probs: the law of a slot's holding time then, over the slots.
+        Given that it waits, a request waits as in an M/G/1 queue whose
+        service is the interval between releases (the heavy-traffic form of
+        M/G/c, whose mean is the Allen-Cunneen one), which keeps the holding
+        time's variability in the tail, and the admitted prompts' prefills
+        (``_release_intervals``).
       arrival_scv: squared coefficient of variation of the times between
         arrivals (1: Poisson). Below 1 (a stream dealt round-robin over
         ``n`` servers: ``1 / n``, Erlang-n gaps) the prefill wait is the
@@ -166,17 +186,23 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         return span, kingman, 16.0 * residual_mean / (1.0 - rho)
 
     service_span, kingman, queue_span = law(service_s, spread_s, arrival_scv, rho)
-    slot_residual = safe_div(slot_probs @ slot_service_s**2,
-                             2.0 * (slot_probs @ slot_service_s))
+    release_s, release_probs = _release_intervals(slot_service_s, slot_probs,
+                                                  service_s, probs)
+    slot_residual = safe_div(release_probs @ release_s**2,
+                             2.0 * (release_probs @ release_s))
     slot_span = p_slot * (16.0 * slot_residual / (1.0 - rho_s)
-                          + 2.0 * safe_max(slot_service_s))
+                          + 2.0 * safe_max(release_s))
     if trace is not None:
         atoms_s, atom_probs, slot_atoms_s, slot_atom_probs, on = trace
         queue_span = jnp.where(on > 0, 1.25 * safe_max(atoms_s), queue_span)
         slot_span = slot_span + jnp.where(on > 0, 1.25 * safe_max(slot_atoms_s), 0.0)
     span = queue_span + 2.0 * safe_max(service_span) + slot_span + 1e-9
-    laws = [(service_s * kingman, service_span * kingman, probs, rho),
-            (slot_service_s, slot_service_s, slot_probs, rho_s)]
+
+    def flat(x):  # a band law padded to the release intervals' length
+        return jnp.pad(x, (0, release_s.shape[0] - x.shape[0]))
+
+    laws = [(flat(service_s * kingman), flat(service_span * kingman), flat(probs), rho),
+            (release_s, release_s, release_probs, rho_s)]
     if link is not None:
         # a link that carries nothing (``disaggregated.no_link``) has no
         # residual law (no mass), so the Pollaczek-Khinchine transform is 1
@@ -186,8 +212,8 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, slot_util, slot_servi
         link_span, link_kingman, link_queue = law(link.transfer_s, link.spread_s,
                                                   link.arrival_scv, rho_l)
         span = span + link_queue + 2.0 * safe_max(link_span)
-        laws.append((link.transfer_s * link_kingman, link_span * link_kingman,
-                     probs, rho_l))
+        laws.append((flat(link.transfer_s * link_kingman),
+                     flat(link_span * link_kingman), flat(probs), rho_l))
     dt = span / WAIT_POINTS
     k = jnp.arange(WAIT_POINTS, dtype=dtype)
     damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)
@@ -320,9 +346,10 @@ def p_wait(occupancy, theta, slots, full_util):
 def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
                  trace_gaps, arrival_scv=1.0, link=None) -> Wait:
     """The wait for a slot and then for the prefill server. Given that it
-    waits, a request waits as in an M/G/1 queue of service ``S / c`` (the
-    heavy-traffic form of M/G/c), ``S`` a slot's holding time when every slot
-    is taken.
+    waits, a request waits as in an M/G/1 queue whose service is the
+    interval between releases, ``S / c`` (the heavy-traffic form of M/G/c)
+    with the admitted prompt's prefill in it, ``S`` a slot's holding time
+    when every slot is taken.
 
     Args:
       per_token_s: ``d service / d P`` per band (the within-band spread).
