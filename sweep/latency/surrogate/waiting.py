@@ -5,7 +5,8 @@
 holding time grows with their number (every step carries every running
 request): a negative binomial below ``c`` (Erlang C when the holding time
 does not grow), continued to real ``c`` through the incomplete beta
-function, and beyond ``c`` a queue served at the slots' saturated rate (the
+function, and beyond ``c`` a queue served at the slots' saturated rate, or
+decaying as the chain does at ``c`` where that is slower (the
 mean-field utilisation put the waiting probability 8x low in a probe at
 concurrency 16: ``benchmarks/README.md``). Given that it waits, a request
 waits as in M/G/1 whose service is the interval between releases, of mean
@@ -283,7 +284,8 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
     slot's decodes can saturate the prefill server, whose wait, minutes long
     at ``n_full`` on long prompts at budget 512, the slots relieve by
     decoding fewer), so the queue's states decay by ``q = lam / lam_sat``
-    each:
+    each, or by the chain's own ratio at ``c`` where that is larger
+    (``p_wait``):
     ``P(wait) = (pi(c) / (1 - q)) / (P(N < c) + pi(c) / (1 - q))``.
     The mean-field utilisation ``lam R / c`` would put ``q`` lower (the prompts
     that queue behind a burst slow every running request's steps), and
