@@ -87,6 +87,16 @@ def expected_max_enumerated(values, probs, batch):
     return total
 
 
+def lindley_waits(service, gaps):
+    """FCFS waits of a single server, request by request in float64
+    (Lindley: ``W_i = max(W_{i-1} + S_{i-1} - A_i, 0)``, ``W_0 = 0``), as the
+    walk of service less gaps above its running minimum. ``gaps[i]`` is the
+    time from request ``i - 1`` to request ``i`` (``gaps[0]`` unused)."""
+    service, gaps = np.asarray(service, np.float64), np.asarray(gaps, np.float64)
+    walk = np.concatenate([[0.0], np.cumsum(service[:-1] - gaps[1:])])
+    return walk - np.minimum.accumulate(walk)
+
+
 # --- composing configs ----------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import lindley_waits
 
 from sweep.exported import jit
 from sweep.latency.surrogate.bursts import (
@@ -29,11 +30,7 @@ def _lindley(t: np.ndarray, service: np.ndarray, rho: float, gap: float,
              ) -> np.ndarray:
     """FCFS waits, one request at a time, in units of ``gap``: service ``rho``
     gaps times ``service`` (mean 1 over the stream)."""
-    s = rho * gap * service
-    w = np.zeros(len(t))
-    for i in range(1, len(t)):
-        w[i] = max(0.0, w[i - 1] + s[i - 1] - (t[i] - t[i - 1]))
-    return w / gap
+    return lindley_waits(rho * gap * service, np.diff(t, prepend=t[:1])) / gap
 
 
 def _bursty_trace(n: int = 10_000):

@@ -23,6 +23,7 @@ from helpers import (
     cost_per_mtok,
     decode,
     h100,
+    lindley_waits,
     optimize_inputs,
     qwen3_8b,
     run_script,
@@ -786,11 +787,10 @@ def _md1_wait_quantile(rho: float, level: float) -> float:
 
 def _erlang_lindley_wait_quantile(rho: float, k: int, level: float) -> float:
     """The same for Erlang-``k`` gaps (a stream dealt round-robin over ``k``
-    links): Lindley's recursion over 400,000 arrivals, float64, as the walk
-    of service less gaps above its running minimum."""
+    links): Lindley's recursion over 400,000 arrivals, float64."""
     gaps = np.random.default_rng(1).gamma(k, 1.0 / (rho * k), 400_000)
-    walk = np.concatenate([[0.0], np.cumsum(1.0 - gaps[:-1])])
-    return float(np.quantile(walk - np.minimum.accumulate(walk), level))
+    waits = lindley_waits(np.ones_like(gaps), np.concatenate([[0.0], gaps[:-1]]))
+    return float(np.quantile(waits, level))
 
 
 def test_pools_surrogate_waits_for_the_links():

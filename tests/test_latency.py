@@ -775,10 +775,7 @@ def test_full_slots_queue_behind_an_admitted_long_prefill():
     rng = np.random.default_rng(0)
     n = 400_000
     service = decode + rng.choice(prefill, size=n, p=probs)
-    gaps = rng.exponential(per_slot / rho_s, size=n)
-    wait = np.zeros(n)
-    for i in range(1, n):  # Lindley: W_i = max(W_{i-1} + S_{i-1} - A_i, 0)
-        wait[i] = max(wait[i - 1] + service[i - 1] - gaps[i], 0.0)
+    wait = h.lindley_waits(service, rng.exponential(per_slot / rho_s, size=n))
 
     f32 = partial(jnp.asarray, dtype=jnp.float32)
     w = _wait_lattice(jnp.float32(0.0), f32(prefill), f32(np.zeros(2)), f32(probs),
