@@ -7,8 +7,10 @@ over R simulated schedulers as a load balancer does
 distribution (a Poisson process split at random is Poisson); on a bursty
 trace a burst in the slowed stream lands on one replica, while the balancer
 spreads it over all of them. This prints p99 TTFT of both (and of random
-routing) for a few deployments, over the same requests: the first
-``--requests x R`` of the stream (so the same rows of a trace), split R ways
+routing) for a few deployments, over the same requests: those the
+verification takes (``optimize.verification_requests``: ``--requests x R``
+of the stream, on a trace's recorded arrivals at least the whole trace,
+so the same rows of a trace), split R ways
 or all fed to one replica at ``rate / R``; and the p99 TTFT the search's
 surrogate gives one replica under each routing
 (``sweep.search.descent.replica_surrogate``: Erlang-R gaps for round
@@ -68,7 +70,7 @@ def slowed(job, cfg, key):
     """The old verification: one replica fed the stream at rate / R."""
     app = job.app
     req = workload_requests(jax.random.fold_in(key, 0), app.workload, job.tables,
-                            app.search.verify_requests * cfg.replicas,
+                            optimize.verification_requests(job, cfg.replicas),
                             app.workload.arrival_rate_per_s / cfg.replicas)
     cand = job.candidates[cfg.candidate]
     out = _slowed(hardware_params(cand.hardware, app.search.gpu_memory_utilization),

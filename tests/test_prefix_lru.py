@@ -463,7 +463,7 @@ def test_sweep_optimize_gives_each_replica_its_own_cache(tmp_path):
     arrival = np.asarray(optimize.verification_stream(job, key).arrival_s, np.float64)
     split_hits, one_cache = 0.0, 0.0
     for cfg, sim in zip(configs, got):
-        n = half * cfg.replicas
+        n = max(half * cfg.replicas, ROWS)  # the whole trace at least
         ttft = []
         for r in range(cfg.replicas):
             mine = np.arange(r, n, cfg.replicas)

@@ -8,6 +8,7 @@ its own and pooling by hand.
 
 from __future__ import annotations
 
+import csv
 from functools import partial
 
 import jax
@@ -21,12 +22,15 @@ from sweep.config.schema import Routing
 from sweep.exported import jit
 from sweep.latency.arrivals import Requests, route, split
 from sweep.latency.simulate import itl_percentiles, simulate_requests
+from sweep.latency.workload import resolve_trace_path
 from sweep.model.batching import CONTINUOUS
 from sweep.search import optimize
 
 OVERRIDES = ["hardware=h100_sxm", "model=qwen3_8b", "workload=azure_conv_2023",
-             "workload.arrival_rate_per_s=12", "search.tensor_parallel=[1]",
-             "search.verify_requests=60"]
+             "workload.arrival=poisson", "workload.arrival_rate_per_s=12",
+             "search.tensor_parallel=[1]", "search.verify_requests=60"]
+"""The trace's lengths at Poisson arrivals: ``verify_requests`` per replica
+(on its recorded arrivals the verification replays the whole trace, below)."""
 
 
 def test_round_robin_sends_request_i_to_replica_i_mod_r():
@@ -97,3 +101,33 @@ def test_split_replicas_pool_every_request(job):
         np.testing.assert_allclose(sim["goodput_req_per_s"], good / duration,
                                    rtol=1e-5)
         assert sim["rejected_fraction"] == 0.0 and sim["status"] == 0
+
+
+@pytest.mark.parametrize("replay", ["sampled", "exact"])
+def test_verification_replays_a_whole_trace(replay):
+    """On a trace's recorded arrivals a configuration of R replicas is
+    verified over at least the whole trace (its bursts set the p99), or
+    ``verify_requests`` per replica where that is more, at most
+    ``verify_requests_max``; the note on a partial replay names the setting
+    that replays all of it. Poisson arrivals: ``verify_requests`` per
+    replica."""
+    with open(resolve_trace_path("azure_llm_2023_conv.csv"), newline="") as f:
+        rows = sum(1 for _ in csv.DictReader(f))
+    trace = ["hardware=h100_sxm", "model=qwen3_8b", "workload=azure_conv_2023",
+             f"workload.replay={replay}", "search.tensor_parallel=[1]",
+             "search.verify_requests=60"]
+    job = optimize.prepare(*optimize_inputs(trace))
+    assert optimize.trace_rows(job) == rows
+    many = -(-rows // 60) + 1  # replicas whose 60 each exceed the trace
+    assert [optimize.verification_requests(job, r) for r in (1, 3, many)] == [
+        rows, rows, 60 * many]
+    assert optimize.trace_coverage(job, optimize.verification_requests(job, 1)) is None
+    capped = optimize.prepare(*optimize_inputs([*trace,
+                                                "search.verify_requests_max=5000"]))
+    assert optimize.verification_requests(capped, 1) == 5000
+    note = optimize.trace_coverage(capped, 5000)
+    assert f"first 5,000 of {rows:,} arrivals" in note
+    assert note.endswith(f"search.verify_requests_max={rows} replays all of it")
+    poisson = optimize.prepare(*optimize_inputs([*trace, "workload.arrival=poisson"]))
+    assert optimize.trace_rows(poisson) == 0
+    assert [optimize.verification_requests(poisson, r) for r in (1, 3)] == [60, 180]

@@ -111,7 +111,8 @@ def _optimize_app(cfg: DictConfig) -> None:
         HydraConfig.get().runtime.output_dir) / "optimize.zarr"
     check_output(COMMAND.name, out, f"out={job.app.out}" if job.app.out else str(out),
                   "optimize")
-    plan = optimize_plan(job.app, len(job.candidates), job.settings)
+    plan = optimize_plan(job.app, len(job.candidates), job.settings,
+                         optimize.trace_rows(job))
     hardware = list({c.hardware.name: c.hardware for c in job.candidates}.values())
     models = list({c.model.name: c.model for c in job.candidates}.values())
     choices = calibration.choose(job.app.calibration, hardware, models)

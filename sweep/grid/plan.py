@@ -265,13 +265,15 @@ def grid_plan(app, options: dict[str, list]) -> Plan:
     return Plan(what, time_s, BASE_BYTES + memory, disk, limit, source, driver)
 
 
-def optimize_plan(app, candidates: int, settings) -> Plan:
+def optimize_plan(app, candidates: int, settings, trace_rows: int = 0) -> Plan:
     """The plan of a ``sweep-optimize`` job (no JAX work).
 
     Args:
       app: the ``OptimizeApp``.
       candidates: hardware x model x TP candidates that fit.
       settings: the job's ``search.Settings`` (for its scan length).
+      trace_rows: arrivals of the trace the verification replays whole
+        (``optimize.trace_rows``; 0 without one).
     """
     from sweep.search.descent import PAD
 
@@ -279,12 +281,15 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
     padded = candidates + (-candidates % PAD)
     evaluations = padded * s.restarts * (s.steps + settings.integer_steps)
     slots = shapes.slots(s.concurrency_max)
-    # a verified configuration of R replicas simulates R rows of at most
-    # verify_requests requests each, min(verify_requests x R,
-    # verify_requests_max) in all, from one stream of verify_requests_max
+    # a verified configuration of R replicas simulates R rows, each of its
+    # share of min(max(verify_requests x R, trace_rows), verify_requests_max)
+    # requests (optimize.verification_requests), from one stream of
+    # verify_requests_max: the largest call of verify_top such configurations
     replicas = min(s.replicas_max, -(-s.verify_requests_max // s.verify_requests))
-    rows = shapes.power_of_two(s.verify_top * replicas)
-    sim_s, sim_bytes = simulation(rows, s.verify_requests, slots, 0)
+    calls = [simulation(shapes.power_of_two(s.verify_top * r), -(-min(
+        max(s.verify_requests * r, trace_rows), s.verify_requests_max) // r), slots, 0)
+        for r in range(1, replicas + 1)]
+    sim_s, sim_bytes = (max(c[i] for c in calls) for i in (0, 1))
     sim_bytes += s.verify_requests_max * STREAM_BYTES_PER_REQUEST
     round_s = evaluations / SEARCH_EVALUATIONS_PER_S + sim_s
     first = SEARCH_FIXED_S + SIM_FIXED_S + round_s
@@ -293,7 +298,9 @@ def optimize_plan(app, candidates: int, settings) -> Plan:
         memory, driver = sim_bytes, (
             f"search.verify_requests = {s.verify_requests} with search.verify_top = "
             f"{s.verify_top}, search.verify_requests_max = {s.verify_requests_max} "
-            f"and {slots} slots (search.concurrency_max)")
+            f"and {slots} slots (search.concurrency_max)"
+            + (f", a trace of {trace_rows:,} arrivals replayed whole"
+               if trace_rows > s.verify_requests else ""))
     what = (f"{candidates} candidate(s) x {s.restarts} restarts: {evaluations:,} "
             f"surrogate evaluations and up to {s.verify_top} verified "
             f"configurations of <= {s.verify_requests_max:,} requests a round "

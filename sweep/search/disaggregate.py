@@ -70,6 +70,7 @@ from sweep.search.optimize import (
     lru,
     met,
     simulation_inputs,
+    trace_rows,
     truncates,
     verification_hits,
     verification_stream,
@@ -297,11 +298,13 @@ def simulate_deployments(job, deps: list[Deployment], stream: Requests,
                          hits: np.ndarray, width: int) -> list[dict[str, float]]:
     """Each deployment over the first ``verify_requests x (p + d)`` requests
     of ``stream`` (each with its share in the prefix cache, ``hits``)
-    rounded up to a power of two (at most
-    ``verify_requests_max``; one length per call, that of the largest), as
+    rounded up to a power of two, on a trace's recorded arrivals at least
+    the whole trace (``optimize.verification_requests``), at most
+    ``verify_requests_max`` (one length per call, that of the largest), as
     ``SimResult`` fields with ``requests`` added."""
     s = job.app.search
-    n = min(shapes.power_of_two(s.verify_requests * max(d.instances for d in deps)),
+    n = min(max(shapes.power_of_two(s.verify_requests * max(d.instances for d in deps)),
+                trace_rows(job)),
             s.verify_requests_max, len(stream.arrival_s))
     rows = deps + [deps[0]] * (width - len(deps))
     engines, shared = simulation_inputs(
