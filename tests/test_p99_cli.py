@@ -53,6 +53,29 @@ def test_simulated_slo_met_matches_the_slo_group(simulated):
     assert (ds.slo_met == want).all()
 
 
+def test_a_partial_replay_of_a_trace_is_said(simulated, surrogate_run):
+    """The simulated cube replays the conversation trace's first 300 arrivals
+    (``latency.num_requests=300``): ``sweep-grid`` says which stretch, at what
+    pace, and what replays all of it, and the cube keeps the line; a
+    Poisson workload's cube has none. Share and pace by hand from the
+    trace's timestamps."""
+    ds, proc = simulated
+    with open(resolve_trace_path("azure_llm_2023_conv.csv"), newline="") as f:
+        t = np.array([np.datetime64(row["TIMESTAMP"].replace(" ", "T"), "ns")
+                      for row in csv.DictReader(f)])
+    s = (t - t[0]) / np.timedelta64(1, "s")
+    n, rows = 300, len(s)
+    share = s[n - 1] / s[-1]
+    pace = ((n - 1) / s[n - 1]) / ((rows - 1) / s[-1])
+    line = (f"workload azure_conv_2023: the p99s replay the trace's first {n} of "
+            f"{rows:,} arrivals ({share:.1%} of its span) at {pace:.2f}x the target "
+            "rate, and its bursts outside them are not in them; "
+            f"latency.num_requests={rows} replays all of it")
+    assert line in proc.stderr.replace("\n", " ")
+    assert ds.attrs["trace_replay"] == line
+    assert "trace_replay" not in sweep.open_cube(surrogate_run.path).attrs
+
+
 def test_simulated_percentiles_never_below_one_decode_step(simulated):
     """No p50/p99 below one step of one sequence (H100 SXM, Qwen3-8B, TP 1;
     the SPEC's hand formulas): a first token needs a step that reads the

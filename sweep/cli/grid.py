@@ -80,6 +80,8 @@ def _grid_app(cfg: DictConfig) -> None:
         yaml_text, job.app.seed,
         [o for o in restore(overrides()) if not o.startswith("shard=")], options)
     attrs.update(calibration.attrs(base.calibration, job.calibration))
+    if job.notes:
+        attrs["trace_replay"] = "\n".join(job.notes)
     plan = grid_plan(base, options)
     what = f"shard {shard[0]}/{shard[1]} of " if shard else ""
     progress = BlockProgress(console, "sweep-grid",
@@ -93,6 +95,8 @@ def _grid_app(cfg: DictConfig) -> None:
                           f"{out}", markup=False, highlight=False, soft_wrap=True)
             console.print(calibration.line(base.calibration, job.calibration),
                           markup=False, highlight=False, soft_wrap=True)
+            for note in job.notes:
+                console.print(note, markup=False, highlight=False, soft_wrap=True)
             if base.grid.sensitivity and base.latency.method == LatencyMethod.simulate:
                 console.print("grid.sensitivity: cost elasticities only; the p99 "
                               "elasticities need latency=surrogate (the simulator's "

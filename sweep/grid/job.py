@@ -37,6 +37,7 @@ from sweep.grid.evaluate import Part, blocking, iterate_blocks
 from sweep.grid.plan import grid_plan
 from sweep.grid.writer import BlockWriter
 from sweep.latency import p99
+from sweep.latency.arrivals import recorded_arrivals, replay_coverage
 from sweep.latency.prefix_cache import Streams, padded_curves
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import batching, precision
@@ -56,6 +57,9 @@ class GridJob:
     extra: dict[str, xr.DataArray]
     # the constants each hardware x model runs with (``sweep.grid.calibration``)
     calibration: list[list[calibration.Choice]]
+    # per trace whose recorded arrivals the p99s replay only in part, a line
+    # saying which part (``replay_notes``)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def points(self) -> int:
@@ -259,7 +263,27 @@ def prepare(app: GridApp, options: dict[str, list]) -> GridJob:
         m = contract.METRIC[name]
         extra[name] = xr.DataArray(np.asarray(values, m.dtype), dims=m.over,
                                    attrs=m.attrs())
-    return GridJob(app, coords, parts, extra, choices)
+    return GridJob(app, coords, parts, extra, choices,
+                   replay_notes(app, workloads, tables))
+
+
+def replay_notes(app: GridApp, workloads: list, tables: list[WorkloadTables]
+                 ) -> list[str]:
+    """A line per workload whose p99s replay only part of its trace's recorded
+    arrivals (``arrivals.replay_coverage``: both backends read the first
+    ``latency.num_requests``), naming the setting that replays all of it."""
+    if app.latency.method == LatencyMethod.none:
+        return []
+    n = app.latency.num_requests
+    notes = []
+    for w, t in zip(workloads, tables):
+        part = replay_coverage(w, t, n)
+        if part is not None:
+            rows = len(recorded_arrivals(w, t))
+            notes.append(f"workload {w.name}: the p99s replay {part}, and its bursts "
+                         f"outside them are not in them; latency.num_requests={rows} "
+                         "replays all of it")
+    return notes
 
 
 def config_digest(config_yaml: str) -> str:

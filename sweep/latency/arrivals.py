@@ -146,6 +146,32 @@ def workload_requests(key, workload: Workload, workload_tables: WorkloadTables,
                            workload_tables.trace_arrival_s if trace else None)
 
 
+def recorded_arrivals(workload: Workload, tables: WorkloadTables) -> np.ndarray | None:
+    """The recorded arrivals a workload's streams replay
+    (``workload.arrival=trace``: the pairs' under exact replay, else the
+    trace's timestamps), or None."""
+    if workload.arrival != ArrivalKind.trace:
+        return None
+    exact = workload.replay == Replay.exact and tables.pairs is not None
+    return tables.pair_arrival_s if exact else tables.trace_arrival_s
+
+
+def replay_coverage(workload: Workload, tables: WorkloadTables,
+                    num_requests: int) -> str | None:
+    """Where a stream of ``num_requests`` replays only part of a trace's
+    recorded arrivals, which part: "the trace's first N of M arrivals (X %
+    of its span) at P x the target rate" (``stretch_pace``). A bursty
+    trace's p99 depends on which of its bursts those rows hold. None
+    otherwise."""
+    t = recorded_arrivals(workload, tables)
+    if t is None or num_requests >= len(t):
+        return None
+    share = (t[num_requests - 1] - t[0]) / (t[-1] - t[0])
+    return (f"the trace's first {num_requests:,} of {len(t):,} arrivals "
+            f"({share:.1%} of its span) at {stretch_pace(t, num_requests):.2f}x "
+            "the target rate")
+
+
 def stretch_pace(recorded_s: np.ndarray, num_requests: int) -> float:
     """The mean rate of a stream's first ``num_requests`` offsets of a trace
     (``_trace_arrivals_s``: a shorter trace repeated) over the trace's own:
@@ -177,10 +203,9 @@ def replayed_tables(tables: WorkloadTables, workload: Workload, num_requests: in
     Tables without a trace come back as they are, at pace 1.
     """
     exact = workload.replay == Replay.exact and tables.pairs is not None
-    trace = workload.arrival == ArrivalKind.trace
-    recorded = tables.pair_arrival_s if exact else tables.trace_arrival_s
+    recorded = recorded_arrivals(workload, tables)
     offsets, pace = None, 1.0
-    if trace and recorded is not None:
+    if recorded is not None:
         offsets = _trace_arrivals_s(recorded, num_requests)
         pace = _pace(recorded, offsets)
     if not exact:

@@ -67,13 +67,11 @@ import xarray as xr
 from sweep import exported, shapes
 from sweep.config.convert import hardware_params, model_params, models_params
 from sweep.config.schema import (
-    ArrivalKind,
     ConfigError,
     Hardware,
     Model,
     OptimizeApp,
     Overlong,
-    Replay,
     check_tensor_parallel,
 )
 from sweep.cube import contract, engines, outputs, status
@@ -82,10 +80,11 @@ from sweep.grid.plan import optimize_plan
 from sweep.latency import prefix_cache
 from sweep.latency.arrivals import (
     Requests,
+    recorded_arrivals,
+    replay_coverage,
     request_hits,
     route,
     split,
-    stretch_pace,
     workload_requests,
 )
 from sweep.latency.p99 import served_workload
@@ -541,19 +540,9 @@ def _simulate_replicas(rows: Engines, shared: Shared, requests, mine, hits, cach
     return jax.vmap(lambda c: summarize(pool(pooled, owner == c))._asdict())(configs)
 
 
-def recorded_arrivals(job: OptimizeJob) -> np.ndarray | None:
-    """The trace's recorded arrivals the streams replay
-    (``workload.arrival=trace``), or None."""
-    w = job.app.workload
-    if w.arrival != ArrivalKind.trace:
-        return None
-    return (job.tables.pair_arrival_s if w.replay == Replay.exact
-            else job.tables.trace_arrival_s)
-
-
 def trace_rows(job: OptimizeJob) -> int:
     """Arrivals of the trace the streams replay (0 without one)."""
-    t = recorded_arrivals(job)
+    t = recorded_arrivals(job.app.workload, job.tables)
     return 0 if t is None else len(t)
 
 
@@ -683,18 +672,14 @@ def met(job: OptimizeJob, sim: dict[str, float]) -> bool:
 def trace_coverage(job: OptimizeJob, requests: int) -> str | None:
     """A note when the simulated requests replay only part of the trace's
     recorded arrivals (``workload.arrival=trace``): a bursty trace's p99
-    depends on which of its bursts the simulated rows hold, and those rows
-    run at their own pace (``arrivals.stretch_pace``). None otherwise."""
-    t = recorded_arrivals(job)
-    if t is None or requests >= len(t):
+    depends on which of its bursts the simulated rows hold
+    (``arrivals.replay_coverage``). None otherwise."""
+    part = replay_coverage(job.app.workload, job.tables, requests)
+    if part is None:
         return None
-    share = (t[requests - 1] - t[0]) / (t[-1] - t[0])
-    pace = stretch_pace(t, requests)
-    return (f"  the simulated requests replay the trace's first {requests:,} of "
-            f"{len(t):,} arrivals ({share:.1%} of its span) at {pace:.2f}x the "
-            "target rate (the search read the whole trace at it), and its bursts "
-            f"outside them are not simulated; search.verify_requests_max={len(t)} "
-            "replays all of it")
+    return (f"  the simulated requests replay {part} (the search read the whole "
+            "trace at it), and its bursts outside them are not simulated; "
+            f"search.verify_requests_max={trace_rows(job)} replays all of it")
 
 
 def run(job: OptimizeJob, log=print) -> Outcome:
