@@ -96,6 +96,9 @@ def test_report_on_p99_cubes(p99, tmp_path):
     assert ("ttft_p99_s <= 1 s & itl_p99_s <= 0.05 s (p99 limits from the cube's "
             "config)") in md
     assert "Skipped charts" not in md
+    # the simulated cube replays part of its trace, and the report says so
+    assert ("- workload azure_conv_2023: the p99s replay the trace's first 300 of "
+            in md) == (kind == "simulated")
     # the summary row: the cheapest feasible point at the first scenario values
     first = {d: 0 for d in ("workload", "context_tokens", "long_prompt_tokens",
                             "traffic_tokens_per_day", "arrival_rate_per_s")}

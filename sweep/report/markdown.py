@@ -368,7 +368,9 @@ def write_cube_report(ds: xr.Dataset, path: Path, out: Path,
            f"- feasible means: {criterion}"
            + (f" (p99 limits from {limits_from})" if limits else ""),
            f"- single-panel charts show {h} x {m} (the cheapest feasible pair"
-           f"{', as asked' if args.hardware or args.model else ''})", "",
+           f"{', as asked' if args.hardware or args.model else ''})",
+           *(f"- {line}" for line in ds.attrs.get("trace_replay", "").splitlines()),
+           "",
            "## Cheapest feasible configuration per hardware x model", "", table, "",
            serving_line(ds, best, h, m), "",
            *([sensitivity, ""] if sensitivity else []),
