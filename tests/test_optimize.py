@@ -191,6 +191,9 @@ def test_a_cheaper_answer_after_the_simulator_reads_below_the_surrogate(tmp_path
     met = ds.verification_slo_met.values
     assert list(zip(rounds[:2], replicas[:2], met[:2])) == [(1, 3, True), (1, 2, True)]
     assert ds.attrs["chosen_replicas"] == 2
+    # Poisson arrivals: search.verify_requests per replica
+    np.testing.assert_array_equal(ds.verification_requests.values, 100 * replicas)
+    assert ds.verification_requests.attrs["units"] == "request"
     chosen = replicas == 2
     assert (ds.verification_simulated_ttft_p99_s.values[chosen] <= 2.0).all()
     assert (ds.verification_simulated_itl_p99_s.values[chosen] <= 0.02).all()

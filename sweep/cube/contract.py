@@ -332,6 +332,8 @@ METRICS: tuple[Metric, ...] = (
            dtype="float64"),
     # sweep-optimize's dataset only (sweep.search.optimize)
     Metric("round", "", "search round", OPTIMIZE),
+    Metric("simulated_requests", "request", "requests simulated (all replicas)",
+           OPTIMIZE, dtype="int32"),
     Metric("meets_targets", "1", "meets the surrogate targets", OPTIMIZE,
            dtype="bool"),
     Metric("verified", "1", "simulated", OPTIMIZE, dtype="bool"),

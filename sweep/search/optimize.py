@@ -1178,6 +1178,10 @@ def _verification_vars(out: Outcome) -> dict:
                                           "itl_target_s"),
         "verification_slo_met": _var(vd, np.array([x.met for x in v], bool),
                                      "slo_met_simulated"),
+        # the sample each simulated p99 is over (verification_requests)
+        "verification_requests": _var(
+            vd, np.array([x.config.simulated["requests"] for x in v], np.int32),
+            "simulated_requests"),
     }
     for m in contract.SLO:
         data[f"verification_surrogate_{m}"] = _var(
