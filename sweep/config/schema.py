@@ -953,6 +953,14 @@ class Search:
                    "options must be distinct")
         _check_precision_axes(self, "search")
 
+    def verified_requests(self, replicas: int, trace_rows: int = 0) -> int:
+        """Requests the verification simulates for a configuration of
+        ``replicas`` replicas: ``verify_requests`` per replica and, on a
+        trace's recorded arrivals, at least the whole trace (``trace_rows``);
+        at most ``verify_requests_max``."""
+        return min(max(self.verify_requests * replicas, trace_rows),
+                   self.verify_requests_max)
+
 
 @dataclass
 class OptimizeApp:

@@ -282,13 +282,12 @@ def optimize_plan(app, candidates: int, settings, trace_rows: int = 0) -> Plan:
     evaluations = padded * s.restarts * (s.steps + settings.integer_steps)
     slots = shapes.slots(s.concurrency_max)
     # a verified configuration of R replicas simulates R rows, each of its
-    # share of min(max(verify_requests x R, trace_rows), verify_requests_max)
-    # requests (optimize.verification_requests), from one stream of
+    # share of its requests (Search.verified_requests), from one stream of
     # verify_requests_max: the largest call of verify_top such configurations
     replicas = min(s.replicas_max, -(-s.verify_requests_max // s.verify_requests))
-    calls = [simulation(shapes.power_of_two(s.verify_top * r), -(-min(
-        max(s.verify_requests * r, trace_rows), s.verify_requests_max) // r), slots, 0)
-        for r in range(1, replicas + 1)]
+    calls = [simulation(shapes.power_of_two(s.verify_top * r),
+                        -(-s.verified_requests(r, trace_rows) // r), slots, 0)
+             for r in range(1, replicas + 1)]
     sim_s, sim_bytes = (max(c[i] for c in calls) for i in (0, 1))
     sim_bytes += s.verify_requests_max * STREAM_BYTES_PER_REQUEST
     round_s = evaluations / SEARCH_EVALUATIONS_PER_S + sim_s

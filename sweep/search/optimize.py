@@ -547,18 +547,15 @@ def trace_rows(job: OptimizeJob) -> int:
 
 
 def verification_requests(job: OptimizeJob, replicas: int) -> int:
-    """Requests simulated for a configuration of ``replicas`` replicas:
-    ``verify_requests`` per replica and, on a trace's recorded arrivals, at
-    least the whole trace once; at most ``verify_requests_max``.
+    """Requests simulated for a configuration of ``replicas`` replicas
+    (``Search.verified_requests`` at the job's trace rows).
 
     A trace's p99 is set by its bursts, and its first rows need not hold
     them: on the Azure conversation trace of 2023 at 20 req/s, B200 TP 1
     with 4 replicas read p99 TTFT 817 ms over its first 4,000 rows, where 5
     replicas read 1.21 s over all of it (``benchmarks/README.md``,
     "Verification replays the whole trace")."""
-    s = job.app.search
-    return min(max(s.verify_requests * replicas, trace_rows(job)),
-               s.verify_requests_max)
+    return job.app.search.verified_requests(replicas, trace_rows(job))
 
 
 def verification_stream(job: OptimizeJob, key) -> Requests:
