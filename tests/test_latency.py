@@ -31,7 +31,7 @@ from sweep.latency.surrogate import (
     latency_workload,
     surrogate,
 )
-from sweep.latency.surrogate.waiting import _wait_lattice, p_wait
+from sweep.latency.surrogate.waiting import _wait_lattice, p_wait, storm_share
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import _numerics as nm
 from sweep.model import roofline
@@ -786,3 +786,29 @@ def test_full_slots_queue_behind_an_admitted_long_prefill():
     p99 = float(np.interp(0.99, np.asarray(w.cdf),
                           np.arange(w.cdf.shape[0]) * float(w.dt_s)))
     assert p99 == pytest.approx(np.quantile(wait[wait > 0.0], 0.99), rel=5e-2)
+
+
+def test_a_long_prompts_busy_period_fills_the_slots():
+    """``storm_share`` by hand: 1 % of prompts prefill for 5 s at prefill
+    load 0.5, a busy period of 10 s that brings 60 arrivals at 6 req/s,
+    where 64 slots hold 30 on average: 26 queue beyond them, and the slots
+    stay full while they drain at ``lam (1 - q)`` = 1.2 req/s. The share
+    ``x = 0.9 * 0.01 * 26 / 0.2 = 1.17`` (0.9 of a slot's holding time
+    decoding), as a probability ``x / (1 + x)``; ``slack`` adds at most
+    1e-3 to each ``1 - rho``. With 128 slots no busy period fills them; more
+    slots never raise the share, a longer prompt never lowers it."""
+    f64 = partial(jnp.asarray, dtype=jnp.float64)
+    with jax.enable_x64(True):
+        def share(service, slots):
+            return float(storm_share(f64(service), f64([0.99, 0.01]), f64(0.5),
+                                     f64(6.0), f64(30.0), f64(slots), f64(0.8),
+                                     f64(0.9)))
+
+        x = 0.9 * 0.01 * (6.0 * 5.0 / 0.5 - (64.0 - 30.0)) / 0.2
+        assert share([0.1, 5.0], 64.0) == pytest.approx(x / (1.0 + x), rel=1e-2)
+        assert share([0.1, 5.0], 128.0) < 1e-6
+        slots = np.arange(16.0, 129.0, 8.0)
+        by_slots = [share([0.1, 5.0], c) for c in slots]
+        assert np.all(np.diff(by_slots) <= 0.0)
+        by_prompt = [share([0.1, s], 64.0) for s in np.linspace(1.0, 12.0, 12)]
+        assert np.all(np.diff(by_prompt) >= 0.0) and by_prompt[0] < 1e-6
