@@ -292,7 +292,9 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
     ``P(wait) = (pi(c) / (1 - q)) / (P(N < c) + pi(c) / (1 - q))``.
     The mean-field utilisation ``lam R / c`` would put ``q`` lower (the prompts
     that queue behind a burst slow every running request's steps), and
-    ``q`` multiplies the waiting probability by ``1 / (1 - q)``.
+    ``q`` multiplies the waiting probability by ``1 / (1 - q)``. The
+    ``p_wait`` returned is the larger of this and ``storm_share`` (the slots
+    a long prompt's busy period fills; ``band_probs``, the bands' weights).
     """
     occupancy = lam * st.residence_s
     # the share of a slot's holding time spent decoding (n / occupancy, by
