@@ -31,7 +31,12 @@ from sweep.latency.surrogate import (
     latency_workload,
     surrogate,
 )
-from sweep.latency.surrogate.waiting import _wait_lattice, p_wait, storm_share
+from sweep.latency.surrogate.waiting import (
+    _wait_lattice,
+    kv_share,
+    p_wait,
+    storm_share,
+)
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import _numerics as nm
 from sweep.model import roofline
@@ -746,8 +751,8 @@ def test_round_robin_prefill_wait_is_kingman_scaled(rho, arrival_scv, service_sc
     s = 0.1
     one = partial(jnp.full, (1,), dtype=jnp.float32)
     w = _wait_lattice(jnp.float32(rho), one(s), one(s * math.sqrt(service_scv)),
-                      one(1.0), jnp.float32(0.0), jnp.float32(0.5), one(1.0), one(1.0),
-                      jnp.float32(arrival_scv))
+                      one(1.0), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.5),
+                      one(1.0), one(1.0), jnp.float32(arrival_scv))
     mean = float(jnp.sum(1.0 - w.cdf) * w.dt_s)
     pk = rho * s * s * (1.0 + service_scv) / (2.0 * (1.0 - rho) * s)
     kingman = (arrival_scv + service_scv) / (1.0 + service_scv)
@@ -779,13 +784,88 @@ def test_full_slots_queue_behind_an_admitted_long_prefill():
 
     f32 = partial(jnp.asarray, dtype=jnp.float32)
     w = _wait_lattice(jnp.float32(0.0), f32(prefill), f32(np.zeros(2)), f32(probs),
-                      jnp.float32(1.0), jnp.float32(rho_s), f32([per_slot] * 2),
-                      f32(probs))
+                      jnp.float32(1.0), jnp.float32(0.0), jnp.float32(rho_s),
+                      f32([per_slot] * 2), f32(probs))
     assert float(jnp.sum(1.0 - w.cdf) * w.dt_s) == pytest.approx(pk_mean / rho_s,
                                                                   rel=2e-2)
     p99 = float(np.interp(0.99, np.asarray(w.cdf),
                           np.arange(w.cdf.shape[0]) * float(w.dt_s)))
     assert p99 == pytest.approx(np.quantile(wait[wait > 0.0], 0.99), rel=5e-2)
+
+
+def test_a_storms_slot_wait_overlaps_the_prefill_wait():
+    """A slot wait that a long prompt's busy period causes (``p_storm``)
+    overlaps the prefill wait behind the same busy period: the lattice's
+    wait is the larger of the two, whose law is the product of the two laws
+    evaluated apart (the prefill wait alone, and the slot wait alone at an
+    idle prefill server), where the chain's slot wait (``p_slot``) adds to
+    it. Prefill load 0.6 with 2 % of prompts prefilling for 3 s, 30 % of
+    arrivals waiting for slots at their utilisation 0.7."""
+    f32 = partial(jnp.asarray, dtype=jnp.float32)
+    prefill, probs = f32([0.05, 3.0]), f32([0.98, 0.02])
+
+    def wait(rho, p_slot, p_storm):
+        w = _wait_lattice(jnp.float32(rho), prefill, f32(np.zeros(2)), probs,
+                          jnp.float32(p_slot), jnp.float32(p_storm),
+                          jnp.float32(0.7), f32([0.2, 0.2]), probs)
+        return w, float(jnp.sum(1.0 - w.cdf) * w.dt_s)
+
+    (over, over_mean), (added, added_mean) = wait(0.6, 0.0, 0.3), wait(0.6, 0.3, 0.0)
+    (pre, pre_mean), (slot, slot_mean) = wait(0.6, 0.0, 0.0), wait(0.0, 0.3, 0.0)
+    assert max(pre_mean, slot_mean) <= over_mean < added_mean
+    assert added_mean == pytest.approx(pre_mean + slot_mean, rel=2e-2)
+    # both on one lattice (its span the one with the slot wait)
+    assert float(over.dt_s) == pytest.approx(float(added.dt_s), rel=1e-6)
+
+    def cdf_at(t, w):
+        return np.interp(t, np.arange(w.cdf.shape[0]) * float(w.dt_s),
+                         np.asarray(w.cdf))
+
+    # beyond the first steps, where the lattices' spacings differ
+    span = float(over.dt_s) * over.cdf.shape[0]
+    t = np.linspace(0.02 * span, 0.8 * span, 200)
+    np.testing.assert_allclose(cdf_at(t, over), cdf_at(t, pre) * cdf_at(t, slot),
+                               atol=1e-2)
+
+
+def test_kv_share_by_hand():
+    """``kv_share`` by hand in float64: 2 % of prompts of 100,000 tokens
+    (prefill 5 s, 400 output tokens), the rest 2,000 (0.1 s, 200), a prefill
+    wait of 0.5 s, decode steps of 20 ms, 6 req/s. The KV held has mean ``6
+    (0.98 (2000 * 0.6 + 2100 * 199 * 0.02) + 0.02 (100000 * 5.5 + 100200 *
+    399 * 0.02)) = 218,152.56`` tokens, and an arrival of either band waits
+    while it leaves no room for its prompt in a cache of 400,000 (SciPy's
+    gamma law of that mean and variance). More capacity never raises the
+    share, more arrivals never lower it, none at zero load, and a prompt
+    beyond the capacity always waits."""
+    from scipy.stats import gamma
+
+    prompt, output = np.array([2000.0, 100000.0]), np.array([200.0, 400.0])
+    w, service, wait, step = np.array([0.98, 0.02]), np.array([0.1, 5.0]), 0.5, 0.02
+    decode = (output - 1.0) * step
+    held = prompt + output / 2.0
+    mean = 6.0 * (w @ (prompt * (wait + service) + held * decode))
+    var = 6.0 * (w @ (prompt**2 * (wait + service)
+                      + (held**2 + output**2 / 12.0) * decode))
+    assert mean == pytest.approx(218152.56, rel=1e-9)
+
+    def hand(cap):
+        return w @ gamma.sf(cap - prompt, mean**2 / var, scale=var / mean)
+
+    f64 = partial(jnp.asarray, dtype=jnp.float64)
+    with jax.enable_x64(True):
+        def share(lam, cap, prompts=prompt):
+            return float(kv_share(f64(prompts), f64(output), f64(w), f64(service),
+                                  f64(wait), f64(step), f64(lam), f64(cap)))
+
+        assert share(6.0, 4e5) == pytest.approx(hand(4e5), rel=1e-9)
+        assert 0.01 < hand(4e5) < 0.2
+        by_cap = [share(6.0, c) for c in np.linspace(2e5, 1e6, 9)]
+        assert np.all(np.diff(by_cap) <= 0.0) and by_cap[-1] < 1e-3
+        by_lam = [share(lam, 4e5) for lam in np.linspace(0.5, 12.0, 12)]
+        assert np.all(np.diff(by_lam) >= 0.0)
+        assert share(0.0, 4e5) == 0.0
+        assert share(6.0, 4e5, np.array([2000.0, 5e5])) >= 0.02
 
 
 def test_a_long_prompts_busy_period_fills_the_slots():
