@@ -31,12 +31,7 @@ from sweep.latency.surrogate import (
     latency_workload,
     surrogate,
 )
-from sweep.latency.surrogate.waiting import (
-    _wait_lattice,
-    kv_share,
-    p_wait,
-    storm_share,
-)
+from sweep.latency.surrogate.waiting import _wait_lattice, p_wait, storm_share
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import _numerics as nm
 from sweep.model import roofline
@@ -826,46 +821,6 @@ def test_a_storms_slot_wait_overlaps_the_prefill_wait():
     t = np.linspace(0.02 * span, 0.8 * span, 200)
     np.testing.assert_allclose(cdf_at(t, over), cdf_at(t, pre) * cdf_at(t, slot),
                                atol=1e-2)
-
-
-def test_kv_share_by_hand():
-    """``kv_share`` by hand in float64: 2 % of prompts of 100,000 tokens
-    (prefill 5 s, 400 output tokens), the rest 2,000 (0.1 s, 200), a prefill
-    wait of 0.5 s, decode steps of 20 ms, 6 req/s. The KV held has mean ``6
-    (0.98 (2000 * 0.6 + 2100 * 199 * 0.02) + 0.02 (100000 * 5.5 + 100200 *
-    399 * 0.02)) = 218,152.56`` tokens, and an arrival of either band waits
-    while it leaves no room for its prompt in a cache of 400,000 (SciPy's
-    gamma law of that mean and variance). More capacity never raises the
-    share, more arrivals never lower it, none at zero load, and a prompt
-    beyond the capacity always waits."""
-    from scipy.stats import gamma
-
-    prompt, output = np.array([2000.0, 100000.0]), np.array([200.0, 400.0])
-    w, service, wait, step = np.array([0.98, 0.02]), np.array([0.1, 5.0]), 0.5, 0.02
-    decode = (output - 1.0) * step
-    held = prompt + output / 2.0
-    mean = 6.0 * (w @ (prompt * (wait + service) + held * decode))
-    var = 6.0 * (w @ (prompt**2 * (wait + service)
-                      + (held**2 + output**2 / 12.0) * decode))
-    assert mean == pytest.approx(218152.56, rel=1e-9)
-
-    def hand(cap):
-        return w @ gamma.sf(cap - prompt, mean**2 / var, scale=var / mean)
-
-    f64 = partial(jnp.asarray, dtype=jnp.float64)
-    with jax.enable_x64(True):
-        def share(lam, cap, prompts=prompt):
-            return float(kv_share(f64(prompts), f64(output), f64(w), f64(service),
-                                  f64(wait), f64(step), f64(lam), f64(cap)))
-
-        assert share(6.0, 4e5) == pytest.approx(hand(4e5), rel=1e-9)
-        assert 0.01 < hand(4e5) < 0.2
-        by_cap = [share(6.0, c) for c in np.linspace(2e5, 1e6, 9)]
-        assert np.all(np.diff(by_cap) <= 0.0) and by_cap[-1] < 1e-3
-        by_lam = [share(lam, 4e5) for lam in np.linspace(0.5, 12.0, 12)]
-        assert np.all(np.diff(by_lam) >= 0.0)
-        assert share(0.0, 4e5) == 0.0
-        assert share(6.0, 4e5, np.array([2000.0, 5e5])) >= 0.02
 
 
 def test_a_long_prompts_busy_period_fills_the_slots():

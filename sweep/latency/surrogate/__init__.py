@@ -77,8 +77,8 @@ def engine_state(hw, model, tp, wl, concurrency, token_budget, lam, spec_tokens,
                             spec_tokens, cached_tokens)
 
     n, st, d_st = solve_decodes(lambda d: state_at(d, lam), lam, mean_decodes, slots)
-    queue = slot_queue(state_at, st, d_st, lam, mean_decodes, slots, wl,
-                       roofline.kv_capacity_tokens(hw, model, tp))
+    queue = slot_queue(state_at, st, d_st, lam, mean_decodes, slots,
+                       wl.band_probs)
     return slots, kv_mean_slots, n, st, d_st, queue
 
 

@@ -258,15 +258,15 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
 class SlotQueue(NamedTuple):
     """The admission queue: who waits for a slot, and how busy the slots are then."""
 
-    p_wait: jax.Array  # P(every slot taken) by the slots' holding or the KV
-    storm: jax.Array  # P(every slot taken) after a long prompt (``storm_share``)
+    p_wait: jax.Array  # P(every slot taken) by the slots' holding (the chain)
+    storm: jax.Array  # what a long prompt's busy period adds (``storm_share``)
     full_util: jax.Array  # offered rate / the rate the slots serve when all taken
     full_residence_s: jax.Array  # a slot's mean holding time when all are taken
     dispersion: jax.Array  # the occupancy's variance over its mean, below the slots
 
 
 def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
-               slots, wl, kv_capacity_tokens) -> SlotQueue:
+               slots, band_probs) -> SlotQueue:
     """Requests holding a slot: a birth-death chain whose holding time grows
     with the occupancy, and the queue beyond the slots.
 
@@ -301,12 +301,10 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
     The mean-field utilisation ``lam R / c`` would put ``q`` lower (the prompts
     that queue behind a burst slow every running request's steps), and
     ``q`` multiplies the waiting probability by ``1 / (1 - q)``. The
-    ``p_wait`` returned is the larger of this and ``kv_share`` (the running
-    requests' KV filling the ``kv_capacity_tokens`` of the cache; ``wl``, the
-    workload's bands), a wait added to the prefill wait; ``storm`` is what
-    ``storm_share`` (the slots a long prompt's busy period fills) adds to
-    it, a wait that overlaps the prefill wait behind the same busy period
-    (``_wait_lattice``).
+    ``p_wait`` returned is this, a wait added to the prefill wait; ``storm``
+    is what ``storm_share`` (the slots a long prompt's busy period fills;
+    ``band_probs``, the bands' weights) adds to it, a wait that overlaps the
+    prefill wait behind the same busy period (``_wait_lattice``).
     """
     occupancy = lam * st.residence_s
     # the share of a slot's holding time spent decoding (n / occupancy, by
@@ -342,12 +340,9 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
     lam_sat = 2.0 * slots / (b + safe_sqrt(b * b + 4.0 * d_full * slots))
     full_util = lam / lam_sat
     chain = p_wait(occupancy, theta, slots, full_util)
-    storms = storm_share(st.service_s, wl.band_probs, st.prefill_util, lam,
-                         occupancy, slots, full_util, decode_share)
-    kv = kv_share(wl.prompt_tokens, wl.output_tokens, wl.band_probs, st.service_s,
-                  st.mean_wait_s, st.step_s, lam, kv_capacity_tokens)
-    held = jnp.maximum(chain, kv)
-    return SlotQueue(held, jnp.maximum(storms - held, 0.0), full_util, full,
+    storms = storm_share(st.service_s, band_probs, st.prefill_util, lam, occupancy,
+                         slots, full_util, decode_share)
+    return SlotQueue(chain, jnp.maximum(storms - chain, 0.0), full_util, full,
                      1.0 / (1.0 - theta))
 
 
@@ -380,50 +375,6 @@ def storm_share(service_s, band_probs, prefill_util, lam, occupancy, slots,
     excess = softplus(lam * busy_s - (slots - occupancy), 1.0)
     x = decode_share * safe_div(band_probs @ excess, slack(1.0 - full_util))
     return x / (1.0 + x)
-
-
-def kv_share(prompt_tokens, output_tokens, band_probs, service_s, wait_s, step_s,
-             lam, capacity_tokens):
-    """The share of arrivals whose prompt the running requests' KV leaves no
-    room for.
-
-    The slot count (``state.slot_count``) caps the running requests at the
-    capacity over a mean footprint and its spread; but a prompt of 100k
-    tokens holds the KV of 25 mean ones of 4,000, so on heavy tails the
-    cache fills with far fewer requests running, and a long prompt at the
-    head of the queue waits for room for all of it (admission is first come,
-    first served: the requests behind it wait too). A running request holds
-    its prompt's KV from its admission, through its prefill wait and service
-    (``wait_s``, ``S_j``), then ``P_j`` growing to ``P_j + O_j`` through its
-    ``D_j = O_j - 1`` decode steps (``step_s`` each). The KV held, ``T``, is
-    a shot noise of Poisson arrivals, so by Campbell's theorem its mean is
-    ``lam E[int f]`` and its variance ``lam E[int f^2]``, with ``int f = P
-    (W + S) + (P + O / 2) D step`` and ``int f^2 = P^2 (W + S) + ((P + O /
-    2)^2 + O^2 / 12) D step``. An arrival of band ``j`` waits while ``T >
-    capacity - P_j``, read from the gamma law of that mean and variance.
-
-    On lognormal prompts (mean 4,000 tokens, up to 131,072; H100 +
-    Llama-3.1-8B, concurrency 256, budget 8,192: 71.5 slots by the KV) the
-    Python reference scheduler's admissions waited for KV 38.1 % of the time
-    at cv 3 and 6.55 req/s, where the chain gave P(wait) 6.1 % and this
-    gives 35.2 %; 10.0-12.9 % at 5.73 req/s (two streams), where the chain
-    gave 0.1 % and this 5.8 %; at cv 2, 12.1 % and 3.3 % against 16.1 % and
-    2.0 % (``benchmarks/README.md``, "The KV cache fills on heavy tails").
-    """
-    stay_s = wait_s + service_s
-    decode_s = jnp.maximum(output_tokens - 1.0, 0.0) * step_s
-    held = prompt_tokens + 0.5 * output_tokens
-    first = prompt_tokens * stay_s + held * decode_s
-    second = (prompt_tokens**2 * stay_s
-              + (held**2 + output_tokens**2 / 12.0) * decode_s)
-    mean = lam * (band_probs @ first)
-    var = lam * (band_probs @ second)
-    some = mean > 0.0
-    shape = jnp.where(some, safe_div(mean * mean, var), 1.0)
-    room = jnp.maximum(capacity_tokens - prompt_tokens, 0.0)
-    x = jnp.where(some, safe_div(room * mean, var), 1.0)
-    tail = jax.scipy.special.gammaincc(shape, x)
-    return jnp.where(some, band_probs @ tail, 0.0)
 
 
 def p_wait(occupancy, theta, slots, full_util):
