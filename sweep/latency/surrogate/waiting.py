@@ -10,8 +10,10 @@ decaying as the chain does at ``c`` where that is slower (the
 mean-field utilisation put the waiting probability 8x low in a probe at
 concurrency 16: ``benchmarks/README.md``). A long prompt's busy period of
 the prefill server stalls the releases while arrivals take the slots
-(``storm_share``): a waiting probability of its own, where larger. Given
-that it waits, a request waits as in M/G/1 whose service is the interval
+(``storm_share``). The chain's wait for a slot adds to the prefill wait;
+what the storms add beyond the chain's probability overlaps the prefill
+wait behind the same prompt, and there the wait is the larger of the two.
+Given that it waits, a request waits as in M/G/1 whose service is the interval
 between releases, of mean ``S / c`` (the Allen-Cunneen mean: Whitt 1993,
 Prod. Oper. Manag. 2, 114-161), each carrying the prefill of the prompt its
 release admits (``_release_intervals``). The prefill server is M/G/1
