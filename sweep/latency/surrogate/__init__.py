@@ -144,6 +144,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                         spec_tokens, spec_acceptance,
                                         prefix_hit_fraction))
     tokens_out = wl.mean_output_tokens
+    # a stream not dealt over engines (the default split, static) is Poisson
+    dealt = not (isinstance(split, (int, float)) and split == 1)
     split = jnp.asarray(split, dtype)
     arrival_scv = jnp.where(random_split, 1.0, 1.0 / jnp.maximum(split, 1.0))
     wl = split_workload(wl, split, random_split)
@@ -163,7 +165,7 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                      st.prefill_util, service_shape(st.service_s, wl))
                   if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
-                        arrival_scv, link)
+                        arrival_scv if dealt else None, link)
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
     delay = jnp.zeros_like(w) if link is None else link.exposed_s
 
