@@ -135,10 +135,11 @@ def _lindley(pmf, service_s, span_s, probs, rate, shape, dt):
     M/G/1's probability of waiting ``rho`` where round-robin gaps rarely
     wait (at ``rho`` 0.1 over 2 engines 0.10 against 0.02-0.04), two steps
     give the GI/G/1 wait's p99 within 0.97-1.12x for deterministic and
-    exponential service over 2 to 8 engines, 0.93-1.21x for lognormal cv 2
-    (0.78x over 4 engines at ``rho`` 0.85, as before), and its probability
-    of waiting within 0.03 (``benchmarks/README.md``, "The round-robin
-    wait's law against Lindley"). Each step is a
+    exponential service over 2 to 8 engines, 0.82-1.21x for lognormal cv 2
+    (whose rows move with the sample its bands come from; at ``rho`` 0.6-0.85
+    they read low, as before), and its probability of waiting within 0.035
+    (``benchmarks/README.md``, "The round-robin wait's law against
+    Lindley"). Each step is a
     convolution with ``S`` and a correlation with ``A`` (``P(W' > x) =
     sum_m P(A = m) P(W + S > x + m)``), both linear (zero-padded to twice
     the lattice): the gaps' mass beyond the lattice meets no wait there.
@@ -151,13 +152,17 @@ def _lindley(pmf, service_s, span_s, probs, rate, shape, dt):
     lo = jnp.maximum(service_s / dt - half, -0.5)
     width = service_s / dt + half - lo
     service = jnp.clip((edges[:, None] - lo[None]) / width[None], 0.0, 1.0) @ probs
-    # at 0 the gradient in x of gammainc(1, x) is 0 * log 0; a rate below 0
-    # is a load that ``slack`` keeps just below 0
-    x = edges * (dt * jnp.maximum(rate, 0.0) * shape)
-    gaps = jnp.where(x > 0.0, jax.scipy.special.gammainc(
-        shape, jnp.where(x > 0.0, x, 1.0)), 0.0)
+    # the gaps' Erlang density at each bin's middle (the first bin's half
+    # above 0), in units of a stage: the incomplete gamma function's series
+    # took about as long as the two steps
+    scale = dt * jnp.maximum(rate, 0.0) * shape
+    mid = jnp.arange(n, dtype=dtype).at[0].set(0.25) * scale
+    safe = jnp.where(mid > 0.0, mid, 1.0)
+    log_f = ((shape - 1.0) * jnp.log(safe) - safe + jnp.log(jnp.maximum(scale, 1e-30))
+             - jax.scipy.special.gammaln(shape))
+    gaps = jnp.where(mid > 0.0, jnp.exp(log_f), 0.0).at[0].multiply(0.5)
     service_hat = jnp.fft.rfft(jnp.diff(service), 2 * n)
-    gaps_hat = jnp.conj(jnp.fft.rfft(jnp.diff(gaps), 2 * n))
+    gaps_hat = jnp.conj(jnp.fft.rfft(gaps, 2 * n))
     for _ in range(LINDLEY_STEPS):
         after = jnp.fft.irfft(jnp.fft.rfft(pmf, 2 * n) * service_hat, 2 * n)
         # P(W + S > y), summed from the top (small tails keep their digits)
@@ -300,9 +305,12 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
         dealt round-robin; Poisson ones (dealt at random) keep
         Pollaczek-Khinchine's, exact."""
         start = jnp.fft.ifft(hat).real.astype(dtype) / damp
-        pmf = _lindley(start, service, 2.0 * 3.0**0.5 * spread, probs,
-                       safe_div(util, probs @ service),
-                       jax.lax.stop_gradient(1.0 / scv), dt)
+        # the gradient is the Kingman-scaled law's: through the steps a
+        # warm default search took 3.4x as long, stopped 1.5x
+        # (benchmarks/README.md, "Lindley's steps for a dealt stream")
+        pmf = start + jax.lax.stop_gradient(
+            _lindley(start, service, 2.0 * 3.0**0.5 * spread, probs,
+                     safe_div(util, probs @ service), 1.0 / scv, dt) - start)
         return jnp.where(scv < 1.0, jnp.fft.fft((pmf * damp).astype(cdtype)), hat)
 
     # (which law, its service, spread, utilisation, arrivals' scv)
