@@ -59,9 +59,11 @@ def bands(draw, n=400_000):
 def lattice(rho, k, law):
     """p99 and P(W > 0) of the surrogate's lattice (no slot wait, no storm)."""
     mean, spread, probs = (jnp.asarray(x, jnp.float64) for x in law)
-    w = _wait_lattice(jnp.float64(rho), mean, spread, probs, jnp.float64(0.0),
-                      jnp.float64(0.0), jnp.float64(0.5), jnp.ones_like(probs), probs,
-                      jnp.float64(1.0 / k))
+    zero = jnp.float64(0.0)
+    w = _wait_lattice(jnp.float64(rho), mean, spread, probs, p_slot=zero,
+                      p_storm=zero, slot_util=jnp.float64(0.5),
+                      slot_service_s=jnp.ones_like(probs), slot_probs=probs,
+                      arrival_scv=jnp.float64(1.0 / k))
     cdf = np.asarray(w.cdf)
     return float(np.searchsorted(cdf, 0.99) * w.dt_s), 1.0 - float(cdf[0])
 

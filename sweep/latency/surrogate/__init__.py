@@ -85,7 +85,7 @@ def engine_state(hw, model, tp, wl, concurrency, token_budget, lam, spec_tokens,
 def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
               arrival_rate_per_s, ttft_slo_s=jnp.inf, itl_slo_s=jnp.inf,
               spec_tokens=0.0, spec_acceptance=0.0, prefix_hit_fraction=0.0,
-              link=None, split=1.0, random_split=False, handover=None):
+              link=None, split=None, random_split=False, handover=None):
     """p50/p99 TTFT, ITL and E2E, throughput and goodput of one point.
 
     Args:
@@ -113,7 +113,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
         the band's exposed transfer after the wait for the link (added to
         the wait before the prefill: ``waiting._wait_lattice``). None: no link.
       split, random_split: the engines the stream is dealt over, this one
-        among them (real-valued; 1: the whole stream; default), and whether
+        among them (real-valued; None, the default: the whole stream, not
+        dealt, whose prefill wait is Pollaczek-Khinchine's), and whether
         each arrival goes to a random one (default: round-robin). Dealt
         round-robin, a Poisson stream reaches an engine with Erlang-``split``
         gaps (squared coefficient of variation ``1 / split``: ``waiting``'s
@@ -144,9 +145,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                                         spec_tokens, spec_acceptance,
                                         prefix_hit_fraction))
     tokens_out = wl.mean_output_tokens
-    # a stream not dealt over engines (the default split, static) is Poisson
-    dealt = not (isinstance(split, (int, float)) and split == 1)
-    split = jnp.asarray(split, dtype)
+    dealt = split is not None
+    split = jnp.asarray(1.0 if split is None else split, dtype)
     arrival_scv = jnp.where(random_split, 1.0, 1.0 / jnp.maximum(split, 1.0))
     wl = split_workload(wl, split, random_split)
     wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))

@@ -122,14 +122,14 @@ def _atoms_hat(atoms_s, probs, dt, damp, cdtype):
     return jnp.fft.fft((pmf * damp).astype(cdtype))
 
 
-def _lindley(pmf, service_s, span_s, probs, rate, shape, dt):
+def _lindley(pmf, service_s, spread_s, probs, rate, shape, dt):
     """``LINDLEY_STEPS`` steps of Lindley's recursion ``W' = max(W + S - A,
     0)`` from the lattice law ``pmf`` of a wait (Lindley 1952, Proc. Camb.
     Phil. Soc. 48, 277-289), for Erlang gaps ``A`` of shape ``shape`` and
     mean ``1 / rate`` (a Poisson stream dealt round-robin over ``shape``
-    engines) and the band mixture ``S`` (band ``j`` of mean
-    ``service_s[j]``, uniform over ``span_s[j]`` about it, at least one
-    lattice bin, cut at 0).
+    engines) and the band mixture ``S`` (band ``j`` uniform with mean
+    ``service_s[j]`` and std ``spread_s[j]``, over at least one lattice bin,
+    cut at 0).
 
     Started from the Kingman-scaled Pollaczek-Khinchine law, which keeps
     M/G/1's probability of waiting ``rho`` where round-robin gaps rarely
@@ -147,8 +147,8 @@ def _lindley(pmf, service_s, span_s, probs, rate, shape, dt):
     n = WAIT_POINTS
     dtype = pmf.dtype
     edges = jnp.arange(-1, n, dtype=dtype) + 0.5  # bin b is [b - 1/2, b + 1/2)
-    # each band uniform over its span (at least a bin), cut at 0
-    half = jnp.maximum(0.5 * span_s / dt, 0.5)
+    # each band uniform over its mean +- sqrt(3) std (at least a bin), cut at 0
+    half = jnp.maximum(3.0**0.5 * spread_s / dt, 0.5)
     lo = jnp.maximum(service_s / dt - half, -0.5)
     width = service_s / dt + half - lo
     service = jnp.clip((edges[:, None] - lo[None]) / width[None], 0.0, 1.0) @ probs
@@ -309,8 +309,8 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
         # warm default search took 3.4x as long, stopped 1.5x
         # (benchmarks/README.md, "Lindley's steps for a dealt stream")
         pmf = start + jax.lax.stop_gradient(
-            _lindley(start, service, 2.0 * 3.0**0.5 * spread, probs,
-                     safe_div(util, probs @ service), 1.0 / scv, dt) - start)
+            _lindley(start, service, spread, probs, safe_div(util, probs @ service),
+                     1.0 / scv, dt) - start)
         return jnp.where(scv < 1.0, jnp.fft.fft((pmf * damp).astype(cdtype)), hat)
 
     # (which law, its service, spread, utilisation, arrivals' scv)
