@@ -59,6 +59,8 @@ from sweep.model._numerics import (
 WAIT_POINTS = 1024
 """Lattice points of the wait distribution (static)."""
 _DAMPING = 6.0  # e^-6 of the mass beyond the lattice wraps around
+RESIDUAL_NODES = 3
+"""Uniforms per band in the residual service law (``_residual_bands``; static)."""
 LINDLEY_STEPS = 2
 """Steps of Lindley's recursion that take a dealt stream's prefill wait from
 its Kingman-scaled law to the GI/G/1 one (``_lindley``; static)."""
@@ -83,14 +85,48 @@ class Wait(NamedTuple):
     cdf: jax.Array  # shape=(WAIT_POINTS,), P(W <= k dt)
 
 
+def _residual_bands(service_s, span_s, probs):
+    """The residual of a band law as uniforms from 0 (``_residual_hat``'s
+    terms): ``(service, span, probs)``, ``RESIDUAL_NODES`` entries a band.
+
+    A band of mean service ``x_j`` (probability ``w_j``) is uniform on ``[a_j,
+    b_j]``, ``x_j`` +- sqrt(3) its std (``a_j`` cut at 0), its std from ``y_j
+    = E[X_j^2] / x_j`` (``span_s``). Its residual, of weight ``w_j x_j /
+    E[X]``, has the density ``P(X_j > u) / x_j``: flat to ``a_j``, then
+    falling to 0 at ``b_j``, which is a mixture of uniforms on ``[0, t]``
+    with ``t`` of density ``t / (x_j (b_j - a_j))`` on ``[a_j, b_j]``
+    (Khintchine: a non-increasing density is a mixture of uniforms from 0).
+    That mixture is taken at ``RESIDUAL_NODES`` points, the means of as many
+    equal parts of ``[a_j, b_j]``, scaled so that their mean is ``y_j`` (the
+    residual's mean stays ``E[X^2] / 2 E[X]``). One uniform on ``[0, y_j]``
+    (the mean alone) cut the residual's tail at ``y_j``: behind a
+    heavy-tailed band law the p99 wait read 0.87-0.97x of
+    Pollaczek-Khinchine's at utilisation 0.2-0.45 (``benchmarks/README.md``,
+    "The residual service's tail").
+    """
+    dtype = service_s.dtype
+    half = 3.0**0.5 * safe_sqrt(jnp.maximum(span_s - service_s, 0.0) * service_s)
+    lo = jnp.maximum(service_s - half, 0.0)
+    edges = lo[:, None] + (service_s + half - lo)[:, None] * (
+        jnp.arange(RESIDUAL_NODES + 1, dtype=dtype) / RESIDUAL_NODES)[None]
+    e1, e2 = edges[:, :-1], edges[:, 1:]
+    # each part's share of the mixture (its integral of t: the parts are of
+    # equal width) and its mean, (2/3)(e2^3 - e1^3) / (e2^2 - e1^2) without
+    # the differences
+    share = safe_div(e1 + e2, jnp.sum(e1 + e2, axis=1, keepdims=True))
+    node = (2.0 / 3.0) * safe_div(e2 * e2 + e1 * e2 + e1 * e1, e1 + e2)
+    node = node * safe_div(span_s, jnp.sum(share * node, axis=1))[:, None]
+    return (jnp.repeat(service_s, RESIDUAL_NODES), node.ravel(),
+            (probs[:, None] * share).ravel())
+
+
 def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
     """Damped DFT of the lattice law of the residual of a service time.
 
-    The residual of a band of mean service ``x_j`` (probability ``w_j``) is
-    uniform on ``[0, y_j]`` with weight ``w_j x_j / E[X]``, where ``y_j =
-    E[X_j^2] / x_j`` keeps the band's second moment (so the residual's mean is
-    ``E[X^2] / 2 E[X]``, the band's spread included); each lattice bin's mass
-    is split between its two ends (mean-preserving).
+    Entry ``j`` (mean service ``x_j``, probability ``w_j``) is a uniform on
+    ``[0, y_j]`` of weight ``w_j x_j / E[X]`` (``_residual_bands`` gives a
+    band law's residual in these terms); each lattice bin's mass is split
+    between its two ends (mean-preserving).
     """
     dtype = service_s.dtype
     k = jnp.arange(WAIT_POINTS + 1, dtype=dtype)
@@ -271,11 +307,16 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
         slot_span = slot_span + jnp.where(on > 0, 1.25 * safe_max(slot_atoms_s), 0.0)
     span = queue_span + 2.0 * safe_max(service_span) + slot_span + 1e-9
 
-    def flat(x):  # a band law padded to the release intervals' length
-        return jnp.pad(x, (0, release_s.shape[0] - x.shape[0]))
+    size = max(release_s.shape[0], RESIDUAL_NODES * service_s.shape[0])
 
-    laws = [(flat(service_s * kingman), flat(service_span * kingman), flat(probs), rho),
-            (release_s, release_s, release_probs, rho_s)]
+    def flat(x):  # the laws padded to one length
+        return jnp.pad(x, (0, size - x.shape[0]))
+
+    def residual(service, span, scale):
+        return tuple(map(flat, _residual_bands(service * scale, span * scale, probs)))
+
+    laws = [(*residual(service_s, service_span, kingman), rho),
+            (flat(release_s), flat(release_s), flat(release_probs), rho_s)]
     if link is not None:
         # a link that carries nothing (``disaggregated.no_link``) has no
         # residual law (no mass), so the Pollaczek-Khinchine transform is 1
@@ -285,8 +326,7 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
         link_span, link_kingman, link_queue = law(link.transfer_s, link.spread_s,
                                                   link.arrival_scv, rho_l)
         span = span + link_queue + 2.0 * safe_max(link_span)
-        laws.append((flat(link.transfer_s * link_kingman),
-                     flat(link_span * link_kingman), flat(probs), rho_l))
+        laws.append((*residual(link.transfer_s, link_span, link_kingman), rho_l))
     dt = span / WAIT_POINTS
     k = jnp.arange(WAIT_POINTS, dtype=dtype)
     damp = jnp.exp(-_DAMPING / WAIT_POINTS * k)
