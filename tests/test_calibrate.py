@@ -158,6 +158,29 @@ def test_bench_json_read_by_hand():
     assert run.rate_per_s == 11.1 and run.max_concurrency == 4
 
 
+@pytest.mark.parametrize("budget", [2048, 8192])
+def test_a_fit_on_a_bench_run_moves_at_max_num_seqs_256(budget):
+    """The fit differentiates the surrogate by forward mode (float32). On
+    the hand-made bench run served with max-num-seqs 256, at budget 8,192 the
+    gradient was NaN in every component at every step (the wait lattice's
+    padding divided by a floor whose square is 0 in float32), and the fit
+    gave back its start: every step's gradient is finite, and the constants
+    leave the start."""
+    import math
+
+    import jax.numpy as jnp
+
+    from sweep.search import calibrate as cal
+
+    runs = cal.runs_input([read_bench(str(BENCH), "h100_sxm")], 256, budget, 1)
+    res = cal.fit(h.h100(np.float32, mfu=0.8), h.qwen3_8b(np.float32), None, runs,
+                  n_steps=4)
+    assert int(res.nonfinite_steps) == 0
+    start = jnp.log(jnp.asarray(cal.STARTS[1], jnp.float32))
+    moved = np.abs(np.asarray(res.log_constants - start))
+    assert (moved > 1e-3).all(), (math.e ** np.asarray(res.log_constants), moved)
+
+
 @pytest.mark.slow
 def test_bench_json_round_trip(tmp_path):
     """Read the hand-made run, fit through the surrogate, write the config."""

@@ -151,13 +151,15 @@ def loss(log_c, hw, model, steps: Steps | None, runs: Runs | None,
 
 
 class FitResult(NamedTuple):
-    log_constants: jax.Array  # shape=(3,), the best start's
+    log_constants: jax.Array  # shape=(5,), the best start's
     loss: jax.Array  # shape=(), its final loss
+    nonfinite_steps: jax.Array  # shape=(), its steps whose gradient was not finite
 
 
 def _fit(hw, model, steps, runs, init, learning_rate, *, n_steps: int,
          fit_mask: tuple[bool, ...]) -> dict:
-    """The best start's constants and loss, as a dict (a result
+    """The best start's constants, loss and count of steps whose gradient
+    was not finite (they did not move it), as a dict (a result
     ``sweep.exported`` can keep)."""
     tie_kv = not fit_mask[3]
     low = jnp.asarray(LOG_LOW, init.dtype)
@@ -169,8 +171,9 @@ def _fit(hw, model, steps, runs, init, learning_rate, *, n_steps: int,
 
     def one(x0):
         def step(carry, _):
-            x, state = carry
+            x, state, bad = carry
             value, g = grad_fn(x, hw, model, steps, runs, tie_kv)
+            bad = bad + jnp.any(mask & ~jnp.isfinite(g)).astype(jnp.int32)
             g = jnp.where(mask & jnp.isfinite(g), g, 0.0)
             # optax mixes Python floats with its int32 step count (bias
             # correction, schedules): allowed here where a caller made it strict
@@ -178,19 +181,21 @@ def _fit(hw, model, steps, runs, init, learning_rate, *, n_steps: int,
                 updates, state = opt.update(g, state, x)
             x = optax.projections.projection_box(optax.apply_updates(x, updates),
                                                  low, high)
-            return (x, state), value
+            return (x, state, bad), value
 
         with jax.numpy_dtype_promotion("standard"):
             state0 = opt.init(x0)
-        (x, _), _ = jax.lax.scan(step, (x0, state0), None, length=n_steps)
+        (x, _, bad), _ = jax.lax.scan(step, (x0, state0, jnp.zeros((), jnp.int32)),
+                                      None, length=n_steps)
         if tie_kv:
             x = x.at[3].set(x[0])
-        return x, loss(x, hw, model, steps, runs)
+        return x, loss(x, hw, model, steps, runs), bad
 
-    xs, losses = jax.vmap(one)(init)
+    xs, losses, bad = jax.vmap(one)(init)
     losses = jnp.where(jnp.isfinite(losses), losses, jnp.inf)
     best = jnp.argmin(losses)
-    return {"log_constants": xs[best], "loss": losses[best]}
+    return {"log_constants": xs[best], "loss": losses[best],
+            "nonfinite_steps": bad[best]}
 
 
 def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
@@ -213,7 +218,7 @@ def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
                      for start in starts], np.float32)
     out = exported.call(_fit, {"n_steps": n_steps, "fit_mask": mask}, hw, model,
                         steps, runs, jnp.asarray(init), jnp.float32(learning_rate))
-    return FitResult(out["log_constants"], out["loss"])
+    return FitResult(out["log_constants"], out["loss"], out["nonfinite_steps"])
 
 
 def predict(hw, model, log_c, steps: Steps | None, runs: Runs | None) -> dict:
@@ -343,6 +348,11 @@ def fit_job(job) -> JobFit:
     names, notes = identified(job, app.fit.fit)
     res = fit(hw, model, steps, runs, fit=names, n_steps=app.fit.steps,
               learning_rate=app.fit.learning_rate)
+    bad = int(res.nonfinite_steps)
+    if bad:
+        notes.append(f"the fit's gradient was not finite at {bad} of {app.fit.steps} "
+                     f"steps, which left the constants where they were: the fit "
+                     f"is not to be trusted")
     own = log_constants({c: float(getattr(hw, c)) for c in CONSTANTS})
     before = predict(hw, model, own, steps, runs)
     after = predict(hw, model, res.log_constants, steps, runs)
