@@ -253,7 +253,7 @@ def test_refusal_is_one_line_exit_2_nothing_written(tmp_path):
                         [f"bench_json=[{path}]", f"out={tmp_path / 'conf'}"], tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "sweep-calibrate: error: run.json: hardware: 'b200' measured, but "
+        "sweep-calibrate: error: bench_json: run.json: hardware: 'b200' measured, but "
         "hardware=h100_sxm is fitted; allowed: data of the hardware fitted (or "
         "choose hardware=b200)")
     assert not (tmp_path / "conf").exists() and not (tmp_path / "outputs").exists()

@@ -213,7 +213,8 @@ def test_out_the_tool_must_not_replace_is_refused(cube_path, tmp_path, capsys,
     target, why = {
         "foreign": (tmp_path / "mine", "exists and is not a sweep-report report"),
         "file": (tmp_path / "notes.txt", "exists and is not a folder"),
-        "cube": (cube_path, "exists and is not a sweep-report report"),
+        "cube": (cube_path, "exists and is not a sweep-report report (it is a "
+                            "sweep-grid cube)"),
     }[case]
     err = fail([cube_path, "--out", target], capsys)
     assert err.startswith(f"sweep-report: error: --out {target}: {why}"), err

@@ -60,11 +60,17 @@ def prepare(app: CalibrateApp) -> CalibrateJob:
     """Reads and checks every input; raises ``ConfigError`` (one line)."""
     hw = app.hardware
     check_tensor_parallel("tensor_parallel", [app.tensor_parallel], [hw], [app.model])
-    steps = [read_steps(p, hw.name, hw.max_gpus_per_node) for p in app.steps_csv]
+    try:
+        steps = [read_steps(p, hw.name, hw.max_gpus_per_node) for p in app.steps_csv]
+    except ConfigError as e:
+        raise ConfigError(f"steps_csv: {e}") from None
     for t in steps:
         check_tensor_parallel(f"{Path(t.path).name}: tensor_parallel",
                               np.unique(t.tensor_parallel), [hw], [app.model])
-    runs = [read_bench(p, hw.name) for p in app.bench_json]
+    try:
+        runs = [read_bench(p, hw.name) for p in app.bench_json]
+    except ConfigError as e:
+        raise ConfigError(f"bench_json: {e}") from None
     target = None
     if app.out:
         target = profile_path(Path(app.out).expanduser(), app.name)

@@ -144,9 +144,11 @@ def check_target(path: Path, label: str, kind: str = "cube") -> None:
         if not p.is_dir():
             raise OutputError(f"{label}: exists and is not a folder; {allowed}")
         if not _ours(p, kind):
-            raise OutputError(f"{label}: exists and is not a {what} (it does not "
-                              f"carry the tool's mark); it is left as it is; "
-                              f"{allowed}")
+            other = kind_of(p)
+            why = (f"it is a {KINDS[other]}" if other in KINDS
+                   else "it does not carry the tool's mark")
+            raise OutputError(f"{label}: exists and is not a {what} ({why}); it is "
+                              f"left as it is; {allowed}")
     folder = _writable_folder(p.parent)
     if not folder.is_dir():
         raise OutputError(f"{label}: {folder} is not a folder")
