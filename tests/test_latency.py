@@ -399,6 +399,9 @@ def test_numerics_helpers_have_finite_gradients():
         return dict(
             sqrt_grad=jax.grad(nm.safe_sqrt)(0.0),
             div_grad=jax.grad(lambda x: nm.safe_div(1.0, x))(0.0),
+            # forward mode (the calibration's): a floored denominator's square
+            # is 0 in float32
+            div_tangent=jax.jacfwd(lambda x: nm.safe_div(x, 0.0 * x))(2.0),
             min_far=nm.smooth_min(3e6, 0.5, 1e-3),
             min_tie=nm.smooth_min(2.0, 2.0, 0.1),
             ceil=jax.value_and_grad(lambda x: nm.straight_through(jnp.ceil(x), x))(2.3),
@@ -410,6 +413,7 @@ def test_numerics_helpers_have_finite_gradients():
 
     r = jax.tree.map(np.asarray, probe())
     assert np.isfinite(r["sqrt_grad"]) and np.isfinite(r["div_grad"])
+    assert np.isfinite(r["div_tangent"])
     # smooth min/max stay within scale * log 2 and do not cancel at large values
     np.testing.assert_allclose(r["min_far"], 0.5, atol=1e-6)
     np.testing.assert_allclose(r["min_tie"], 2.0 - 0.1 * math.log(2), rtol=1e-6)

@@ -56,21 +56,24 @@ class CalibrateJob:
         return ", ".join(parts)
 
 
+def _read_each(field: str, paths, read) -> list:
+    """``read`` of every path; a refusal names the field that listed it."""
+    try:
+        return [read(p) for p in paths]
+    except ConfigError as e:
+        raise ConfigError(f"{field}: {e}") from None
+
+
 def prepare(app: CalibrateApp) -> CalibrateJob:
     """Reads and checks every input; raises ``ConfigError`` (one line)."""
     hw = app.hardware
     check_tensor_parallel("tensor_parallel", [app.tensor_parallel], [hw], [app.model])
-    try:
-        steps = [read_steps(p, hw.name, hw.max_gpus_per_node) for p in app.steps_csv]
-    except ConfigError as e:
-        raise ConfigError(f"steps_csv: {e}") from None
+    steps = _read_each("steps_csv", app.steps_csv,
+                       lambda p: read_steps(p, hw.name, hw.max_gpus_per_node))
     for t in steps:
         check_tensor_parallel(f"{Path(t.path).name}: tensor_parallel",
                               np.unique(t.tensor_parallel), [hw], [app.model])
-    try:
-        runs = [read_bench(p, hw.name) for p in app.bench_json]
-    except ConfigError as e:
-        raise ConfigError(f"bench_json: {e}") from None
+    runs = _read_each("bench_json", app.bench_json, lambda p: read_bench(p, hw.name))
     target = None
     if app.out:
         target = profile_path(Path(app.out).expanduser(), app.name)

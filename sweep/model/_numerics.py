@@ -19,11 +19,15 @@ import numpy as np
 
 
 def safe_div(num, den, eps=1e-30):
-    """``num / den`` where ``|den| > eps``, else ``num / eps`` (sign kept)."""
+    """``num / den`` where ``|den| > eps``, else ``num / eps`` (sign kept).
+
+    Forward mode stays finite: ``eps**2`` is 0 in float32, so a division by
+    the floored denominator had the tangent ``0 x inf`` (NaN) wherever it
+    was small; the small branch divides by a constant instead.
+    """
     small = jnp.abs(den) <= eps
     sign = jnp.where(den < 0, -1.0, 1.0)
-    safe_den = jnp.where(small, sign * eps, den)
-    return num / safe_den
+    return jnp.where(small, num / (sign * eps), num / jnp.where(small, 1.0, den))
 
 
 def safe_sqrt(x, eps=1e-30):

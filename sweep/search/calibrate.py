@@ -173,8 +173,9 @@ def _fit(hw, model, steps, runs, init, learning_rate, *, n_steps: int,
         def step(carry, _):
             x, state, bad = carry
             value, g = grad_fn(x, hw, model, steps, runs, tie_kv)
-            bad = bad + jnp.any(mask & ~jnp.isfinite(g)).astype(jnp.int32)
-            g = jnp.where(mask & jnp.isfinite(g), g, 0.0)
+            used = mask & jnp.isfinite(g)
+            bad = bad + jnp.any(mask & ~used).astype(jnp.int32)
+            g = jnp.where(used, g, 0.0)
             # optax mixes Python floats with its int32 step count (bias
             # correction, schedules): allowed here where a caller made it strict
             with jax.numpy_dtype_promotion("standard"):

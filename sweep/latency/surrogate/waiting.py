@@ -139,10 +139,7 @@ def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
     # lost float32's precision); the surrogate's costliest step was this sum
     # taken over every (edge, band) (benchmarks/README.md, "The wait
     # lattice's band sum")
-    # an empty entry (padding: no span, no weight) rises at 0; a division by
-    # a floor there made forward mode's tangent 0 x inf (NaN) in float32
-    some = span_s > 0.0
-    s = jnp.where(some, dt / jnp.where(some, span_s, 1.0), 0.0)
+    s = safe_div(dt, span_s)  # an empty entry (padding: no weight) ends at once
     m = jnp.clip(jnp.ceil(1.0 / s), 1.0, WAIT_POINTS + 1.0).astype(jnp.int32)
     ended = jnp.zeros(WAIT_POINTS + 2, dtype).at[m].add(v)
     rising = jnp.zeros(WAIT_POINTS + 2, dtype).at[m].add(v * s)
