@@ -546,6 +546,52 @@ def test_quantile_on_a_flat_stretch_at_the_level_is_its_far_end(x64):
                                2.0 + s * math.log(u / (1.0 - u)), rtol=2e-5)
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_e2e_quantiles_on_a_grid_are_the_exact_mixtures(x64):
+    """``percentiles.e2e_quantiles`` reads the TTFT law on a log grid and
+    interpolates. Against its mixture inverted outside JAX (SciPy's brentq on
+    the float64 CDF): TTFT lognormal by prompt band, from a steep 25 ms
+    (0.3 % wide, a prefill at zero load) to a broad 20 s tail, every
+    (prompt, output) pair of a joint law, E2E = TTFT + (O - 1) gaps. The p50
+    and p99 E2E within ``E2E_GRID_POINTS``' documented 2.2e-3."""
+    from types import SimpleNamespace
+
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    from sweep.latency.surrogate.percentiles import e2e_quantiles
+
+    median = np.array([0.025, 0.08, 0.4, 3.0, 20.0])  # s, by prompt band
+    sigma = np.array([0.003, 0.3, 0.8, 1.2, 0.6])
+    outputs = np.array([1.0, 40.0, 300.0, 2000.0])  # tokens, by output band
+    gap = 0.012  # s
+    joint = np.random.default_rng(7).dirichlet(np.ones(20)).reshape(5, 4)
+    decode = (outputs - 1.0) * gap
+    lo, hi = 0.25 * 0.025, 400.0
+
+    def exact(t):
+        ttft = t - decode[None, :]
+        z = ((np.log(np.maximum(ttft, 1e-300))[None, :] - np.log(median)[:, None])
+             / sigma[:, None])
+        return float(np.sum(joint * np.where(ttft[None, :] > 0, norm.cdf(z), 0.0)))
+
+    want = [brentq(lambda t, u=u: exact(t) - u - nm.QUANTILE_TIE, lo, hi + decode.max(),
+                   xtol=1e-12, rtol=1e-12) for u in (0.5, 0.99)]
+    with jax.enable_x64(x64):
+        dtype = jnp.float64 if x64 else jnp.float32
+        cast = partial(jnp.asarray, dtype=dtype)
+
+        def band_cdf(t):  # t of shape (..., 1) -> (..., J)
+            lift = (1,) * (t.ndim - 1) + (-1,)
+            mu, s = jnp.log(cast(median)).reshape(lift), cast(sigma).reshape(lift)
+            return jax.scipy.stats.norm.cdf((jnp.log(t) - mu) / s)
+
+        wl = SimpleNamespace(output_tokens=cast(outputs), joint_probs=cast(joint))
+        got = jit(lambda g, a, b: e2e_quantiles(band_cdf, wl, g, a, b))(
+            cast(gap), cast(lo), cast(hi))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2.2e-3)
+
+
 def _float32_and_float64(workload: str, concurrency, budget, rate):
     """The surrogate on H100 x Qwen3-8B x ``workload`` at these points (TP
     1, the default SLOs), batched as the console scripts run it, in float32
