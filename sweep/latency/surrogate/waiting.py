@@ -121,7 +121,10 @@ def _residual_bands(service_s, span_s, probs):
 
 
 def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
-    """Damped DFT of the lattice law of the residual of a service time.
+    """Damped DFT of the lattice law of the residual of a service time (real
+    DFT: the ``WAIT_POINTS // 2 + 1`` frequencies of a real law; what the
+    lattice does with the transforms, products and Pollaczek-Khinchine's
+    ``(1 - rho) / (1 - rho R)``, keeps a real law's conjugate symmetry).
 
     Entry ``j`` (mean service ``x_j``, probability ``w_j``) is a uniform on
     ``[0, y_j]`` of weight ``w_j x_j / E[X]`` (``_residual_bands`` gives a
@@ -147,15 +150,15 @@ def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
                 + k * jnp.cumsum(rising[::-1])[::-1][1:])
     mass = jnp.diff(edge_cdf)
     r = 0.5 * (mass + jnp.concatenate([jnp.zeros((1,), dtype), mass[:-1]]))
-    return jnp.fft.fft((r * damp).astype(cdtype))
+    return jnp.fft.rfft(r * damp).astype(cdtype)
 
 
 def _atoms_hat(atoms_s, probs, dt, damp, cdtype):
-    """Damped DFT of point masses on the lattice, each split between its two
+    """Damped real DFT of point masses on the lattice, each split between its two
     neighbouring lattice points (mean-preserving)."""
     k = jnp.arange(WAIT_POINTS, dtype=atoms_s.dtype)
     pmf = jnp.maximum(0.0, 1.0 - jnp.abs(k[:, None] - (atoms_s / dt)[None, :])) @ probs
-    return jnp.fft.fft((pmf * damp).astype(cdtype))
+    return jnp.fft.rfft(pmf * damp).astype(cdtype)
 
 
 def _lindley(pmf, service_s, spread_s, probs, rate, shape, dt):
@@ -344,14 +347,14 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
         """Lindley's steps from the Kingman-scaled law, where arrivals are
         dealt round-robin; Poisson ones (dealt at random) keep
         Pollaczek-Khinchine's, exact."""
-        start = jnp.fft.ifft(hat).real.astype(dtype) / damp
+        start = jnp.fft.irfft(hat, WAIT_POINTS).astype(dtype) / damp
         # the gradient is the Kingman-scaled law's: through the steps a
         # warm default search took 3.4x as long, stopped 1.5x
         # (benchmarks/README.md, "Lindley's steps for a dealt stream")
         pmf = start + jax.lax.stop_gradient(
             _lindley(start, service, spread, probs, safe_div(util, probs @ service),
                      1.0 / scv, dt) - start)
-        return jnp.where(scv < 1.0, jnp.fft.fft((pmf * damp).astype(cdtype)), hat)
+        return jnp.where(scv < 1.0, jnp.fft.rfft(pmf * damp).astype(cdtype), hat)
 
     # (which law, its service, spread, utilisation, arrivals' scv)
     queues = [] if arrival_scv is None else [(0, service_s, spread_s, rho, arrival_scv)]
@@ -376,8 +379,8 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
                                                    dt, damp, cdtype), 1.0)
     if link_hat:
         slot = slot * link_hat[0]
-    density = jnp.fft.ifft(jnp.stack([prefill_hat * slot, queued])).real.astype(
-        dtype) / damp[None]
+    density = jnp.fft.irfft(jnp.stack([prefill_hat * slot, queued]),
+                            WAIT_POINTS).astype(dtype) / damp[None]
     cdf = jnp.clip(jnp.cumsum(jnp.maximum(density, 0.0), axis=-1), 0.0, 1.0)
     return Wait(dt, cdf[0] * ((1.0 - p_storm) + p_storm * cdf[1]))
 
