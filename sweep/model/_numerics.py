@@ -48,6 +48,32 @@ def safe_max(x):
     return jnp.take(x, jnp.argmax(jax.lax.stop_gradient(x)))
 
 
+def _lattice_index(x, n):
+    """A real index into ``n`` lattice points (clipped to them): the point
+    below it (at most ``n - 2``) and the fraction of the way to the next."""
+    x = jnp.clip(x, 0.0, n - 1.0)
+    i0 = jnp.clip(jnp.floor(x), 0.0, n - 2.0)
+    return i0.astype(jnp.int32), x - i0
+
+
+def interp_rows(table, x):
+    """Rows of ``table`` linear in the real index ``x`` (clipped to the table):
+    a law or table read between the points of a uniform lattice."""
+    i, frac = _lattice_index(x, table.shape[0])
+    below = table[i]  # gathered once: XLA kept two gathers of it, 1.1-1.4x slower
+    return below + frac * (table[i + 1] - below)
+
+
+def interp_columns(table, x):
+    """Column ``c`` of ``table`` (shape ``(n, C)``) read at the real index
+    ``x[..., c]`` as ``interp_rows`` reads rows (``x`` of shape ``(..., C)``):
+    one gather per end, where ``vmap`` of ``interp_rows`` over the columns
+    took twice as long."""
+    i, frac = _lattice_index(x, table.shape[0])
+    a = jnp.take_along_axis(table, i, axis=0)
+    return a + frac * (jnp.take_along_axis(table, i + 1, axis=0) - a)
+
+
 def softplus(x, scale=1.0):
     """``scale * log(1 + exp(x / scale))``: a smooth ``max(x, 0)``."""
     return scale * jax.nn.softplus(x / scale)

@@ -51,7 +51,7 @@ import numpy as np
 
 from sweep import exported
 from sweep.latency.surrogate.bands import membership
-from sweep.model._numerics import safe_div, softplus
+from sweep.model._numerics import interp_rows, safe_div, softplus
 
 RHO_POINTS = 41
 """Prefill utilisations at which a trace's waits are tabulated (static)."""
@@ -403,14 +403,6 @@ def sampled_prompts(values: np.ndarray, probs: np.ndarray, n: int) -> np.ndarray
                       p=np.asarray(probs, np.float64) / np.sum(probs))
 
 
-def _interp_rows(table, x):
-    """Rows of ``table`` linear in the real index ``x`` (clipped to the table)."""
-    x = jnp.clip(x, 0.0, table.shape[0] - 1.0)
-    i0 = jnp.clip(jnp.floor(x), 0.0, table.shape[0] - 2.0)
-    i = i0.astype(jnp.int32)
-    return table[i] + (x - i0) * (table[i + 1] - table[i])
-
-
 def split_workload(wl, split, random=False):
     """The workload as one of ``split`` instances dealt the stream (randomly
     where ``random``, else round-robin) sees it: its trace tables at that
@@ -422,7 +414,7 @@ def split_workload(wl, split, random=False):
                    np.arange(len(SPLIT_GRID), dtype=np.float64))
 
     def at(table):
-        return _interp_rows(jnp.where(random, table[1], table[0]), x)
+        return interp_rows(jnp.where(random, table[1], table[0]), x)
 
     return wl._replace(trace_wait_gaps=at(wl.trace_wait_gaps),
                        trace_counts=at(wl.trace_counts),
@@ -436,7 +428,7 @@ def at_window(table, occupancy):
     ``(len(WAIT_EDGES) - 1,)``."""
     x = (jnp.log2(jnp.maximum(occupancy, WINDOW_GRID[0])) - np.log2(WINDOW_GRID[0])
          ) / (np.log2(WINDOW_GRID[1]) - np.log2(WINDOW_GRID[0]))
-    return _interp_rows(table, x), jnp.asarray(np.diff(WAIT_EDGES), table.dtype)
+    return interp_rows(table, x), jnp.asarray(np.diff(WAIT_EDGES), table.dtype)
 
 
 def trace_slot_atoms(table, occupancy, slots, full_holding_s):
@@ -460,7 +452,7 @@ def trace_wait_gaps_at(table, grid, rho, shape):
     (``percentiles.itl_law``) read the same one."""
     k = jnp.interp(shape, SHAPE_GRID, np.arange(len(SHAPE_GRID), dtype=np.float64))
     i = jnp.interp(rho, grid, jnp.arange(grid.shape[-1], dtype=grid.dtype))
-    return (_interp_rows(_interp_rows(table, k), i),
+    return (interp_rows(interp_rows(table, k), i),
             jnp.asarray(np.diff(WAIT_EDGES), table.dtype))
 
 

@@ -49,6 +49,7 @@ from sweep.latency.surrogate.bursts import trace_slot_atoms
 from sweep.latency.surrogate.state import State
 from sweep.model._numerics import (
     betainc,
+    interp_rows,
     safe_div,
     safe_max,
     safe_sqrt,
@@ -120,7 +121,7 @@ def _residual_bands(service_s, span_s, probs):
             (probs[:, None] * share).ravel())
 
 
-def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
+def _residual_hat(service_s, span_s, probs, dt, damp):
     """Damped DFT of the lattice law of the residual of a service time (real
     DFT: the ``WAIT_POINTS // 2 + 1`` frequencies of a real law; what the
     lattice does with the transforms, products and Pollaczek-Khinchine's
@@ -150,15 +151,15 @@ def _residual_hat(service_s, span_s, probs, dt, damp, cdtype):
                 + k * jnp.cumsum(rising[::-1])[::-1][1:])
     mass = jnp.diff(edge_cdf)
     r = 0.5 * (mass + jnp.concatenate([jnp.zeros((1,), dtype), mass[:-1]]))
-    return jnp.fft.rfft(r * damp).astype(cdtype)
+    return jnp.fft.rfft(r * damp)
 
 
-def _atoms_hat(atoms_s, probs, dt, damp, cdtype):
+def _atoms_hat(atoms_s, probs, dt, damp):
     """Damped real DFT of point masses on the lattice, each split between its two
     neighbouring lattice points (mean-preserving)."""
     k = jnp.arange(WAIT_POINTS, dtype=atoms_s.dtype)
     pmf = jnp.maximum(0.0, 1.0 - jnp.abs(k[:, None] - (atoms_s / dt)[None, :])) @ probs
-    return jnp.fft.rfft(pmf * damp).astype(cdtype)
+    return jnp.fft.rfft(pmf * damp)
 
 
 def _lindley(pmf, service_s, spread_s, probs, rate, shape, dt):
@@ -338,7 +339,7 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
         """Pollaczek-Khinchine: (1 - rho) / (1 - rho R(z))."""
         u = util.astype(cdtype)
         return (1.0 - u) / (1.0 - u * _residual_hat(service, service_span, w, dt,
-                                                     damp, cdtype))
+                                                     damp))
 
     # the laws through one batched transform (one copy of the code to compile)
     hats = list(jax.vmap(pk)(*(jnp.stack(x) for x in zip(*laws))))
@@ -347,14 +348,14 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
         """Lindley's steps from the Kingman-scaled law, where arrivals are
         dealt round-robin; Poisson ones (dealt at random) keep
         Pollaczek-Khinchine's, exact."""
-        start = jnp.fft.irfft(hat, WAIT_POINTS).astype(dtype) / damp
+        start = jnp.fft.irfft(hat, WAIT_POINTS) / damp
         # the gradient is the Kingman-scaled law's: through the steps a
         # warm default search took 3.4x as long, stopped 1.5x
         # (benchmarks/README.md, "Lindley's steps for a dealt stream")
         pmf = start + jax.lax.stop_gradient(
             _lindley(start, service, spread, probs, safe_div(util, probs @ service),
                      1.0 / scv, dt) - start)
-        return jnp.where(scv < 1.0, jnp.fft.rfft(pmf * damp).astype(cdtype), hat)
+        return jnp.where(scv < 1.0, jnp.fft.rfft(pmf * damp), hat)
 
     # (which law, its service, spread, utilisation, arrivals' scv)
     queues = [] if arrival_scv is None else [(0, service_s, spread_s, rho, arrival_scv)]
@@ -368,19 +369,19 @@ def _wait_lattice(rho, service_s, spread_s, probs, p_slot, p_storm, slot_util,
             hats[i] = refined[j]
     prefill_hat, slot_hat, *link_hat = hats
     if trace is not None:
-        prefill_hat = jnp.where(on > 0, _atoms_hat(atoms_s, atom_probs, dt, damp,
-                                                   cdtype), prefill_hat)
+        prefill_hat = jnp.where(on > 0, _atoms_hat(atoms_s, atom_probs, dt, damp),
+                                prefill_hat)
     p_c, rs_c = p_slot.astype(cdtype), rho_s.astype(cdtype)
     queued = (slot_hat - (1.0 - rs_c)) / rs_c
     slot = (1.0 - p_c) + p_c * queued
     if trace is not None:
         # added to the Poisson one, which holds the slots' saturation
         slot = slot * jnp.where(on > 0, _atoms_hat(slot_atoms_s, slot_atom_probs,
-                                                   dt, damp, cdtype), 1.0)
+                                                   dt, damp), 1.0)
     if link_hat:
         slot = slot * link_hat[0]
     density = jnp.fft.irfft(jnp.stack([prefill_hat * slot, queued]),
-                            WAIT_POINTS).astype(dtype) / damp[None]
+                            WAIT_POINTS) / damp[None]
     cdf = jnp.clip(jnp.cumsum(jnp.maximum(density, 0.0), axis=-1), 0.0, 1.0)
     return Wait(dt, cdf[0] * ((1.0 - p_storm) + p_storm * cdf[1]))
 
@@ -579,9 +580,4 @@ def prefill_wait(st: State, wl, slots, sq: SlotQueue, gap_s, per_token_s, lam,
 
 def wait_cdf_beyond_zero(wait: Wait, s):
     """``P(0 < W <= s)`` (0 for ``s <= 0``), linear between lattice points."""
-    x = jnp.clip(s / wait.dt_s, 0.0, WAIT_POINTS - 1.0)
-    x0 = jnp.clip(jnp.floor(x), 0.0, WAIT_POINTS - 2.0)
-    i = x0.astype(jnp.int32)
-    frac = x - x0
-    lo, hi = wait.cdf[i], wait.cdf[i + 1]
-    return lo + frac * (hi - lo) - wait.cdf[0]
+    return interp_rows(wait.cdf, s / wait.dt_s) - wait.cdf[0]
