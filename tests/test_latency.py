@@ -546,6 +546,25 @@ def test_quantile_on_a_flat_stretch_at_the_level_is_its_far_end(x64):
                                2.0 + s * math.log(u / (1.0 - u)), rtol=2e-5)
 
 
+TTFT_MEDIAN_S = np.array([0.025, 0.08, 0.4, 3.0, 20.0])
+TTFT_SIGMA = np.array([0.003, 0.3, 0.8, 1.2, 0.6])
+"""A TTFT law lognormal by prompt band: medians (s) and log-space spreads,
+from a steep 25 ms (0.3 % wide, a prefill at zero load) to a broad 20 s tail."""
+
+
+def _lognormal_bands(dtype):
+    """``P(TTFT <= t | band)`` of ``TTFT_MEDIAN_S``, ``TTFT_SIGMA`` in ``dtype``:
+    ``t`` of shape ``(..., 1)`` -> ``(..., J)``, as ``ttft_law``'s."""
+    mu, s = jnp.log(jnp.asarray(TTFT_MEDIAN_S, dtype)), jnp.asarray(TTFT_SIGMA, dtype)
+
+    def band_cdf(t):
+        lift = (1,) * (t.ndim - 1) + (-1,)
+        z = (jnp.log(t) - mu.reshape(lift)) / s.reshape(lift)
+        return jax.scipy.stats.norm.cdf(z)
+
+    return band_cdf
+
+
 @pytest.mark.parametrize("x64", [False, True])
 def test_e2e_quantiles_on_a_grid_are_the_exact_mixtures(x64):
     """``percentiles.e2e_quantiles`` reads the TTFT law on a log grid and
@@ -559,10 +578,9 @@ def test_e2e_quantiles_on_a_grid_are_the_exact_mixtures(x64):
     from scipy.optimize import brentq
     from scipy.stats import norm
 
-    from sweep.latency.surrogate.percentiles import e2e_quantiles
+    from sweep.latency.surrogate.percentiles import e2e_quantiles, ttft_table
 
-    median = np.array([0.025, 0.08, 0.4, 3.0, 20.0])  # s, by prompt band
-    sigma = np.array([0.003, 0.3, 0.8, 1.2, 0.6])
+    median, sigma = TTFT_MEDIAN_S, TTFT_SIGMA
     outputs = np.array([1.0, 40.0, 300.0, 2000.0])  # tokens, by output band
     gap = 0.012  # s
     joint = np.random.default_rng(7).dirichlet(np.ones(20)).reshape(5, 4)
@@ -581,15 +599,64 @@ def test_e2e_quantiles_on_a_grid_are_the_exact_mixtures(x64):
         dtype = jnp.float64 if x64 else jnp.float32
         cast = partial(jnp.asarray, dtype=dtype)
 
-        def band_cdf(t):  # t of shape (..., 1) -> (..., J)
-            lift = (1,) * (t.ndim - 1) + (-1,)
-            mu, s = jnp.log(cast(median)).reshape(lift), cast(sigma).reshape(lift)
-            return jax.scipy.stats.norm.cdf((jnp.log(t) - mu) / s)
+        band_cdf = _lognormal_bands(dtype)
 
         wl = SimpleNamespace(output_tokens=cast(outputs), joint_probs=cast(joint))
-        got = jit(lambda g, a, b: e2e_quantiles(band_cdf, wl, g, a, b))(
-            cast(gap), cast(lo), cast(hi))
+        got = jit(lambda g, a, b: e2e_quantiles(ttft_table(band_cdf, a, b), wl, g,
+                                                a, b))(cast(gap), cast(lo), cast(hi))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2.2e-3)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_ttft_quantiles_bisect_the_grid_cell_to_the_exact_mixture(x64):
+    """``percentiles.ttft_quantiles`` starts its bisection from the cell of the
+    TTFT grid where the mixture crosses each level, with ``GRID_HALVINGS``
+    fewer halvings: the p50 and p99 are the mixture's own (SciPy's brentq on
+    the float64 CDF) to the bisection's resolution, and within it of a
+    bisection over the whole bracket. The same lognormal bands as the E2E
+    test (a steep 25 ms band to a broad 20 s tail); then brackets that leave
+    both levels below the first grid point or above the last: the bracket's
+    own ends, as the whole-bracket bisection gives."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    from sweep.latency.surrogate.percentiles import (
+        LEVELS,
+        ttft_quantiles,
+        ttft_table,
+    )
+
+    median, sigma = TTFT_MEDIAN_S, TTFT_SIGMA
+    weights = np.array([0.3, 0.35, 0.2, 0.12, 0.03])
+
+    def exact(t):
+        return float(weights @ norm.cdf((math.log(t) - np.log(median)) / sigma))
+
+    lo, hi = 0.25 * 0.025, 400.0
+    want = [brentq(lambda t, u=u: exact(t) - u - nm.QUANTILE_TIE, lo, hi,
+                   xtol=1e-14, rtol=1e-14) for u in LEVELS]
+    with jax.enable_x64(x64):
+        dtype = jnp.float64 if x64 else jnp.float32
+        cast = partial(jnp.asarray, dtype=dtype)
+
+        band_cdf = _lognormal_bands(dtype)
+
+        def both(a, b):
+            w = cast(weights)
+            cell = ttft_quantiles(band_cdf, ttft_table(band_cdf, a, b), w, a, b)
+            whole = nm.quantile(lambda t: band_cdf(t[:, None]) @ w, LEVELS, a, b)
+            return jnp.stack(cell), jnp.stack(whole)
+
+        cell, whole = (np.asarray(x, np.float64) for x in jit(both)(cast(lo), cast(hi)))
+        # both levels above the bracket, then both below it
+        early = np.asarray(jit(both)(cast(1e-4), cast(5e-3))[0], np.float64)
+        late = np.asarray(jit(both)(cast(1e3), cast(5e3))[0], np.float64)
+    # the resolution: a bracket of log(hi / lo) = 11.1 halved 24 (float32) or
+    # 32 (float64) times, each end within half of it
+    np.testing.assert_allclose(cell, want, rtol=2e-9 if x64 else 2e-6)
+    np.testing.assert_allclose(cell, whole, rtol=2e-9 if x64 else 2e-6)
+    np.testing.assert_allclose(early, 5e-3, rtol=2e-6)
+    np.testing.assert_allclose(late, 1e3, rtol=2e-6)
 
 
 def _float32_and_float64(workload: str, concurrency, budget, rate):
