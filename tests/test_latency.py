@@ -602,8 +602,8 @@ def test_e2e_quantiles_on_a_grid_are_the_exact_mixtures(x64):
         band_cdf = _lognormal_bands(dtype)
 
         wl = SimpleNamespace(output_tokens=cast(outputs), joint_probs=cast(joint))
-        got = jit(lambda g, a, b: e2e_quantiles(ttft_table(band_cdf, a, b), wl, g,
-                                                a, b))(cast(gap), cast(lo), cast(hi))
+        got = jit(lambda g, a, b: e2e_quantiles(ttft_table(band_cdf, a, b), wl, g))(
+            cast(gap), cast(lo), cast(hi))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2.2e-3)
 
 
@@ -643,7 +643,7 @@ def test_ttft_quantiles_bisect_the_grid_cell_to_the_exact_mixture(x64):
 
         def both(a, b):
             w = cast(weights)
-            cell = ttft_quantiles(band_cdf, ttft_table(band_cdf, a, b), w, a, b)
+            cell = ttft_quantiles(band_cdf, ttft_table(band_cdf, a, b), w)
             whole = nm.quantile(lambda t: band_cdf(t[:, None]) @ w, LEVELS, a, b)
             return jnp.stack(cell), jnp.stack(whole)
 

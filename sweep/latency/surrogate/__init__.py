@@ -176,14 +176,14 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
 
     ttft_hi = ttft_hi + jnp.max(delay)
     table = ttft_table(ttft_band, ttft_lo, ttft_hi)
-    ttft_p50, ttft_p99 = ttft_quantiles(ttft_band, table, w, ttft_lo, ttft_hi)
+    ttft_p50, ttft_p99 = ttft_quantiles(ttft_band, table, w)
 
     itl_cdf, itl_sf, itl_lo, itl_hi, slow = itl_law(
         hw, model, tp, wl, st, d_st.pre, n, slots, k, cached, trace_gaps,
         None if handover is None else jnp.asarray(handover, dtype),
         1.0 / arrival_scv)
     itl_p50, itl_p99 = quantile(itl_cdf, LEVELS, itl_lo, itl_hi, sf=itl_sf)
-    e2e_p50, e2e_p99 = e2e_quantiles(table, wl, gap_s, ttft_lo, ttft_hi)
+    e2e_p50, e2e_p99 = e2e_quantiles(table, wl, gap_s)
     good = good_fraction(ttft_band, slow, wl, gap_s, lam, ttft_slo_s, itl_slo_s)
 
     status = (jnp.where(kv_mean_slots < 1.0, flags.KV_INFEASIBLE, flags.OK)

@@ -447,12 +447,13 @@ the grid only tells their bisection which cell to start from
 
 
 class TtftTable(NamedTuple):
-    """The TTFT law on ``E2E_GRID_POINTS`` points ``exp(log_lo + step m)``
-    spanning its bracket ``[lo, hi]``: ``bands[m, j] = P(TTFT <= g_m |
+    """The TTFT law on the ``E2E_GRID_POINTS`` points ``exp(log_lo + step m)``
+    of a log grid over its bracket: ``bands[m, j] = P(TTFT <= points[m] |
     prompt band j)``."""
 
     log_lo: jax.Array
     step: jax.Array
+    points: jax.Array  # shape=(E2E_GRID_POINTS,), s
     bands: jax.Array  # shape=(E2E_GRID_POINTS, J)
 
 
@@ -464,8 +465,8 @@ def ttft_table(ttft_band_cdf, lo, hi) -> TtftTable:
     lo, hi = jax.lax.stop_gradient(lo), jax.lax.stop_gradient(hi)
     log_lo = jnp.log(lo)
     step = (jnp.log(hi) - log_lo) / (E2E_GRID_POINTS - 1)
-    grid = jnp.exp(log_lo + step * jnp.arange(E2E_GRID_POINTS, dtype=lo.dtype))
-    return TtftTable(log_lo, step, ttft_band_cdf(grid[:, None]))
+    points = jnp.exp(log_lo + step * jnp.arange(E2E_GRID_POINTS, dtype=lo.dtype))
+    return TtftTable(log_lo, step, points, ttft_band_cdf(points[:, None]))
 
 
 GRID_HALVINGS = int(np.floor(np.log2(E2E_GRID_POINTS - 1)))
@@ -474,36 +475,30 @@ a cell is 1/127 of it, finer than 2^-6): ``ttft_quantiles`` bisects that many
 fewer times."""
 
 
-def ttft_quantiles(ttft_band_cdf, table: TtftTable, band_probs, lo, hi):
-    """p50 and p99 of the TTFT mixture (``ttft_band_cdf @ band_probs`` on
-    ``[lo, hi]``, the bracket of ``table``), bisected from the grid's cell
-    where the mixture crosses each level: the last grid point below it and
-    the next (the far end of a flat stretch, as ``quantile`` takes ties), or
-    the bracket's first or last cell where every point is above or below.
-    The cell is ``GRID_HALVINGS`` halvings of the whole bracket and the
-    bisection takes that many fewer, so it ends at least as fine as one
-    over the whole bracket, which cost a quarter more (the TTFT bisection
-    was a fifth of the surrogate's time)."""
-    dtype = table.bands.dtype
+def ttft_quantiles(ttft_band_cdf, table: TtftTable, band_probs):
+    """p50 and p99 of the TTFT mixture (``ttft_band_cdf @ band_probs``),
+    bisected from the cell of ``table``'s grid where the mixture crosses each
+    level: the last grid point below it and the next (the far end of a flat
+    stretch, as ``quantile`` takes ties), or the grid's first or last cell
+    where every point is above or below. The cell is ``GRID_HALVINGS``
+    halvings of the whole bracket and the bisection takes that many fewer,
+    so it ends at least as fine as one over the whole bracket, which cost a
+    quarter more (the TTFT bisection was a fifth of the surrogate's time)."""
     mixture = jax.lax.stop_gradient(table.bands @ band_probs)  # (M,)
-    target = jnp.asarray(LEVELS, dtype)[:, None] + QUANTILE_TIE
+    target = jnp.asarray(LEVELS, mixture.dtype)[:, None] + QUANTILE_TIE
     m = jnp.arange(E2E_GRID_POINTS)
     below = jnp.max(jnp.where(mixture[None, :] < target, m[None, :], -1), axis=-1)
-    cell = jnp.clip(below, 0, E2E_GRID_POINTS - 2).astype(dtype)
-    cell_lo = jnp.exp(table.log_lo + table.step * cell)
-    cell_hi = jnp.exp(table.log_lo + table.step * (cell + 1.0))
-    # the bracket's own ends, exactly, where the cell reaches them
-    cell_lo = jnp.where(cell == 0, jax.lax.stop_gradient(lo), cell_lo)
-    cell_hi = jnp.where(cell == E2E_GRID_POINTS - 2, jax.lax.stop_gradient(hi), cell_hi)
+    cell = jnp.clip(below, 0, E2E_GRID_POINTS - 2)
     return quantile(lambda t: ttft_band_cdf(t[:, None]) @ band_probs, LEVELS,
-                    cell_lo, cell_hi, iters=halvings(dtype) - GRID_HALVINGS)
+                    table.points[cell], table.points[cell + 1],
+                    iters=halvings(mixture.dtype) - GRID_HALVINGS)
 
 
-def e2e_quantiles(table: TtftTable, wl, gap_s, lo, hi):
+def e2e_quantiles(table: TtftTable, wl, gap_s):
     """p50 and p99 of TTFT + (O - 1) mean gaps over the joint bands, the TTFT
-    law read on ``table`` (over its bracket ``[lo, hi]``)."""
+    law read on ``table``."""
     decode_time = jnp.maximum(wl.output_tokens - 1.0, 0.0) * gap_s  # (I,)
-    lo, hi = jax.lax.stop_gradient(lo), jax.lax.stop_gradient(hi)
+    lo, hi = table.points[0], table.points[-1]
     joint = table.bands @ wl.joint_probs  # (M, I): P(TTFT <= g, i)
 
     def cdf(t):
