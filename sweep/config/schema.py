@@ -991,7 +991,9 @@ class OptimizeApp:
 class CalibrateFit:
     """``sweep-calibrate``'s optax fit of ``sweep.search.calibrate.CONSTANTS``."""
 
-    steps: int = field(default=1000, metadata={"help": "Adam steps (lax.scan)"})
+    steps: int = field(default=1000, metadata={
+        "help": "Adam steps (a traced loop count: another count runs the same "
+                "compiled program)"})
     learning_rate: float = 0.1
     fit: list[str] = field(
         default_factory=lambda: ["mbu", "mfu", "step_overhead_s", "kv_mbu",

@@ -156,41 +156,48 @@ class FitResult(NamedTuple):
     nonfinite_steps: jax.Array  # shape=(), its steps whose gradient was not finite
 
 
-def _fit(hw, model, steps, runs, init, learning_rate, *, n_steps: int,
+def _fit(hw, model, steps, runs, init, learning_rate, n_steps, *,
          fit_mask: tuple[bool, ...]) -> dict:
     """The best start's constants, loss and count of steps whose gradient
     was not finite (they did not move it), as a dict (a result
-    ``sweep.exported`` can keep)."""
+    ``sweep.exported`` can keep). ``n_steps`` is a value, not a shape: a
+    fit of another length runs the same compiled program."""
     tie_kv = not fit_mask[3]
     low = jnp.asarray(LOG_LOW, init.dtype)
     high = jnp.asarray(LOG_HIGH, init.dtype)
     mask = jnp.asarray(fit_mask)
-    schedule = optax.cosine_decay_schedule(learning_rate, n_steps, alpha=0.1)
-    opt = optax.adam(schedule)
+    # optax's cosine decay over n_steps, read at count / n_steps over one
+    # step (its own length must be a Python number)
+    unit = optax.cosine_decay_schedule(learning_rate, 1, alpha=0.1)
+    opt = optax.adam(lambda count: unit(count / n_steps.astype(init.dtype)))
     grad_fn = value_and_grad_fwd(loss)
 
     def one(x0):
-        def step(carry, _):
-            x, state, bad = carry
+        def step(i, carry):
+            x, state, bad, _ = carry
             value, g = grad_fn(x, hw, model, steps, runs, tie_kv)
+            # the pass after the last step only reads the loss at its end
+            # (one program: the loss evaluated apart compiled as long again)
+            more = i < n_steps
             used = mask & jnp.isfinite(g)
-            bad = bad + jnp.any(mask & ~used).astype(jnp.int32)
+            bad = bad + (more & jnp.any(mask & ~used)).astype(jnp.int32)
             g = jnp.where(used, g, 0.0)
             # optax mixes Python floats with its int32 step count (bias
             # correction, schedules): allowed here where a caller made it strict
             with jax.numpy_dtype_promotion("standard"):
                 updates, state = opt.update(g, state, x)
-            x = optax.projections.projection_box(optax.apply_updates(x, updates),
-                                                 low, high)
-            return (x, state, bad), value
+            moved = optax.projections.projection_box(optax.apply_updates(x, updates),
+                                                     low, high)
+            return jnp.where(more, moved, x), state, bad, value
 
         with jax.numpy_dtype_promotion("standard"):
             state0 = opt.init(x0)
-        (x, _, bad), _ = jax.lax.scan(step, (x0, state0, jnp.zeros((), jnp.int32)),
-                                      None, length=n_steps)
+        x, _, bad, value = jax.lax.fori_loop(
+            0, n_steps + 1, step,
+            (x0, state0, jnp.zeros((), jnp.int32), jnp.zeros((), x0.dtype)))
         if tie_kv:
             x = x.at[3].set(x[0])
-        return x, loss(x, hw, model, steps, runs), bad
+        return x, value, bad
 
     xs, losses, bad = jax.vmap(one)(init)
     losses = jnp.where(jnp.isfinite(losses), losses, jnp.inf)
@@ -217,8 +224,9 @@ def fit(hw: HardwareParams, model: ModelParams, steps: Steps | None,
     starts = STARTS if runs is None else STARTS[1:2]
     init = np.array([[math.log(v) if m else o for v, m, o in zip(start, mask, own)]
                      for start in starts], np.float32)
-    out = exported.call(_fit, {"n_steps": n_steps, "fit_mask": mask}, hw, model,
-                        steps, runs, jnp.asarray(init), jnp.float32(learning_rate))
+    out = exported.call(_fit, {"fit_mask": mask}, hw, model, steps, runs,
+                        jnp.asarray(init), jnp.float32(learning_rate),
+                        jnp.int32(n_steps))
     return FitResult(out["log_constants"], out["loss"], out["nonfinite_steps"])
 
 
