@@ -166,29 +166,27 @@ def test_a_fit_on_a_bench_run_moves_at_max_num_seqs_256(budget):
     padding divided by a floor whose square is 0 in float32), and the fit
     gave back its start: every step's gradient is finite, and the constants
     leave the start."""
-    import jax.numpy as jnp
-
     from sweep.search import calibrate as cal
 
     runs = cal.runs_input([read_bench(str(BENCH), "h100_sxm")], 256, budget, 1)
     hw, model = h.h100(np.float32, mfu=0.8), h.qwen3_8b(np.float32)
     res = cal.fit(hw, model, None, runs, n_steps=4)
     assert int(res.nonfinite_steps) == 0
-    start = jnp.log(jnp.asarray(cal.STARTS[1], jnp.float32))
-    moved = np.abs(np.asarray(res.log_constants - start))
+    start = np.log(np.asarray(cal.STARTS[1])).astype(np.float32)  # as fit starts
+    moved = np.abs(np.asarray(res.log_constants) - start)
     assert (moved > 1e-3).all(), (np.exp(np.asarray(res.log_constants)), moved)
-    # the loss it gives is the mean squared log ratio at the constants it
-    # gives (by hand, float64, from the surrogate's predictions there); no
-    # step leaves the start where it was, with the start's loss
+    # no step leaves the start where it was
+    still = cal.fit(hw, model, None, runs, n_steps=0)
+    assert (np.asarray(still.log_constants) == start).all()
+    # the loss each gives is the mean squared log ratio at the constants it
+    # gives (by hand, float64, from the surrogate's predictions there)
     w, measured = np.asarray(runs.weight, np.float64), np.asarray(runs.measured)
-    for steps, at in ((4, res), (0, cal.fit(hw, model, None, runs, n_steps=0))):
+    for steps, at in ((4, res), (0, still)):
         pred = np.asarray(cal.predict(hw, model, at.log_constants, None, runs)["runs"],
                           np.float64)
         r = np.log(np.clip(pred, 1e-9, 1e6)) - np.log(measured)
         by_hand = (w[:, None] * r * r).sum() / (w.sum() * len(cal.BENCH_METRICS))
         assert float(at.loss) == pytest.approx(by_hand, rel=1e-5), steps
-    assert (np.asarray(at.log_constants)
-            == np.log(np.asarray(cal.STARTS[1])).astype(np.float32)).all()
 
 
 @pytest.mark.slow
