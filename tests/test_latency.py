@@ -430,6 +430,42 @@ def test_numerics_helpers_have_finite_gradients():
     np.testing.assert_array_equal(r["max_tie_grad"], [1.0, 0.0, 0.0])
 
 
+def _optimized_ops(program, *args) -> int:
+    """Operations of ``program``'s module after XLA's optimisation."""
+    text = jax.jit(program).lower(*args).compile().as_text()
+    return sum(" = " in line and "parameter(" not in line
+               for line in text.splitlines())
+
+
+def test_materialize_computes_a_shared_chain_once():
+    """A chain of cheap arithmetic read by eight reductions, under a vmap:
+    XLA fuses a copy of the chain into each reduction; behind ``materialize``
+    with ``computed_once``'s flag (from outside the vmap) it is computed
+    once. The same values, and without the flag no conditional at all."""
+    def program(x, index, once):
+        def point(v):
+            for _ in range(24):
+                v = jnp.maximum(v * 1.5 - 0.25, -0.5 * v)
+            v = nm.materialize(v)
+            return jnp.stack([jnp.sum(jnp.sin(v * k)) for k in range(1, 9)])
+
+        if not once:
+            return jax.vmap(point)(x)
+        with nm.computed_once(index >= 0):
+            return jax.vmap(point)(x)
+
+    x = jnp.linspace(-1.0, 1.0, 4 * 64, dtype=jnp.float32).reshape(4, 64)
+    index = jnp.int32(0)
+    copies = _optimized_ops(partial(program, once=False), x, index)
+    once = _optimized_ops(partial(program, once=True), x, index)
+    assert once < copies / 2, (once, copies)
+    np.testing.assert_allclose(jax.jit(partial(program, once=True))(x, index),
+                               jax.jit(partial(program, once=False))(x, index),
+                               rtol=1e-5, atol=1e-5)
+    plain = jax.make_jaxpr(partial(program, once=False))(x, index)
+    assert "cond" not in str(plain)
+
+
 def test_forward_value_and_grad_is_reverse_mode():
     """``value_and_grad_fwd`` (the calibration's gradient)
     against ``jax.value_and_grad`` in float64, through what the surrogate

@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from sweep import exported, shapes
 from sweep.cube import contract
+from sweep.model._numerics import computed_once
 
 
 @dataclass(frozen=True)
@@ -333,8 +334,11 @@ def evaluate_regions(axes: tuple, tables: tuple, starts, *, fn: Callable,
       sharded by device.
     """
     def one(axes, tables, starts):
-        out = (_points(fn, axes, tables, starts[0], table_dims) if flat else
-               _region(fn, axes, tables, starts[0], shape, chunks, table_dims))
+        # a block's indices are never negative: the flag is true, and no
+        # vmap of the points batches it
+        with computed_once(starts.ravel()[0] >= 0):
+            out = (_points(fn, axes, tables, starts[0], table_dims) if flat else
+                   _region(fn, axes, tables, starts[0], shape, chunks, table_dims))
         return jax.tree.map(lambda x: x[None], out)
 
     # no collectives: the loops of the point functions need not track which

@@ -172,6 +172,7 @@ from sweep.cube import status as status_flags
 from sweep.latency.arrivals import Requests
 from sweep.latency.workload import context_limit
 from sweep.model import roofline
+from sweep.model._numerics import materialize
 from sweep.model.batching import CONTINUOUS, is_continuous, running
 from sweep.model.params import REJECT, TRUNCATE
 
@@ -576,18 +577,6 @@ def _since(hi, lo, x):
 def _n(flag):
     """A bool as an int32 count."""
     return flag.astype(jnp.int32)
-
-
-def _materialize(turn, xs):
-    """``xs``, passed through a conditional that is always taken.
-
-    XLA fuses a cheap producer into each of its consumers, so a long chain of
-    scalar arithmetic used by many slot updates would be recomputed in every
-    one of them; it cannot fuse across a conditional, so the values are
-    computed once. (``optimization_barrier`` is removed before fusion on CPU.)
-    """
-    return jax.lax.cond(turn >= 0, lambda x: x,
-                        lambda x: jax.tree.map(jnp.zeros_like, x), xs)
 
 
 def delivery_count(output_tokens, spec_tokens, gain):
@@ -1009,8 +998,9 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
     event = go & has_pref & (cap_chunk < jnp.minimum(cap_end, j_arr))
     run_s = _elapsed(lines, split, n_lin)
     slow_run = n_lin - _count_at_most(lines, n_lin, cx.itl_slo_s)
-    n_lin, event, split, lines, run_s, slow_run = _materialize(
-        turn, (n_lin, event, split, lines, run_s, slow_run))
+    # computed once, not in each slot update that reads them
+    n_lin, event, split, lines, run_s, slow_run = materialize(
+        (n_lin, event, split, lines, run_s, slow_run), turn >= 0)
     ramps = _run_ramps(lines, split, n_lin, n_real.astype(dt))
 
     q = prefilled + chunk * n_lin

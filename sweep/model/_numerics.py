@@ -13,6 +13,9 @@ The smooth minimum / maximum are the ``softplus`` relaxations
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,3 +274,48 @@ def value_and_grad_fwd(fun, has_aux=False):
         return ((value, aux) if has_aux else value), grad
 
     return value_and_grad
+
+
+_ONCE = threading.local()
+
+
+@contextlib.contextmanager
+def computed_once(flag):
+    """While tracing the block within, ``materialize`` keeps what it is given
+    from being recomputed by each consumer (``flag``: its default).
+
+    ``flag`` is a traced bool scalar, true whenever the program runs, that
+    XLA cannot fold (e.g. ``index >= 0`` of an index the program receives)
+    and that no ``vmap`` inside the block batches (a batched predicate turns
+    the conditional into a ``select``, which fuses). The jobs that compile
+    the surrogate set it: a grid block (``sweep.grid.evaluate``), the
+    search's loop step and the calibration's fit step. Outside such a block
+    ``materialize`` passes its values through: a direct call (a test's
+    ``jit(vmap(surrogate))``) compiles as it did before.
+    """
+    before = getattr(_ONCE, "flag", None)
+    _ONCE.flag = flag
+    try:
+        yield
+    finally:
+        _ONCE.flag = before
+
+
+def materialize(xs, flag=None):
+    """``xs``, computed once: passed through a conditional that is always
+    taken (``flag``, default ``computed_once``'s; none: ``xs`` as is).
+
+    XLA fuses a cheap producer into each of its consumers, so a long chain of
+    elementwise arithmetic used by many others is recomputed in every one of
+    them: the surrogate's grid program held 32,502 operations after XLA's
+    optimisation, 28,000 of them copies (benchmarks/README.md, "Computed
+    once"). It cannot fuse across a conditional, so the values are computed
+    once, into buffers. (``optimization_barrier`` is removed before fusion
+    on CPU; a conditional whose branches are both the identity is removed
+    too, hence zeros in the branch never taken.)
+    """
+    flag = getattr(_ONCE, "flag", None) if flag is None else flag
+    if flag is None:
+        return xs
+    return jax.lax.cond(flag, lambda x: x,
+                        lambda x: jax.tree.map(jnp.zeros_like, x), xs)

@@ -42,7 +42,7 @@ import optax
 from sweep import exported, shapes
 from sweep.latency.surrogate import LatencyWorkload, surrogate
 from sweep.model import roofline
-from sweep.model._numerics import value_and_grad_fwd
+from sweep.model._numerics import computed_once, value_and_grad_fwd
 from sweep.model.params import HardwareParams, ModelParams
 
 CONSTANTS = ("mbu", "mfu", "step_overhead_s", "kv_mbu", "sequence_overhead_s")
@@ -177,7 +177,11 @@ def _fit(hw, model, steps, runs, init, learning_rate, n_steps, *,
         x, state, bad, _ = carry  # x: (starts, 5), Adam elementwise over both
         # the starts batched inside the loop: vmap of the loop batched its
         # traced body again (the fit's tracing took 15.1-15.3 s, now 9.3 s)
-        value, g = jax.vmap(lambda x1: grad_fn(x1, hw, model, steps, runs, tie_kv))(x)
+        # the loop index is never negative and no vmap batches it: the
+        # surrogate's stages are computed once (``_numerics.materialize``)
+        with computed_once(i >= 0):
+            value, g = jax.vmap(
+                lambda x1: grad_fn(x1, hw, model, steps, runs, tie_kv))(x)
         # the pass after the last step only reads the loss at its end
         # (one program: the loss evaluated apart compiled as long again)
         more = i < n_steps

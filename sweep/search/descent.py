@@ -75,7 +75,7 @@ from sweep.config.schema import Routing
 from sweep.cube import contract
 from sweep.cube.status import OK
 from sweep.latency.surrogate import LatencyWorkload, surrogate
-from sweep.model._numerics import softplus
+from sweep.model._numerics import computed_once, softplus
 from sweep.model.params import HardwareParams, ModelParams
 
 if TYPE_CHECKING:
@@ -489,7 +489,10 @@ def _run_lanes(cand: Candidates, owner, init, knobs: Knobs, *, optimizer: str,
 
     def body(k, state):
         carry, values = state
-        carry, value = step(cand, carry, k)
+        # the loop index is never negative and the lanes' vmap does not
+        # batch it: the surrogate's stages are computed once
+        with computed_once(k >= 0):
+            carry, value = step(cand, carry, k)
         return carry, values.at[:, k].set(value.astype(values.dtype))
 
     values = jnp.zeros((lanes, len(knobs.penalty_scale)), jnp.float32)

@@ -59,7 +59,7 @@ from sweep.latency.surrogate.state import (
 )
 from sweep.latency.surrogate.waiting import Link, prefill_wait, slot_queue
 from sweep.model import roofline
-from sweep.model._numerics import quantile
+from sweep.model._numerics import materialize, quantile
 
 __all__ = ["BAND_EDGES", "LatencyWorkload", "Link", "cached_workload",
            "latency_workload", "speculative_workload", "surrogate"]
@@ -152,11 +152,13 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
     arrival_scv = jnp.where(random_split, 1.0, 1.0 / jnp.maximum(split, 1.0))
     wl = split_workload(wl, split, random_split)
     wl = speculative_workload(wl, k, roofline.tokens_per_step(k, a))
-    wl, cached = cached_workload(wl, h, roofline.kv_capacity_tokens(hw, model, tp))
+    # each stage's values computed once (``_numerics.materialize``)
+    wl, cached = materialize(cached_workload(
+        wl, h, roofline.kv_capacity_tokens(hw, model, tp)))
     w = wl.band_probs
     mean_decodes = wl.mean_output_tokens - 1.0
-    slots, kv_mean_slots, n, st, d_st, queue = engine_state(
-        hw, model, tp, wl, conc, budget, lam, k, cached)
+    slots, kv_mean_slots, n, st, d_st, queue = materialize(engine_state(
+        hw, model, tp, wl, conc, budget, lam, k, cached))
     slot_util, utilization, rate = throughput(st, wl, lam, mean_decodes, slots)
     gap_s = tagged_gap_s(st, d_st, n, slots)
     _, per_token = jax.jvp(
@@ -168,6 +170,8 @@ def surrogate(hw, model, wl: LatencyWorkload, tp, concurrency, token_budget,
                   if carries_trace(wl) else None)
     wait = prefill_wait(st, wl, slots, queue, gap_s, per_token, lam, trace_gaps,
                         arrival_scv if dealt else None, link)
+    wait, gap_s, per_token, rate, slot_util, utilization = materialize(
+        (wait, gap_s, per_token, rate, slot_util, utilization))
     engine_ttft_band, ttft_lo, ttft_hi = ttft_law(st, wait, wl, n, lam, per_token)
     delay = jnp.zeros_like(w) if link is None else link.exposed_s
 

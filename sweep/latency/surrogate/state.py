@@ -27,6 +27,7 @@ from sweep.model import roofline
 from sweep.model._numerics import (
     bisect,
     implicit_step,
+    materialize,
     safe_sqrt,
     slack,
     smooth_min,
@@ -72,8 +73,9 @@ def steady_state(hw, model, tp, wl, decodes, token_budget, lam, spec_tokens,
     steps = prefill_steps + free / decode
     step = 1.0 / steps
     residence = wait + w @ service + (wl.mean_output_tokens - 1.0) * step
-    return State(decode, rho, step, steps, prefill_steps, service, wait, pre,
-                  residence)
+    # computed once, not in each of the many places that read it
+    return materialize(State(decode, rho, step, steps, prefill_steps, service,
+                             wait, pre, residence))
 
 
 def slot_count(hw, model, tp, wl, concurrency):
