@@ -334,9 +334,8 @@ def evaluate_regions(axes: tuple, tables: tuple, starts, *, fn: Callable,
       sharded by device.
     """
     def one(axes, tables, starts):
-        # a block's indices are never negative: the flag is true, and no
-        # vmap of the points batches it
-        with computed_once(starts.ravel()[0] >= 0):
+        # a block index: no vmap of the points batches it
+        with computed_once(starts.ravel()[0]):
             out = (_points(fn, axes, tables, starts[0], table_dims) if flat else
                    _region(fn, axes, tables, starts[0], shape, chunks, table_dims))
         return jax.tree.map(lambda x: x[None], out)

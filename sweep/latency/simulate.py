@@ -1000,7 +1000,7 @@ def _advance(cx: _Ctx, turn, s: _State, blocked, next_last):
     slow_run = n_lin - _count_at_most(lines, n_lin, cx.itl_slo_s)
     # computed once, not in each slot update that reads them
     n_lin, event, split, lines, run_s, slow_run = materialize(
-        (n_lin, event, split, lines, run_s, slow_run), turn >= 0)
+        (n_lin, event, split, lines, run_s, slow_run), turn)
     ramps = _run_ramps(lines, split, n_lin, n_real.astype(dt))
 
     q = prefilled + chunk * n_lin

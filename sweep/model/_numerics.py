@@ -280,30 +280,32 @@ _ONCE = threading.local()
 
 
 @contextlib.contextmanager
-def computed_once(flag):
+def computed_once(index):
     """While tracing the block within, ``materialize`` keeps what it is given
-    from being recomputed by each consumer (``flag``: its default).
+    from being recomputed by each consumer (``index``: its default).
 
-    ``flag`` is a traced bool scalar, true whenever the program runs, that
-    XLA cannot fold (e.g. ``index >= 0`` of an index the program receives)
-    and that no ``vmap`` inside the block batches (a batched predicate turns
-    the conditional into a ``select``, which fuses). The jobs that compile
+    ``index`` is a traced integer scalar that is never negative when the
+    program runs (a block's or a loop's index), so ``index >= 0`` is true
+    but XLA cannot fold it, and that no ``vmap`` inside the block batches (a
+    batched predicate turns the conditional into a ``select``, which
+    fuses). The jobs that compile
     the surrogate set it: a grid block (``sweep.grid.evaluate``), the
     search's loop step and the calibration's fit step. Outside such a block
     ``materialize`` passes its values through: a direct call (a test's
     ``jit(vmap(surrogate))``) compiles as it did before.
     """
-    before = getattr(_ONCE, "flag", None)
-    _ONCE.flag = flag
+    before = getattr(_ONCE, "index", None)
+    _ONCE.index = index
     try:
         yield
     finally:
-        _ONCE.flag = before
+        _ONCE.index = before
 
 
-def materialize(xs, flag=None):
-    """``xs``, computed once: passed through a conditional that is always
-    taken (``flag``, default ``computed_once``'s; none: ``xs`` as is).
+def materialize(xs, index=None):
+    """``xs``, computed once: passed through a conditional on ``index >= 0``,
+    always taken (``index``: never negative when the program runs; default
+    ``computed_once``'s; none: ``xs`` as is).
 
     XLA fuses a cheap producer into each of its consumers, so a long chain of
     elementwise arithmetic used by many others is recomputed in every one of
@@ -314,8 +316,8 @@ def materialize(xs, flag=None):
     on CPU; a conditional whose branches are both the identity is removed
     too, hence zeros in the branch never taken.)
     """
-    flag = getattr(_ONCE, "flag", None) if flag is None else flag
-    if flag is None:
+    index = getattr(_ONCE, "index", None) if index is None else index
+    if index is None:
         return xs
-    return jax.lax.cond(flag, lambda x: x,
+    return jax.lax.cond(index >= 0, lambda x: x,
                         lambda x: jax.tree.map(jnp.zeros_like, x), xs)

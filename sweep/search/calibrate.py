@@ -177,9 +177,9 @@ def _fit(hw, model, steps, runs, init, learning_rate, n_steps, *,
         x, state, bad, _ = carry  # x: (starts, 5), Adam elementwise over both
         # the starts batched inside the loop: vmap of the loop batched its
         # traced body again (the fit's tracing took 15.1-15.3 s, now 9.3 s)
-        # the loop index is never negative and no vmap batches it: the
-        # surrogate's stages are computed once (``_numerics.materialize``)
-        with computed_once(i >= 0):
+        # no vmap batches the loop index: the surrogate's stages are
+        # computed once (``_numerics.materialize``)
+        with computed_once(i):
             value, g = jax.vmap(
                 lambda x1: grad_fn(x1, hw, model, steps, runs, tie_kv))(x)
         # the pass after the last step only reads the loss at its end

@@ -489,9 +489,9 @@ def _run_lanes(cand: Candidates, owner, init, knobs: Knobs, *, optimizer: str,
 
     def body(k, state):
         carry, values = state
-        # the loop index is never negative and the lanes' vmap does not
-        # batch it: the surrogate's stages are computed once
-        with computed_once(k >= 0):
+        # the lanes' vmap does not batch the loop index: the surrogate's
+        # stages are computed once
+        with computed_once(k):
             carry, value = step(cand, carry, k)
         return carry, values.at[:, k].set(value.astype(values.dtype))
 
