@@ -238,6 +238,22 @@ def qwen3_8b(dtype, max_context_tokens=math.inf):
         max_context_tokens)))
 
 
+def jit_once(fn, /, **kwargs):
+    """The project's ``jit`` of ``fn``, traced as the console scripts trace
+    the surrogate: its stages computed once (``_numerics.computed_once``,
+    from an index no ``vmap`` inside ``fn`` batches), not copied by XLA into
+    every fusion that reads them. Called with ``fn``'s arguments."""
+    from sweep.exported import jit
+    from sweep.model._numerics import computed_once
+
+    def flagged(index, *args, **kw):
+        with computed_once(index):
+            return fn(*args, **kw)
+
+    run = jit(flagged, **kwargs)
+    return lambda *args, **kw: run(np.int32(0), *args, **kw)
+
+
 def itl_bound_s(hw, model, tp, budget, value_s):
     """The histogram's bound (``sweep.latency.simulate`` docstring) at ``value_s``.
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import lindley_waits
+from helpers import jit_once, lindley_waits
 
-from sweep.exported import jit
 from sweep.latency.surrogate.bursts import (
     GAIN_MAX,
     RHO_GRID,
@@ -285,7 +284,7 @@ def test_surrogate_queues_each_burst_behind_its_first_prompts():
     randomly = np.array([False] * 4 + [True])
 
     def run(wls, splits, lams, randomly):
-        return jit(jax.vmap(lambda wl, split, lam, random: surrogate(
+        return jit_once(jax.vmap(lambda wl, split, lam, random: surrogate(
             hw, model, wl, 1.0, 64.0, 2048.0, lam, split=split,
             random_split=random)))(wls, splits, lams, randomly)
 
@@ -366,7 +365,7 @@ def test_surrogate_waits_behind_long_prompts_as_fcfs_does():
     wl = latency_workload(WorkloadTables("long", values, counts / n,
                                          np.array([20.0]), np.array([1.0])),
                           pairs=pairs, arrival_s=t)
-    out = jit(lambda lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))(
+    out = jit_once(lambda lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))(
         np.float32(lam))
     ratio = float(out["ttft_p99_s"]) / fcfs
     assert 0.9 < ratio < 1.2, ratio
@@ -429,7 +428,7 @@ def test_long_prompts_in_runs_wait_behind_each_other():
     rng = np.random.default_rng(5)
     _, prompts, outputs = conversation_stream(rng, 200, 512)
     t = np.cumsum(rng.exponential(400.0, 200)).astype(int) / 1e3
-    run = jit(lambda wl, lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))
+    run = jit_once(lambda wl, lam: surrogate(hw, model, wl, 1.0, 64.0, 2048.0, lam))
     shuffled = np.random.default_rng(0).permutation(200)
     for order in (np.arange(200), shuffled):
         p, o = prompts[order], outputs[order]

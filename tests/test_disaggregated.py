@@ -23,6 +23,7 @@ from helpers import (
     cost_per_mtok,
     decode,
     h100,
+    jit_once,
     lindley_waits,
     optimize_inputs,
     qwen3_8b,
@@ -716,7 +717,7 @@ def test_pools_surrogate_at_zero_load_by_hand():
     # one program for the three calls (a Python 0.0 is weakly typed)
     hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(LINK),
                                    kv_layerwise=np.float32(0.0))
-    run = jit(pools)
+    run = jit_once(pools)
     out = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 1e-6, 1.0, 2.0)
     prefill = step(1500, 0, chunk_keys(1500, 0)) + 1500 * KVB / LINK
     ctx = float(wl.decode.decode_context_tokens)
@@ -757,7 +758,7 @@ def test_pools_surrogate_links_cap_the_rate_by_hand():
                                        np.array([200.0]), np.array([1.0])), False)
     hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8),
                                    kv_layerwise=np.float32(0.0))
-    run = jit(pools)
+    run = jit_once(pools)
     transfer = 1500 * KVB / 1.25e8
     over = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, 4.0, 2.0, 3.0)
     np.testing.assert_allclose(float(over["achieved_req_per_s"]), 2 / transfer,
@@ -809,7 +810,7 @@ def test_pools_surrogate_waits_for_the_links():
                                        np.array([200.0]), np.array([1.0])), False)
     hw = h100(np.float32)._replace(kv_link_bytes_per_s=np.float32(1.25e8),
                                    kv_layerwise=np.float32(0.0))
-    run = jit(pools)
+    run = jit_once(pools)
     transfer, rate = 1500 * KVB / 1.25e8, 0.3
     alone = step(1500, 0, chunk_keys(1500, 0))
     one = run(hw, qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl, 200.0, rate, 1.0, 1.0)
@@ -864,7 +865,7 @@ def test_pools_surrogate_first_gaps_after_hand_overs():
         return values, counts / counts.sum()
 
     tables = WorkloadTables("code", *marginal(prompt), *marginal(output), None, pairs)
-    run = jit(pools)
+    run = jit_once(pools)
     p99, good = {}, {}
     for name, arrival in (("recorded", recorded), ("poisson", poisson)):
         ref = simulate_disaggregated_reference(h100(), qwen3_8b(np.float64), 1.0, 64,
@@ -911,7 +912,7 @@ def test_pools_goodput_holds_the_first_gap_once():
     ref = simulate_disaggregated_reference(h100(), qwen3_8b(np.float64), 1.0, 64, 2048,
                                            arrival, prompt, output, 2, 2)
     wl = pool_workloads(tables, False)
-    run = jit(pools)
+    run = jit_once(pools)
     for slo in (0.007, 0.008):
         got = run(h100(np.float32), qwen3_8b(np.float32), 1.0, 64.0, 2048.0, wl,
                   float(output.mean()), rate, 2.0, 2.0, np.float32(np.inf),

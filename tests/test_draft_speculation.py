@@ -22,6 +22,7 @@ from helpers import (
     assert_matches_reference,
     grid_inputs,
     h100,
+    jit_once,
     run_script,
 )
 from hypothesis import given, settings
@@ -358,7 +359,7 @@ def test_surrogate_zero_load_itl_by_hand():
     wl = latency_workload(WorkloadTables(
         "fixed", np.array([1500.0]), np.array([1.0]), np.array([200.0]),
         np.array([1.0])))
-    fn = jit(surrogate, compiler_options={"xla_backend_optimization_level": 0})
+    fn = jit_once(surrogate, compiler_options={"xla_backend_optimization_level": 0})
     out = fn(h100(f32), llama(f32), wl, f32(1), f32(64), f32(2048), f32(1e-6),
              f32(np.inf), f32(np.inf), f32(4), f32(0.5))
     verify = max((W_T + 1600 * Q_T) / BW,

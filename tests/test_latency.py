@@ -90,7 +90,7 @@ def _objective(hw, model, wl, tp, log_c, log_b, rate, ttft_slo, itl_slo, spec_k,
 # LLVM's optimisation passes dominate the compilation and change no checked
 # digit; the tests run a few dozen small batches, for which speed is moot
 LEVEL0 = {"xla_backend_optimization_level": 0}
-_batched = jit(jax.vmap(
+_batched = h.jit_once(jax.vmap(
     jax.value_and_grad(_objective, argnums=(4, 5, 6), has_aux=True),
     in_axes=(0, None, 0, 0, 0, 0, 0, 0, 0, 0, 0)),
     compiler_options=LEVEL0)
@@ -715,13 +715,7 @@ def _float32_and_float64(workload: str, concurrency, budget, rate):
                 return surrogate(hw, model, wl, 1.0, c, b, r, app.slo.ttft_p99_s,
                                  app.slo.itl_p99_s)
 
-            def batch(index, *points):
-                # the stages computed once, as a grid block computes them
-                with nm.computed_once(index):
-                    return jax.vmap(one)(*points)
-
-            out = jit(batch, compiler_options=LEVEL0)(
-                jnp.int32(0),
+            out = h.jit_once(jax.vmap(one), compiler_options=LEVEL0)(
                 *(jnp.asarray(v, dtype) for v in (concurrency, budget, rate)))
             got[x64] = {k: np.asarray(v, np.float64) for k, v in out.items()}
     return got

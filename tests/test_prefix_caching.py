@@ -14,6 +14,7 @@ from helpers import (
     chunked,
     compose_app,
     cost_per_mtok,
+    jit_once,
     report,
     run_script,
     squeeze_except,
@@ -22,7 +23,6 @@ from helpers import (
 
 import sweep
 from sweep.config.schema import ConfigError
-from sweep.exported import jit
 from sweep.report import plots
 
 HIT, PROMPT, LONG, BUDGET = 0.6, 1500, 8192, 2048
@@ -155,7 +155,7 @@ def test_surrogate_at_zero_load_by_hand():
     wl = latency_workload(WorkloadTables(
         "fixed", np.array([1500.0]), np.array([1.0]), np.array([200.0]),
         np.array([1.0])))
-    out = jit(jax.vmap(lambda h: surrogate(
+    out = jit_once(jax.vmap(lambda h: surrogate(
         hw, model, wl, 1.0, 64.0, 2048.0, 1e-6, prefix_hit_fraction=h)))(
         jnp.array([0.0, HIT], jnp.float32))
     ttft = np.asarray(out["ttft_p50_s"])

@@ -19,6 +19,7 @@ from helpers import (
     assert_matches_reference,
     compose_app,
     h100,
+    jit_once,
     qwen3_8b,
     run_script,
     step,
@@ -137,7 +138,7 @@ def test_surrogate_at_zero_load_by_hand():
     app = compose_app("grid", ["experiment=seed"])
     hw, model = hardware_params(app.hardware, 1.0), model_params(app.model)
     wl = latency_workload(tables())
-    out = jit(jax.vmap(lambda h: surrogate(
+    out = jit_once(jax.vmap(lambda h: surrogate(
         hw, model, wl, 1.0, 64.0, 2048.0, 1e-6, prefix_hit_fraction=h)))(
         jnp.array([0.0, 0.63], jnp.float32))
     p50, p99 = (np.asarray(out[f"ttft_{q}_s"]) for q in ("p50", "p99"))

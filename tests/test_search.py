@@ -13,13 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import compose_app
+from helpers import compose_app, jit_once
 
 from sweep import exported
 from sweep.config.convert import hardware_params, model_params
 from sweep.config.schema import Routing, Search
 from sweep.cube.status import OK
-from sweep.exported import jit
 from sweep.latency.surrogate import latency_workload, surrogate
 from sweep.latency.workload import workload_tables
 from sweep.model.params import stack
@@ -99,7 +98,7 @@ def test_search_finds_the_enumerated_optimum(scenario, key):
         # request, Erlang-r gaps of squared coefficient of variation 1/r
         return surrogate(hw, model, lw, tp, c, b, RATE / r, split=r)
 
-    out = jit(jax.vmap(one))(
+    out = jit_once(jax.vmap(one))(
         jnp.asarray(np.asarray(TP)[t], jnp.float32), jnp.asarray(c, jnp.float32),
         jnp.asarray(np.maximum(b, c), jnp.float32), jnp.asarray(r, jnp.float32))
     ok = ((np.asarray(out["ttft_p99_s"]) <= SLO[0])
@@ -120,7 +119,7 @@ def test_round_robin_replicas_wait_less_than_a_random_split(scenario):
     cands = _candidates(scenario, [RATE / 4, RATE / 12], tps=(1.0, 1.0))
     # one program for every lane: the candidate, the replicas and the routing
     # (traced here; a Python bool in the search)
-    lanes = jit(jax.vmap(lambda cand, r, rr: descent.replica_surrogate(
+    lanes = jit_once(jax.vmap(lambda cand, r, rr: descent.replica_surrogate(
         cand, 16.0, 2048.0, r, rr), in_axes=(None, 0, 0)))
     at_4 = jax.tree.map(lambda x: x[0], cands)
     out = lanes(at_4, jnp.asarray([1.0, 1.0, 3.0, 3.0], jnp.float32),

@@ -23,7 +23,6 @@ from omegaconf import OmegaConf
 
 import sweep
 from sweep.cube import contract
-from sweep.exported import jit
 from sweep.model import sensitivity
 
 PROFILE = {"mbu": 0.8, "kv_mbu": 0.9, "mfu": 0.7, "step_overhead_s": 1e-3,
@@ -256,7 +255,7 @@ def surrogate_p99s_float64(cube) -> dict:
             out = surrogate(hw, model, wl, 1.0, c, b, r)
             return jnp.stack([out["ttft_p99_s"], out["itl_p99_s"]])
 
-        got = np.asarray(jit(jax.vmap(jax.vmap(p99s)))(hw, c, b, r))
+        got = np.asarray(h.jit_once(jax.vmap(jax.vmap(p99s)))(hw, c, b, r))
     names = list(sensitivity.SCALED)
     return {p: (got[i, 0], {n: (got[i, 1 + 2 * j], got[i, 2 + 2 * j])
                             for j, n in enumerate(names)})

@@ -290,9 +290,10 @@ def computed_once(index):
     batched predicate turns the conditional into a ``select``, which
     fuses). The jobs that compile
     the surrogate set it: a grid block (``sweep.grid.evaluate``), the
-    search's loop step and the calibration's fit step. Outside such a block
-    ``materialize`` passes its values through: a direct call (a test's
-    ``jit(vmap(surrogate))``) compiles as it did before.
+    search's loop step, the calibration's fit step and its predictions; the
+    tests through ``helpers.jit_once``. Outside such a block ``materialize``
+    passes its values through: a direct call (``jit(vmap(surrogate))``)
+    compiles as it did before.
     """
     before = getattr(_ONCE, "index", None)
     _ONCE.index = index
