@@ -201,6 +201,28 @@ def test_a_cheaper_answer_after_the_simulator_reads_below_the_surrogate(tmp_path
     assert (ds.verification_surrogate_ttft_p99_s.values[chosen] > 2.0).all()
 
 
+@pytest.mark.slow
+def test_no_round_after_an_answer_at_the_least_cost(tmp_path):
+    """seed_chat at 3 req/s on TP-1 L40S: the first round's answer, two
+    replicas, is confirmed below the surrogate's p99s, then one replica
+    (fewer replicas), the least any configuration can cost: no round
+    follows to look for a cheaper answer (the search had raised the
+    targets and run a second round for nothing)."""
+    out = tmp_path / "opt.zarr"
+    proc = run(["hardware=l40s", "model=qwen3_8b", "search=quick",
+                "search.tensor_parallel=[1]", "search.verify_requests=200",
+                "search.rounds=2", f"out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    said = " ".join(proc.stderr.split())  # wrapped at the terminal's width
+    assert "-> confirmed (fewer replicas)" in said
+    assert "looking for a cheaper" not in said
+    ds = xr.open_zarr(out)
+    assert ds.attrs["rounds"] == 1
+    assert ds.attrs["chosen_replicas"] == 1
+    assert list(ds.verification_replicas.values) == [2, 1]
+    assert ds.verification_slo_met.values.all()
+
+
 def test_fewer_replicas_are_probed_one_fewer_then_halfway():
     """``probe_count`` by hand against a simulator that confirms 9 or more
     replicas: from 34 confirmed, 33, 16 (both confirmed), 8 (missed), 12,

@@ -724,8 +724,7 @@ def run(job: OptimizeJob, log=print) -> Outcome:
                     evaluations, 0, search_s, simulate_s, lines))
             break
         # what costs as much as an answer confirmed already cannot be chosen
-        confirmed_usd = min((c.cost_per_mtok_out_usd for c in cache.values()
-                             if met(job, c.simulated)), default=math.inf)
+        confirmed_usd = _confirmed_usd(job, cache)
         todo = [a for a in order[:s.verify_top]
                 if a.key not in cache and a.cost_per_mtok_out_usd < confirmed_usd]
         if todo:
@@ -766,9 +765,11 @@ def run(job: OptimizeJob, log=print) -> Outcome:
             say(_simulated_line(job, fewer, action))
         # answers confirmed just now with the surrogate above the simulator:
         # a cheaper configuration the surrogate put past the SLO may meet
-        # it; raise their targets and look (``_loosen``)
+        # it; raise their targets and look (``_loosen``), unless an answer
+        # confirmed (this round's best, or fewer replicas of it) already
+        # costs what one replica of the cheapest candidate costs
         cheaper = (best is not None and rnd < s.rounds
-                   and best.cost_per_mtok_out_usd > least_usd)
+                   and _confirmed_usd(job, cache) > least_usd)
         raised = [line for line in (_loosen(job, a, ttft_t, itl_t) for a in todo
                                     if met(job, a.simulated))
                   if line] if cheaper else []
@@ -793,6 +794,13 @@ def run(job: OptimizeJob, log=print) -> Outcome:
     for c, a in shown.items():
         answers[c] = a
     return out
+
+
+def _confirmed_usd(job: OptimizeJob, cache: dict[tuple, Config]) -> float:
+    """What the cheapest configuration the simulator confirmed costs (USD
+    per 1M output tokens; inf: none)."""
+    return min((c.cost_per_mtok_out_usd for c in cache.values()
+                if met(job, c.simulated)), default=math.inf)
 
 
 def _simulated_line(job: OptimizeJob, a: Config, action: str) -> str:
