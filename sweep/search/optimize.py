@@ -767,9 +767,9 @@ def run(job: OptimizeJob, log=print) -> Outcome:
         # a cheaper configuration the surrogate put past the SLO may meet
         # it; raise their targets and look (``_loosen``), unless an answer
         # confirmed (this round's best, or fewer replicas of it) already
-        # costs what one replica of the cheapest candidate costs
-        cheaper = (best is not None and rnd < s.rounds
-                   and _confirmed_usd(job, cache) > least_usd)
+        # costs what one replica of the cheapest candidate costs (with no
+        # best simulated, nothing was: ``todo`` is empty)
+        cheaper = rnd < s.rounds and _confirmed_usd(job, cache) > least_usd
         raised = [line for line in (_loosen(job, a, ttft_t, itl_t) for a in todo
                                     if met(job, a.simulated))
                   if line] if cheaper else []
