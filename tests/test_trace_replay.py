@@ -59,8 +59,21 @@ def alone(prompt, output):
     return ttft, gaps, ttft + sum(gaps)
 
 
+def write_beyond(root):
+    """The workload ``beyond`` (``root/conf``): every row beyond the context."""
+    trace = root / "beyond.jsonl"
+    trace.write_text("".join(json.dumps({"ts_ms": t, "input_length": p,
+                                         "output_length": o}) + "\n"
+                             for t, p, o in [(0, 3000, 4), (2_000, 2100, 2)]))
+    folder = root / "conf" / "workload"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "beyond.yaml").write_text(WORKLOAD.format(name="beyond", path=trace,
+                                                        overlong="reject"))
+
+
 @pytest.fixture(scope="module")
-def replayed(tmp_path_factory):
+def replayed_run(tmp_path_factory):
+    """The console run of both workloads: what it printed, and its cube."""
     root = tmp_path_factory.mktemp("replay")
     trace = root / "tiny.jsonl"
     trace.write_text("".join(json.dumps({"ts_ms": t, "input_length": p,
@@ -71,10 +84,11 @@ def replayed(tmp_path_factory):
     for overlong in ("reject", "truncate"):
         (folder / f"tiny_{overlong}.yaml").write_text(WORKLOAD.format(
             name=f"tiny_{overlong}", path=trace, overlong=overlong))
+    write_beyond(root)
     proc = run_script("sweep-grid", [
         f"hydra.searchpath=[file://{root / 'conf'}]", "hardware=h100_sxm",
         "model=qwen3_8b", f"model.max_context_tokens={CONTEXT}",
-        "grid.workload=[tiny_reject,tiny_truncate]", "grid.tensor_parallel=[1]",
+        "grid.workload=[tiny_reject,tiny_truncate,beyond]", "grid.tensor_parallel=[1]",
         "grid.concurrency=[8]", "grid.token_budget=[2048]",
         "grid.batching=[continuous]", "grid.context_tokens=[1500]",
         "grid.long_prompt_tokens=[1024]", "grid.traffic_tokens_per_day=[1e8]",
@@ -82,7 +96,12 @@ def replayed(tmp_path_factory):
         "calibration=roofline",  # expect() times the bound's steps
         "out=tiny.zarr"], root)
     assert proc.returncode == 0, proc.stderr
-    return sweep.open_cube(root / "tiny.zarr").load().squeeze()
+    return proc.stdout + proc.stderr, sweep.open_cube(root / "tiny.zarr").load()
+
+
+@pytest.fixture(scope="module")
+def replayed(replayed_run):
+    return replayed_run[1].squeeze()
 
 
 def expect(requests):
@@ -115,12 +134,64 @@ def test_exact_replay_rejects_overlong_requests(replayed):
     assert not bool(cube.slo_met)
 
 
+def test_feasibility_holds_the_rejected_share(replayed_run):
+    """The summary table and ``ds.sweep.feasible`` apply the SLO's rejected
+    share as ``slo_met`` does: the rejecting workload meets the p99 limits
+    but rejects half its requests, so no point of it is feasible, unless
+    half may be rejected; ``sweep-report`` takes the cube's share beside
+    limits of its command line."""
+    from argparse import Namespace
+
+    from sweep.report.markdown import slo_limits
+
+    printed, cube = replayed_run
+    rows = {w: line for line in printed.splitlines() for w in ("tiny_reject",
+                                                               "tiny_truncate")
+            if w in line}
+    assert "meets no SLO" in rows["tiny_reject"]
+    assert "meets no SLO" not in rows["tiny_truncate"]
+    said = " ".join(printed.split())  # wrapped at the terminal's width
+    assert "rejected <= 0)" in said and "rejected: up to 100.00% of requests" in said
+    limits = {"ttft_p99_s": 1.0, "itl_p99_s": 0.05}
+    mask = cube.sweep.feasible_mask(**limits).squeeze()
+    assert list(mask.values) == [False, True, False]
+    assert mask.attrs["feasible"].endswith("& rejected_fraction <= 0")
+    assert mask.sel(workload="tiny_truncate").item()
+    assert cube.sweep.feasible_mask(**limits, max_rejected_fraction=0.5).any(
+        "workload").all()
+    best = cube.sweep.feasible(**limits).sweep.cheapest(["concurrency"])
+    assert np.isnan(best.cost_per_mtok_out_usd.sel(workload="tiny_reject")).all()
+    assert np.isfinite(best.cost_per_mtok_out_usd.sel(workload="tiny_truncate")).all()
+    # p99 limits of sweep-report's command line keep the cube's share
+    args = Namespace(slo=None, ttft_p99_s=1.0, itl_p99_s=0.05,
+                     max_rejected_fraction=None)
+    assert slo_limits(cube, args)[0]["max_rejected_fraction"] == 0.0
+    with pytest.raises(ValueError, match="max_rejected_fraction = 2: must be in"):
+        cube.sweep.feasible_mask(**limits, max_rejected_fraction=2)
+
+
 def test_exact_replay_truncates_overlong_prompts(replayed):
     cube = replayed.sel(workload="tiny_truncate")
     # the prompt keeps context - output tokens: 3000 -> 2046, 2040 -> 2038
     assert_figures(cube, expect([(1000, 4), (2046, 2), (500, 6), (2038, 10)]))
     assert float(cube.rejected_fraction) == 0.0
     assert bool(cube.slo_met)
+
+
+def surrogate(root, name, rate, context=40_960):
+    """The surrogate's cube of workload ``name`` (``root/conf``) at ``rate``,
+    Qwen3-8B's context limited to ``context``."""
+    out = root / f"{name}.zarr"
+    proc = run_script("sweep-grid", [
+        f"hydra.searchpath=[file://{root / 'conf'}]", "hardware=h100_sxm",
+        "model=qwen3_8b", f"model.max_context_tokens={context}", f"workload={name}",
+        "grid.tensor_parallel=[1]", "grid.concurrency=[8]", "grid.token_budget=[2048]",
+        "grid.batching=[continuous]", "grid.context_tokens=[1500]",
+        "grid.long_prompt_tokens=[1024]", "grid.traffic_tokens_per_day=[1e8]",
+        f"grid.arrival_rate_per_s=[{rate!r}]", "latency=surrogate",
+        "latency.num_requests=20", "calibration=roofline", f"out={out}"], root)
+    assert proc.returncode == 0, proc.stderr
+    return sweep.open_cube(out).load().squeeze()
 
 
 def test_surrogate_reads_the_stretch_the_simulator_replays(tmp_path):
@@ -143,24 +214,22 @@ def test_surrogate_reads_the_stretch_the_simulator_replays(tmp_path):
         (folder / f"{name}.yaml").write_text(WORKLOAD.format(
             name=name, path=path, overlong="reject"))
 
-    def surrogate(name, rate):
-        out = tmp_path / f"{name}.zarr"
-        proc = run_script("sweep-grid", [
-            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "hardware=h100_sxm",
-            "model=qwen3_8b", f"workload={name}", "grid.tensor_parallel=[1]",
-            "grid.concurrency=[8]", "grid.token_budget=[2048]",
-            "grid.batching=[continuous]", "grid.context_tokens=[1500]",
-            "grid.long_prompt_tokens=[1024]", "grid.traffic_tokens_per_day=[1e8]",
-            f"grid.arrival_rate_per_s=[{rate!r}]", "latency=surrogate",
-            "latency.num_requests=20", "calibration=roofline", f"out={out}"],
-            tmp_path)
-        assert proc.returncode == 0, proc.stderr
-        return sweep.open_cube(out).load().squeeze()
-
-    whole, first = surrogate("whole", 2.0), surrogate("first", 2.0 * pace)
+    whole = surrogate(tmp_path, "whole", 2.0)
+    first = surrogate(tmp_path, "first", 2.0 * pace)
     for name in ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_p99_s",
                  "goodput_req_per_s"):
         np.testing.assert_allclose(float(whole[name]), float(first[name]),
                                    rtol=1e-5, err_msg=name)
     # the 6,000-token prompts beyond the stretch are not in it
     assert float(whole.ttft_p99_s) < 2 * alone(200, 20)[0] < alone(6000, 20)[0]
+
+
+
+def test_every_request_beyond_the_context(replayed, tmp_path):
+    """Every request beyond the model's context: both models read the
+    rejected share as 1 (the surrogate read NaN), and no p99."""
+    write_beyond(tmp_path)
+    for cube in (replayed.sel(workload="beyond"), surrogate(tmp_path, "beyond", 0.5,
+                                                                   CONTEXT)):
+        assert float(cube.rejected_fraction) == 1.0
+        assert np.isnan(float(cube.ttft_p99_s)) and not bool(cube.slo_met)

@@ -36,6 +36,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="p99 TTFT limit in seconds")
     p.add_argument("--itl-p99-s", dest="itl_p99_s", type=float, default=None,
                    help="p99 ITL limit in seconds")
+    p.add_argument("--max-rejected-fraction", dest="max_rejected_fraction", type=float,
+                   default=None,
+                   help="largest share of requests a point may reject (prompt + "
+                   "output beyond the model's context; default: the cube's "
+                   "slo.max_rejected_fraction, 0 unless set)")
     p.add_argument("--hardware", default=None,
                    help="hardware of the single-panel charts (default: cheapest)")
     p.add_argument("--model", default=None,

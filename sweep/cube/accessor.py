@@ -61,9 +61,15 @@ SCENARIO_DIMS = contract.role(contract.SCENARIO)
 a choice of the deployment: analyses fix them instead of optimising over them."""
 CONFIG_DIMS = contract.role(contract.CONFIG)
 """Axes an operator chooses for one hardware x model."""
-MASK_VARIABLES = ("kv_fits", *SLO_FIELDS, "step_s", "prefill_tokens_per_s",
-                  "mean_prompt_tokens")
-"""What ``feasible_mask`` reads: the KV check, the SLO metrics or their proxies."""
+REJECTED_LIMIT = "max_rejected_fraction"
+"""The SLO's limit on ``rejected_fraction`` (``slo.max_rejected_fraction``):
+what an SLO bounds besides its p99s."""
+REJECTED_DEFAULT = 0.0
+"""That limit where an SLO does not set it (the config's default)."""
+MASK_VARIABLES = ("kv_fits", *SLO_FIELDS, "rejected_fraction", "step_s",
+                  "prefill_tokens_per_s", "mean_prompt_tokens")
+"""What ``feasible_mask`` reads: the KV check, the SLO metrics or their
+proxies, the rejected share."""
 
 
 def is_optimize(ds: xr.Dataset) -> bool:
@@ -89,7 +95,8 @@ def load_slo(name: str) -> dict[str, float]:
     """The p99 limits of the shipped SLO option ``conf/slo/<name>.yaml``.
 
     Returns:
-      ``{"ttft_p99_s": ..., "itl_p99_s": ...}`` (the fields the file sets).
+      ``{"ttft_p99_s": ..., "itl_p99_s": ...}`` and ``max_rejected_fraction``
+      (the fields the file sets).
 
     Raises:
       ValueError: no such option (the message lists the shipped ones).
@@ -101,8 +108,7 @@ def load_slo(name: str) -> dict[str, float]:
                          if p.name.endswith(".yaml")) if base.is_dir() else []
         raise ValueError(f"slo={name!r}: no conf/slo/{name}.yaml; shipped options: "
                          f"{', '.join(shipped) or 'none'}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    return {k: float(raw[k]) for k in SLO_FIELDS if raw.get(k) is not None}
+    return _limits(yaml.safe_load(path.read_text()))
 
 
 def config_value(ds: xr.Dataset, key: str):
@@ -132,12 +138,21 @@ def point_dtype(ds: xr.Dataset, pt: xr.Dataset, name: str) -> str:
 
 
 def cube_slo(ds: xr.Dataset) -> dict[str, float]:
-    """The p99 limits of the SLO the cube was swept with (its config's ``slo``)."""
+    """The limits of the SLO the cube was swept with (its config's ``slo``),
+    as ``load_slo`` gives a shipped one's."""
     text = ds.attrs.get("config_yaml")
-    slo = (yaml.safe_load(text) or {}).get("slo") if text else None
+    return _limits((yaml.safe_load(text) or {}).get("slo") if text else None)
+
+
+def _limits(slo) -> dict[str, float]:
+    """The limits an SLO's node sets (p99s, and the rejected share where
+    they are set)."""
     if not isinstance(slo, dict):
         return {}
-    return {k: float(slo[k]) for k in SLO_FIELDS if slo.get(k) is not None}
+    out = {k: float(slo[k]) for k in SLO_FIELDS if slo.get(k) is not None}
+    if out and slo.get(REJECTED_LIMIT) is not None:
+        out[REJECTED_LIMIT] = float(slo[REJECTED_LIMIT])
+    return out
 
 
 def _pick(ds: xr.Dataset, dims: Sequence[str], pos: np.ndarray, has: np.ndarray,
@@ -196,27 +211,41 @@ class SweepAccessor:
         raise ValueError(f"the cube has no {name} and nothing to bound it with")
 
     def feasible_mask(self, slo: str | None = None, *, ttft_p99_s: float | None = None,
-                      itl_p99_s: float | None = None) -> xr.DataArray:
+                      itl_p99_s: float | None = None,
+                      max_rejected_fraction: float | None = None) -> xr.DataArray:
         """Boolean mask of the points that fit and meet the limits.
 
         Args:
           slo: name of a shipped SLO option (``conf/slo/<slo>.yaml``).
           ttft_p99_s: p99 time-to-first-token limit in seconds (overrides ``slo``).
           itl_p99_s: p99 inter-token latency limit in seconds (overrides ``slo``).
+          max_rejected_fraction: the largest share of requests a point may
+            reject (its ``rejected_fraction``: prompt + output beyond the
+            model's context; overrides ``slo``). Where a cube has that share
+            and any limit is given, it applies, at 0 unless given, as
+            ``slo.max_rejected_fraction`` does for ``slo_met``: a p99 over the
+            served requests alone says nothing of the rejected ones.
 
         Returns:
           A bool DataArray over the cube's dims; its ``feasible`` attribute
           states the criterion applied, naming any proxy used.
         """
         limits = load_slo(slo) if slo is not None else {}
+        rejected = limits.pop(REJECTED_LIMIT, None)
         for name, value in (("ttft_p99_s", ttft_p99_s), ("itl_p99_s", itl_p99_s)):
             if value is not None:
                 limits[name] = float(value)
         for name, limit in limits.items():
             if not (np.isfinite(limit) and limit > 0):
                 raise ValueError(f"{name} = {limit:g}: must be a finite number > 0")
+        if max_rejected_fraction is not None:
+            rejected = float(max_rejected_fraction)
+        if rejected is not None and not 0.0 <= rejected <= 1.0:
+            raise ValueError(f"{REJECTED_LIMIT} = {rejected:g}: must be in [0, 1]")
+        if rejected is None and limits:
+            rejected = REJECTED_DEFAULT
         if is_optimize(self._ds):
-            return self._candidate_mask(limits)
+            return self._candidate_mask(limits, rejected)
         self._require("kv_fits")
         ds = self._ds
         mask = ds["kv_fits"].astype(bool)
@@ -233,18 +262,23 @@ class SweepAccessor:
             value, what = self._latency(name)
             mask = mask & (value <= limit)
             criteria.append(f"{what} <= {limit:g} s")
+        if rejected is not None and "rejected_fraction" in ds:
+            mask = mask & (ds["rejected_fraction"] <= rejected)
+            criteria.append(f"rejected_fraction <= {rejected:g}")
         # over the union of the criteria's dims (a p99 cube's latency variables
         # add arrival_rate_per_s, its KV check context_tokens), in cube order
         mask = mask.transpose(*[d for d in ds.dims if d in mask.dims])
         return mask.rename("feasible").assign_attrs(
             feasible=" & ".join(criteria), long_name="feasible", units="1")
 
-    def _candidate_mask(self, limits: dict[str, float]) -> xr.DataArray:
+    def _candidate_mask(self, limits: dict[str, float],
+                        rejected: float | None) -> xr.DataArray:
         """``feasible_mask`` of a ``sweep-optimize`` dataset, over its candidates.
 
         A candidate is feasible when the search found it an answer meeting its
         surrogate targets, and each limit holds for its p99, simulated where
-        the candidate was verified and from the surrogate otherwise.
+        the candidate was verified and from the surrogate otherwise, and its
+        simulated rejected share within ``rejected`` where it was verified.
         """
         ds = self._ds
         self._require("meets_targets", "verified")
@@ -257,11 +291,17 @@ class SweepAccessor:
             mask = mask & (value <= limit)
             criteria.append(f"{name} (simulated where verified, else surrogate) <= "
                             f"{limit:g} s")
+        if rejected is not None and "simulated_rejected_fraction" in ds:
+            mask = mask & xr.where(ds["verified"],
+                                   ds["simulated_rejected_fraction"] <= rejected, True)
+            criteria.append(f"rejected_fraction (simulated, where verified) <= "
+                            f"{rejected:g}")
         return mask.rename("feasible").assign_attrs(
             feasible=" & ".join(criteria), long_name="feasible", units="1")
 
     def feasible(self, slo: str | None = None, *, ttft_p99_s: float | None = None,
-                 itl_p99_s: float | None = None) -> xr.Dataset:
+                 itl_p99_s: float | None = None,
+                 max_rejected_fraction: float | None = None) -> xr.Dataset:
         """The cube with every point that fails the limits masked out.
 
         Float variables of a deployment point (those over any of
@@ -272,7 +312,8 @@ class SweepAccessor:
         added as the bool variable ``feasible``. Arguments as in
         ``feasible_mask``; with none, only ``kv_fits`` is applied.
         """
-        mask = self.feasible_mask(slo, ttft_p99_s=ttft_p99_s, itl_p99_s=itl_p99_s)
+        mask = self.feasible_mask(slo, ttft_p99_s=ttft_p99_s, itl_p99_s=itl_p99_s,
+                                  max_rejected_fraction=max_rejected_fraction)
         out = self._ds.copy()
         point_dims = {"candidate"} if is_optimize(self._ds) else set(CONFIG_DIMS)
         for name, var in self._ds.data_vars.items():

@@ -33,7 +33,7 @@ from rich.table import Table
 
 import sweep.cube.accessor  # noqa: F401  (registers ds.sweep)
 from sweep.cube import contract
-from sweep.cube.accessor import CONFIG_DIMS, MASK_VARIABLES, cube_slo
+from sweep.cube.accessor import CONFIG_DIMS, MASK_VARIABLES, REJECTED_LIMIT, cube_slo
 from sweep.cube.reduce import least_in, position
 from sweep.grid.plan import LOAD_POINTS
 
@@ -113,9 +113,20 @@ class Frame:
         row_dims = [d for d in ROW_DIMS if d in ds.dims]
         shown = [d for d in row_dims if d != "workload" or ds.sizes[d] > 1]
         if limits:
+            # the rejected share named where some point rejects requests
+            rejected = ("rejected_fraction" in ds
+                        and bool((ds["rejected_fraction"] > 0).any()))
+            most = limits.get(REJECTED_LIMIT, 0.0)
             title = (f"cheapest point meeting the p99 SLO (TTFT <= "
                      f"{limits['ttft_p99_s']:g} s, ITL <= "
-                     f"{limits['itl_p99_s'] * 1e3:g} ms)")
+                     f"{limits['itl_p99_s'] * 1e3:g} ms"
+                     + (f", rejected <= {most:.4g}" if rejected else "") + ")")
+            if rejected:
+                notes.append(
+                    f"rejected: up to {float(ds['rejected_fraction'].max()):.2%} of "
+                    "requests (prompt + output beyond the model's "
+                    f"max_context_tokens); slo.max_rejected_fraction = {most:g} "
+                    "(workload.overlong=truncate serves them cut)")
         else:
             title = "cheapest point that fits"
         # a choice with one value is the same in every row: said once, below

@@ -241,11 +241,16 @@ class SurrogatePoint:
         else:
             r, elasticity = figures(hardware)[1], {}
         r["rejected_fraction"] = rejected
-        ok = fits & is_continuous(batching) & (rejected < 1.0)
+        ok = fits & is_continuous(batching)
+        served_any = rejected < 1.0
         # a saturated point's p99 grows without bound: no elasticity
-        steady = ok & (r["status"] == flags.OK)
-        return (_summary(r, slo, ok, r["status"])
-                | {k: jnp.where(steady, v, jnp.nan) for k, v in elasticity.items()})
+        steady = ok & served_any & (r["status"] == flags.OK)
+        out = _summary(r, slo, ok, r["status"])
+        # every request beyond the context: no figure but the share rejected
+        # (1), as the simulator gives
+        out = {k: v if k == "rejected_fraction" or v.dtype.kind != "f"
+               else jnp.where(served_any, v, jnp.nan) for k, v in out.items()}
+        return out | {k: jnp.where(steady, v, jnp.nan) for k, v in elasticity.items()}
 
 
 def served_requests(tables: WorkloadTables, workload: Workload, model: Model

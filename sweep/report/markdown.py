@@ -29,7 +29,14 @@ import numpy as np
 import xarray as xr
 
 from sweep.cube import contract, engines
-from sweep.cube.accessor import CONFIG_DIMS, SLO_FIELDS, cube_slo, is_optimize, load_slo
+from sweep.cube.accessor import (
+    CONFIG_DIMS,
+    REJECTED_LIMIT,
+    SLO_FIELDS,
+    cube_slo,
+    is_optimize,
+    load_slo,
+)
 from sweep.cube.results import DamagedCube, check_chunks, open_cube
 from sweep.report import plots
 
@@ -161,17 +168,21 @@ def require(path: Path, ds: xr.Dataset, what: str, variables, dims,
 
 
 def slo_limits(ds: xr.Dataset, args: argparse.Namespace) -> tuple[dict, str]:
-    """The p99 limits to apply: the command line's, else the cube config's SLO."""
+    """The limits to apply: the command line's, else the cube config's SLO
+    (the rejected share the cube's where the command line sets none)."""
     limits, source = {}, "command line"
     try:
         if args.slo:
             limits = load_slo(args.slo)
-        for name in SLO_FIELDS:
+        for name in (*SLO_FIELDS, REJECTED_LIMIT):
             if getattr(args, name) is not None:
                 limits[name] = getattr(args, name)
         if not limits:
             source = "the cube's config"
             limits = cube_slo(ds)
+        elif REJECTED_LIMIT not in limits and REJECTED_LIMIT in cube_slo(ds):
+            # p99 limits of the command line, the rejected share of the cube's
+            limits[REJECTED_LIMIT] = cube_slo(ds)[REJECTED_LIMIT]
         ds.sweep.feasible_mask(**limits)  # checks the limits against the cube
     except ValueError as e:
         raise ReportError(f"{source}: {e}") from e
