@@ -23,7 +23,7 @@ from sweep.config.schema import (
     Trace,
     Workload,
 )
-from sweep.latency.arrivals import replay_requests, sample_requests
+from sweep.latency.arrivals import replay_requests, sample_requests, workload_requests
 from sweep.latency.workload import load_trace, served_tables, workload_tables
 
 
@@ -77,6 +77,24 @@ def test_exact_replay_keeps_order_pairs_and_rescaled_offsets(tmp_path):
     s = sample_requests(jax.random.key(0), tables, 4000, 2.0, tables.trace_arrival_s)
     pairs = set(zip(np.asarray(s.prompt_tokens), np.asarray(s.output_tokens)))
     assert (100.0, 3.0) in pairs
+
+
+@pytest.mark.parametrize("replay", [Replay.sampled, Replay.exact])
+def test_streams_are_the_default_float_type(tmp_path, replay):
+    """A console script's stream is drawn in float32 and held in the default
+    float type: under ``JAX_ENABLE_X64`` the same requests in float64, in
+    which the simulator then computes (it computes in its stream's type;
+    the streams were float32 whatever the flag)."""
+    path = tmp_path / "t.csv"
+    path.write_text("t,prompt,output\n10,100,1\n11,200,2\n14,300,3\n")
+    workload = trace_workload(path, replay=replay)
+    tables = workload_tables(workload)
+    f32 = workload_requests(jax.random.key(0), workload, tables, 64, 2.0)
+    with jax.enable_x64(True):
+        f64 = workload_requests(jax.random.key(0), workload, tables, 64, 2.0)
+    for a, b in zip(f32, f64, strict=True):
+        assert a.dtype == np.float32 and b.dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b))
 
 
 def test_served_tables_by_hand():

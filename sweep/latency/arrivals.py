@@ -82,7 +82,7 @@ def sample_requests(key, workload_tables: WorkloadTables, num_requests: int,
     else:
         offsets = _trace_arrivals_s(trace_arrival_s, num_requests)
         t = np.asarray(trace_arrival_s, dtype=np.float64)
-        trace_rate = (len(t) - 1) / (t[-1] - t[0])
+        trace_rate = float((len(t) - 1) / (t[-1] - t[0]))  # weak: rate's type
         # the first request arrives one mean gap after the start, as with Poisson
         arrival = jnp.asarray(offsets + 1.0 / trace_rate, jnp.float32) * (
             trace_rate / rate)
@@ -137,13 +137,19 @@ def replay_requests(key, workload_tables: WorkloadTables, num_requests: int,
 
 def workload_requests(key, workload: Workload, workload_tables: WorkloadTables,
                       num_requests: int, arrival_rate_per_s) -> Requests:
-    """A workload's stream: its ``replay`` and ``arrival`` settings applied."""
+    """A workload's stream: its ``replay`` and ``arrival`` settings applied.
+
+    Drawn in float32, so ``JAX_ENABLE_X64`` draws the same requests, and held
+    in the default float type: the simulator computes in its stream's, so
+    under ``JAX_ENABLE_X64`` a console script's simulation runs in float64."""
     trace = workload.arrival == ArrivalKind.trace
     if workload.replay == Replay.exact:
-        return replay_requests(key, workload_tables, num_requests,
-                               arrival_rate_per_s, trace)
-    return sample_requests(key, workload_tables, num_requests, arrival_rate_per_s,
-                           workload_tables.trace_arrival_s if trace else None)
+        out = replay_requests(key, workload_tables, num_requests,
+                              arrival_rate_per_s, trace)
+    else:
+        out = sample_requests(key, workload_tables, num_requests, arrival_rate_per_s,
+                              workload_tables.trace_arrival_s if trace else None)
+    return jax.tree.map(lambda x: x.astype(jax.dtypes.canonicalize_dtype(float)), out)
 
 
 def recorded_arrivals(workload: Workload, tables: WorkloadTables) -> np.ndarray | None:
