@@ -223,6 +223,23 @@ def test_no_round_after_an_answer_at_the_least_cost(tmp_path):
     assert ds.verification_slo_met.values.all()
 
 
+@pytest.mark.slow
+def test_fewer_replicas_stay_below_the_capacity(tmp_path):
+    """seed_chat at 500 req/s on TP-1 H100s: fewer replicas are probed only
+    where the surrogate finds a steady state. Past the capacity the queue
+    grows without bound, yet a short simulated stream read 18 replicas
+    (2.7x their capacity) within the SLO, and they were chosen."""
+    out = tmp_path / "opt.zarr"
+    proc = run(["hardware=h100_sxm", "model=qwen3_8b", "search=quick",
+                "search.tensor_parallel=[1]", "workload.arrival_rate_per_s=500",
+                "search.rounds=1", f"out={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "-> confirmed (fewer replicas)" in " ".join(proc.stderr.split())
+    ds = xr.open_zarr(out)
+    assert ds.utilization.values[0] < 1.0
+    assert ds.attrs["chosen_replicas"] >= 20
+
+
 def test_fewer_replicas_are_probed_one_fewer_then_halfway():
     """``probe_count`` by hand against a simulator that confirms 9 or more
     replicas: from 34 confirmed, 33, 16 (both confirmed), 8 (missed), 12,

@@ -193,10 +193,16 @@ class Settings:
         """What the compiled search depends on besides its arguments' shapes."""
         return {"optimizer": self.optimizer, "options": self.optimizer_options}
 
-    def knobs(self) -> Knobs:
-        """The numbers of these settings as the compiled search reads them."""
+    def replaced(self, **changes) -> Settings:
+        """These settings with some fields (``changes``) set otherwise."""
+        return Settings(tuple((k, changes.get(k, v)) for k, v in self.values))
+
+    def knobs(self, loop_length: int | None = None) -> Knobs:
+        """The numbers of these settings as the compiled search reads them
+        (per-step arrays of ``loop_length`` entries; default: their own)."""
         length = shapes.power_of_two(max(len(self.concurrency_values),
                                          len(self.token_budget_values)), LATTICE_MIN)
+        loop_length = loop_length or self.loop_length
 
         def padded(values, n):  # the last value repeated: clipping reads it
             values = np.asarray(values, np.float32)
@@ -209,8 +215,8 @@ class Settings:
         return Knobs(
             steps=np.int32(self.steps), bisect_steps=np.int32(self.bisect_steps),
             replicas_max=np.int32(self.replicas_max),
-            learning_rate=padded(rates, self.loop_length),
-            penalty_scale=padded(_penalty_scales(self), self.loop_length),
+            learning_rate=padded(rates, loop_length),
+            penalty_scale=padded(_penalty_scales(self), loop_length),
             penalty_weight=np.float32(self.penalty_weight),
             round_robin=np.bool_(self.routing == Routing.round_robin),
             concurrency=padded(self.concurrency_values, length),
@@ -571,14 +577,18 @@ def search(candidates: Candidates, init, settings: Settings,
     )
 
 
-def at_replicas(settings: Settings, replicas: int) -> Knobs:
+def at_replicas(settings: Settings, replicas: int, steps: int | None = None) -> Knobs:
     """The numbers that make ``search`` hold every lane on ``replicas``
     replicas (the box's replica side closed there), through the same
     compiled program: the optimizer moves the concurrency and the token
     budget only, so it minimises the penalty there. No halving: each lattice
     neighbour is one query at ``replicas``, every number of it in ``reach``
-    (its ``metrics`` where it meets the candidate's targets)."""
-    knobs = settings.knobs()
+    (its ``metrics`` where it meets the candidate's targets). ``steps``:
+    optimizer steps, at most ``settings.steps`` where given (the learning rate's decay
+    and the barrier's cooling over those; the per-step arrays keep the
+    settings' length, so the program is the same)."""
+    held = settings if steps is None else settings.replaced(steps=steps)
+    knobs = held.knobs(settings.loop_length)
     r = np.float32(np.log(replicas))
     return knobs._replace(
         bisect_steps=np.int32(0), replicas_max=np.int32(replicas),
