@@ -1082,3 +1082,17 @@ def test_a_long_prompts_busy_period_fills_the_slots():
         assert np.all(np.diff(by_slots) <= 0.0)
         by_prompt = [share([0.1, s], 64.0) for s in np.linspace(1.0, 12.0, 12)]
         assert np.all(np.diff(by_prompt) >= 0.0) and by_prompt[0] < 1e-6
+
+        # a few slots at light load: no busy period fills them (a softplus one
+        # arrival wide read 23 % at one slot, 11 % at two, 1.8 % at four)
+        def light(slots):
+            return float(storm_share(f64([0.03, 0.6]), f64([0.95, 0.05]), f64(3e-4),
+                                     f64(0.01), f64(0.018), f64(slots), f64(0.02),
+                                     f64(0.95)))
+
+        assert max(light(c) for c in (1.0, 2.0, 4.0, 8.0)) < 1e-6
+        # and one that does fills them as the fluid picture says
+        x = 0.95 * 0.05 * (2.0 * 1.2 / 0.5 - (2.0 - 0.5)) / 0.5
+        assert float(storm_share(f64([0.1, 1.2]), f64([0.95, 0.05]), f64(0.5), f64(2.0),
+                                 f64(0.5), f64(2.0), f64(0.5), f64(0.95))
+                     ) == pytest.approx(x / (1.0 + x), rel=1e-2)
