@@ -480,11 +480,11 @@ def slot_queue(state_at, st: State, d_st: State, lam, mean_decodes,
 STORM_SLOTS = 16.0
 """Slots from which ``storm_share``'s smooth excess is one arrival wide
 (``c / STORM_SLOTS`` below): one arrival is a large share of fewer slots.
-One wide at one slot, the seed workload at 0.01 req/s (1.8 % of the slot's
-time busy) read 23 % of arrivals in storms that fill it, and p99 TTFT 8.65 s,
-where the simulator reads 2.57 s (as M/G/1 by hand) and the chain's
-``p_wait`` alone 1.8 %; at 2 and 4 slots 11 % and 1.8 %, where no request
-waits for a slot (``benchmarks/README.md``, "Storms at a few slots")."""
+One wide, arrivals at 0.01 req/s with 1.8 % of a slot's time busy read 23 %
+of them in storms at one slot, 11 % at two and 1.8 % at four, where none
+fills them: seed_chat's p99 TTFT read 11.2 s at one slot and 4.56 s at two,
+where the simulator reads 3.25 s and 36 ms (``benchmarks/README.md``,
+"Storms at a few slots")."""
 
 
 def storm_share(service_s, band_probs, prefill_util, lam, occupancy, slots,
