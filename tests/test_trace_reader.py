@@ -122,6 +122,11 @@ def test_served_tables_by_hand():
     ("t,prompt,output\n0,100,5\n1,1e12,7\n",
      r"\.prompt: length above 10,000,000 tokens .* at line 3"),
     ("t,prompt,output\n0,100,5\n1,x,7\n", r"\.prompt: not a finite number at line 3"),
+    # a length of 500.7 tokens was read as 501, outputs of 0.5 as failed requests
+    ("t,prompt,output\n0,100,5\n1,500.7,7\n",
+     r"\.prompt: not a whole number of tokens at line 3 \('500\.7'\)"),
+    ("t,prompt,output\n0,100,0.5\n1,200,0.5\n",
+     r"\.output: not a whole number of tokens at line 2"),
     ("t,prompt,output\n0,100,5\n1,100,7,9\n", r"Expected 3 fields in line 3, saw 4"),
     ("t,prompt,output\n", r"empty trace"),
 ])

@@ -14,7 +14,8 @@ Traces are CSV (header row) or JSON lines, with columns named in the config,
 read by pandas (quoted fields, a UTF-8 BOM, CRLF line ends). A bare file name
 is a registered public trace (``sweep.data``: a verified local copy, cached,
 or fetched from its origin). Bad content (a non-number, a negative or
-decreasing timestamp, a length above ``MAX_TRACE_TOKENS``, an all-zero length
+decreasing timestamp, a length that is not a whole number of tokens or is
+above ``MAX_TRACE_TOKENS``, an all-zero length
 column, equal timestamps used for arrivals) raises ``ConfigError`` naming the
 column and line. A trace with both lengths also keeps its rows' (prompt,
 output) pairs in recorded order (``WorkloadTables.pairs``) for exact replay.
@@ -213,6 +214,7 @@ def load_trace(trace: Trace, data_dir: str | None = None,
             col = _Column(df, lines, c, path)
             v = _numbers(col)
             col.refuse(v < 0, "negative length")
+            col.refuse(v != np.floor(v), "not a whole number of tokens")
             col.refuse(v > MAX_TRACE_TOKENS,
                        f"length above {MAX_TRACE_TOKENS:,} tokens (the most allowed)")
             if not np.any(v >= 1):
