@@ -114,8 +114,9 @@ class Frame:
         shown = [d for d in row_dims if d != "workload" or ds.sizes[d] > 1]
         if limits:
             # the rejected share named where some point rejects requests
-            rejected = ("rejected_fraction" in ds
-                        and bool((ds["rejected_fraction"] > 0).any()))
+            worst = (float(ds["rejected_fraction"].max())
+                     if "rejected_fraction" in ds else 0.0)
+            rejected = worst > 0
             most = limits.get(REJECTED_LIMIT, 0.0)
             title = (f"cheapest point meeting the p99 SLO (TTFT <= "
                      f"{limits['ttft_p99_s']:g} s, ITL <= "
@@ -123,7 +124,7 @@ class Frame:
                      + (f", rejected <= {most:.4g}" if rejected else "") + ")")
             if rejected:
                 notes.append(
-                    f"rejected: up to {float(ds['rejected_fraction'].max()):.2%} of "
+                    f"rejected: up to {worst:.2%} of "
                     "requests (prompt + output beyond the model's "
                     f"max_context_tokens); slo.max_rejected_fraction = {most:g} "
                     "(workload.overlong=truncate serves them cut)")

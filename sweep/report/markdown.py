@@ -177,12 +177,13 @@ def slo_limits(ds: xr.Dataset, args: argparse.Namespace) -> tuple[dict, str]:
         for name in (*SLO_FIELDS, REJECTED_LIMIT):
             if getattr(args, name) is not None:
                 limits[name] = getattr(args, name)
+        own = cube_slo(ds)
         if not limits:
             source = "the cube's config"
-            limits = cube_slo(ds)
-        elif REJECTED_LIMIT not in limits and REJECTED_LIMIT in cube_slo(ds):
+            limits = own
+        elif REJECTED_LIMIT not in limits and REJECTED_LIMIT in own:
             # p99 limits of the command line, the rejected share of the cube's
-            limits[REJECTED_LIMIT] = cube_slo(ds)[REJECTED_LIMIT]
+            limits[REJECTED_LIMIT] = own[REJECTED_LIMIT]
         ds.sweep.feasible_mask(**limits)  # checks the limits against the cube
     except ValueError as e:
         raise ReportError(f"{source}: {e}") from e
