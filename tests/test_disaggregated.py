@@ -699,6 +699,33 @@ def test_neither_deployment_meets_the_slo_is_one_line_and_exit_3(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
+def test_replicas_max_message_counts_the_capacity(tmp_path):
+    """Ten times one engine's load: the line names about the replicas that
+    carry it. With ``search.replicas_max=64`` the search chooses 11 H100s for
+    200 req/s, which the simulator confirms (p99 TTFT 58 ms), and an H100
+    serves the seed workload at most about 20-28 req/s in the surrogate: the
+    capacity alone needs 7 to 11. It read 859: the utilization, a residence
+    time over the slots, grows with the queue past the capacity."""
+    out = tmp_path / "opt.zarr"
+    proc = run_script("sweep-optimize", [*ONE_ENGINE_SEARCH,
+                                         "workload.arrival_rate_per_s=200",
+                                         f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    m = re.match(r"sweep-optimize: infeasible at search.replicas_max = 1: one replica "
+                 r"would receive 200 req/s, at or past every configuration's capacity "
+                 r"\(the most one serves: ([\d.]+) req/s, at h100_sxm x qwen3_8b x "
+                 r"TP 1, max_num_seqs \d+, max_num_batched_tokens \d+, 1 replica\); "
+                 r"allowed: "
+                 r"search.replicas_max >= (\d+) ", last)
+    assert m, last
+    capacity, fewest = float(m[1]), int(m[2])
+    assert fewest == math.ceil(200 / capacity)
+    assert 7 <= fewest <= 11, last
+    assert not out.exists()
+
+
 # --- the surrogate's pools (sweep.latency.disaggregated.pools) -----------------
 
 

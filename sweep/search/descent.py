@@ -87,10 +87,12 @@ NEIGHBOURS = 4
 METRICS = (*contract.LATENCY, "utilization")
 """Surrogate outputs kept for every evaluated integer configuration."""
 
-REACH = METRICS
+REACH = (*METRICS, "achieved_req_per_s")
 """Surrogate outputs kept at ``replicas_max`` (each lattice neighbour's first
 query), met or not: the best a configuration reaches, and a search held
-there (``at_replicas``) gives every number of its neighbours."""
+there (``at_replicas``) gives every number of its neighbours. Past a
+replica's capacity its achieved rate is that capacity, where the
+utilization, a residence time over the slots, grows with the queue."""
 
 PAD = 8
 """Candidates are stacked in multiples of this: fewer distinct shapes to compile."""

@@ -442,19 +442,26 @@ def _surrogate_infeasible(job: OptimizeJob, res: descent.SearchResult) -> str:
         cand = job.candidates[c]
         return (f"{cand.label}, max_num_seqs {int(res.concurrency[c, r, k])}, "
                 f"max_num_batched_tokens {int(res.token_budget[c, r, k])}, "
-                f"{r_max} replicas")
+                f"{count_text(r_max, 'replica')}")
 
     util = res.reach["utilization"][:n]
     if np.isfinite(util).any() and np.nanmin(util) >= 1.0:
-        i = int(np.nanargmin(util))
-        u = float(util.flat[i])
-        per_replica = job.app.workload.arrival_rate_per_s / r_max
-        return (f"infeasible at search.replicas_max = {r_max}: each of {r_max} "
-                f"replicas would receive {per_replica:.4g} req/s, {u:.3g}x what the "
-                f"least loaded configuration serves ({where(i)}); allowed: "
-                f"search.replicas_max >= {math.ceil(r_max * u):,} (about the "
-                "replicas that keep each below capacity; the SLO needs more), or a "
-                "lower workload.arrival_rate_per_s")
+        # saturated everywhere: each configuration's achieved rate is its
+        # capacity (the utilization past it measures the queue, not the load)
+        served = np.where(np.isfinite(util), res.reach["achieved_req_per_s"][:n],
+                          np.nan)
+        i = int(np.nanargmax(served))
+        capacity = float(served.flat[i])
+        rate = job.app.workload.arrival_rate_per_s
+        per_replica = rate / r_max
+        who = "one replica" if r_max == 1 else f"each of {r_max} replicas"
+        fewest = max(math.ceil(rate / capacity), r_max + 1)
+        return (f"infeasible at search.replicas_max = {r_max}: {who} would "
+                f"receive {per_replica:.4g} req/s, at or past every configuration's "
+                f"capacity (the most one serves: {capacity:.4g} req/s, at "
+                f"{where(i)}); allowed: search.replicas_max >= {fewest:,} (the "
+                "replicas that keep each below capacity; the SLO needs more), or "
+                "a lower workload.arrival_rate_per_s")
     i_itl = int(np.nanargmin(np.where(np.isfinite(itl), itl, np.nan)))
     i_ttft = int(np.nanargmin(np.where(np.isfinite(ttft), ttft, np.nan)))
     best_itl, best_ttft = float(itl.flat[i_itl]), float(ttft.flat[i_ttft])
