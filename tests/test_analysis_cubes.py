@@ -149,7 +149,7 @@ def test_summary_rows_per_scenario(p99):
         seen.add(tuple(sel.values()))
         cell = cost.sel(sel).values
         if np.isnan(cell).all():
-            assert row["max conc."] == "meets no SLO", row
+            assert row["max conc."] == "none fits and meets the SLO", row
             continue
         assert row["USD/1M out"] == f"{np.nanmin(cell):.3f}", row
         # the row's p99s meet the cube's SLO

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import sweep
+from sweep.cube import status
 from sweep.latency.workload import resolve_trace_path
 
 P99 = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s",
@@ -44,6 +45,21 @@ def test_simulated_cube_has_p99_on_latency_axes(simulated):
                                               "saturated", "kv_infeasible",
                                               "unmodelled"]
     assert "cheapest point meeting the p99 SLO" in proc.stdout
+
+
+def test_serving_flags_of_a_p99_cube_need_no_rate(simulated):
+    """An engine's flags are the same at every arrival rate: a point of a p99
+    cube selected without one gets them (it was refused: 'also select
+    arrival_rate_per_s')."""
+    ds, _ = simulated
+    flags = ds.sweep.to_serving_flags(
+        hardware="h100_sxm", tensor_parallel=1, concurrency=16, token_budget=512,
+        batching="continuous", context_tokens=1500)
+    assert flags.cli.startswith("--tensor-parallel-size 1 --max-num-seqs 16 "
+                                "--max-num-batched-tokens 512 "), flags.cli
+    assert flags.cli == ds.sweep.to_serving_flags(
+        hardware="h100_sxm", tensor_parallel=1, concurrency=16, token_budget=512,
+        batching="continuous", context_tokens=1500, arrival_rate_per_s=4.0).cli
 
 
 def test_simulated_slo_met_matches_the_slo_group(simulated):
@@ -105,5 +121,29 @@ def test_surrogate_cube(surrogate_run):
     assert ds.latency_status.attrs["flag_meanings"].split()[3] == "saturated"
     # goodput counts requests meeting the SLO: at most the offered rate
     assert (cont.goodput_req_per_s <= 3.0 * (1 + 1e-5)).all()
-    # closed forms cover continuous batching only
-    assert np.isnan(ds.ttft_p99_s.sel(batching="static").values).all()
+    # closed forms cover continuous batching only, and the status says so
+    static = ds.sel(batching="static")
+    assert np.isnan(static.ttft_p99_s.values).all()
+    assert (static.latency_status & status.UNMODELLED == status.UNMODELLED).all()
+    assert (cont.latency_status & status.UNMODELLED == 0).all()
+
+
+def test_one_slot_decodes_alone_on_a_traces_bursts(tmp_path):
+    """``max_num_seqs=1`` on the code trace's recorded arrivals: one request
+    in the engine at a time, so every gap between its tokens is one decode
+    step of one sequence, no longer than that step at the trace's longest
+    context (7,841 tokens, below the grid's 8,192) and no shorter than at one
+    token: the cube's own roofline ``step_s`` at those contexts (4.89 and
+    5.25 ms). The surrogate read p99 ITL 33.0 ms, a chunk step of another
+    prompt that one slot never admits beside a decode."""
+    proc = helpers.run_script("sweep-grid", [
+        "hardware=h100_sxm", "model=qwen3_8b", "workload=azure_code_2023",
+        "grid.tensor_parallel=[1]", "grid.concurrency=[1]", "grid.token_budget=[8192]",
+        "grid.batching=[continuous]", "grid.context_tokens=[1,8192]",
+        "grid.traffic_tokens_per_day=[1e8]", "grid.arrival_rate_per_s=[0.5]",
+        "latency=surrogate", "calibration=roofline", "out=one.zarr"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ds = sweep.open_cube(tmp_path / "one.zarr").load().squeeze()
+    floor, top = (float(ds.step_s.sel(context_tokens=c)) for c in (1, 8192))
+    assert floor <= float(ds.itl_p50_s) <= float(ds.itl_p99_s) <= top * 1.01, (
+        floor, float(ds.itl_p99_s), top)

@@ -106,6 +106,23 @@ def test_p99_cube_missing_variables_and_replacement(cube_path, tmp_path):  # noq
     assert not mask.values[~p99.slo_met.values].any()
 
 
+def test_a_cube_without_a_feasible_point(cube_path, tmp_path):  # noqa: F811
+    """Static batching of 512 sequences of 1,500 tokens on one GPU: no point
+    fits (an H100 holds 251 of them). The report says why its single-panel
+    charts show the first pair, and the interference chart, with no chunked
+    prefill to draw, says so instead of a legend of nothing (matplotlib's
+    warning, an error here)."""
+    ds = sweep.open_cube(cube_path).load().sel(
+        batching=["static"], concurrency=[512], tensor_parallel=[1])
+    assert not ds.kv_fits.any()
+    out = tmp_path / "rep"
+    report([save(ds, tmp_path / "none.zarr"), "--out", out])
+    md = (out / "report.md").read_text()
+    assert ("single-panel charts show h100_sxm x qwen3_8b (the first pair: no "
+            "point is feasible)") in md
+    check_png(out / "prefill_interference.png")
+
+
 def test_heatmap_boundary_is_drawn():
     # a 2 x 3 region: the boundary has one vertical and one horizontal segment
     from matplotlib.figure import Figure

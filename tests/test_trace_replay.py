@@ -148,8 +148,8 @@ def test_feasibility_holds_the_rejected_share(replayed_run):
     rows = {w: line for line in printed.splitlines() for w in ("tiny_reject",
                                                                "tiny_truncate")
             if w in line}
-    assert "meets no SLO" in rows["tiny_reject"]
-    assert "meets no SLO" not in rows["tiny_truncate"]
+    assert "none fits and meets the SLO" in rows["tiny_reject"]
+    assert "none fits and meets the SLO" not in rows["tiny_truncate"]
     said = " ".join(printed.split())  # wrapped at the terminal's width
     assert "rejected <= 0)" in said and "rejected: up to 100.00% of requests" in said
     limits = {"ttft_p99_s": 1.0, "itl_p99_s": 0.05}
@@ -223,6 +223,30 @@ def test_surrogate_reads_the_stretch_the_simulator_replays(tmp_path):
     # the 6,000-token prompts beyond the stretch are not in it
     assert float(whole.ttft_p99_s) < 2 * alone(200, 20)[0] < alone(6000, 20)[0]
 
+
+
+def test_a_repeat_that_ends_inside_the_trace_is_said(tmp_path):
+    """Six rows, a burst of five one second apart and one 6 s later, replayed
+    as 20 requests: three copies and the first two rows again. A repeat
+    starts one mean gap (2 s) after a copy ends, so the stream's last offset
+    is 3 x 12 + 1 = 37 s: 19 gaps in 37 s against the trace's 5 in 10 s,
+    1.027x the target rate. The cube and the output say so."""
+    rows = [(1_000 * t, 100, 10) for t in (0, 1, 2, 3, 4, 10)]
+    folder = tmp_path / "conf" / "workload"
+    folder.mkdir(parents=True)
+    path = tmp_path / "six.jsonl"
+    path.write_text("".join(json.dumps({"ts_ms": t, "input_length": p,
+                                        "output_length": o}) + "\n"
+                            for t, p, o in rows))
+    (folder / "six.yaml").write_text(WORKLOAD.format(name="six", path=path,
+                                                     overlong="reject"))
+    pace = (19 / 37) / (5 / 10)
+    ds = surrogate(tmp_path, "six", 1.0)
+    note = (f"workload six: the p99s replay the trace's 6 arrivals 3 times, then "
+            f"its first 2 again, at {pace:.3f}x the target rate; a "
+            "latency.num_requests that is a multiple of 6 replays it at the "
+            "target rate")
+    assert ds.attrs["trace_replay"] == note
 
 
 def test_every_request_beyond_the_context(replayed, tmp_path):

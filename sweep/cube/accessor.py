@@ -428,6 +428,9 @@ class SweepAccessor:
         ds = self._ds
         if is_optimize(ds):  # one candidate's answer: its variables only
             ds = ds[[v for v in ds.data_vars if ds[v].dims == ("candidate",)]]
+        if "arrival_rate_per_s" in ds.dims and "arrival_rate_per_s" not in sel:
+            # the p99 figures vary with the rate, an engine's settings do not
+            ds = ds.drop_dims("arrival_rate_per_s")
         pt = ds.sel(sel)
         open_dims = [d for d, n in pt.sizes.items() if n > 1]
         if open_dims:

@@ -4,8 +4,8 @@ A status is an int32 bit mask: 0 is ok, and each set bit says one thing
 about how the figures were obtained (the CF convention for independent flags,
 ``flag_masks`` with ``flag_meanings``, CF Conventions 1.11, sec. 3.5). The
 simulator sets ``RAN_OUT``, ``OVERSIZE``, ``SLOTS_SHORT`` and ``UNMODELLED``
-(a point it does not model); the surrogate sets ``SATURATED`` and
-``KV_INFEASIBLE``. The cube's ``latency_status``
+(a point it does not model); the surrogate sets ``SATURATED``,
+``KV_INFEASIBLE`` and ``UNMODELLED``. The cube's ``latency_status``
 variable carries ``cf_attrs()``.
 """
 
@@ -32,8 +32,9 @@ FLAGS: dict[int, tuple[str, str]] = {
     KV_INFEASIBLE: ("kv_infeasible", "not one average request's KV fits beside the "
                     "weights"),
     UNMODELLED: ("unmodelled", "this latency model does not cover the point "
-                 "(the simulator: disaggregated pools without continuous "
-                 "batching); metrics are NaN"),
+                 "(the surrogate: batching other than continuous; the "
+                 "simulator: disaggregated pools without continuous batching); "
+                 "metrics are NaN"),
 }
 """bit -> (name, message)."""
 

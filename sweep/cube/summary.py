@@ -38,6 +38,10 @@ from sweep.cube.reduce import least_in, position
 from sweep.grid.plan import LOAD_POINTS
 
 MAX_ROWS = 60
+NONE_MEETS = "none fits and meets the SLO"
+"""A row without a feasible point: a point must both fit (``kv_fits``: its
+concurrency at ``context_tokens`` beside the weights) and meet the SLO, so a
+point the p99s alone would pass can still be left out."""
 COLUMNS = tuple(sorted((m for m in contract.METRICS if m.column),
                        key=lambda m: (contract.SPEED, contract.COST).index(
                            m.column.section)))
@@ -178,7 +182,7 @@ class Frame:
                 head = [str(h), str(m), *(_fmt(d, pt[d].values) for d in self.shown)]
                 if np.isnan(pt["cost_per_mtok_out_usd"]):
                     table.add_row(*head, *[""] * (len(self.cols) - len(head) - 1),
-                                  "meets no SLO" if self.limits else "does not fit")
+                                  NONE_MEETS if self.limits else "does not fit")
                     continue
                 table.add_row(*head,
                               *(_fmt(d, pt[f"best_{d}"].values) for d in self.config),

@@ -37,7 +37,11 @@ from sweep.grid.evaluate import Part, blocking, iterate_blocks
 from sweep.grid.plan import grid_plan
 from sweep.grid.writer import BlockWriter
 from sweep.latency import p99
-from sweep.latency.arrivals import recorded_arrivals, replay_coverage
+from sweep.latency.arrivals import (
+    recorded_arrivals,
+    replay_coverage,
+    replay_repeat,
+)
 from sweep.latency.prefix_cache import Streams, padded_curves
 from sweep.latency.workload import WorkloadTables, workload_tables
 from sweep.model import batching, precision
@@ -271,18 +275,25 @@ def replay_notes(app: GridApp, workloads: list, tables: list[WorkloadTables]
                  ) -> list[str]:
     """A line per workload whose p99s replay only part of its trace's recorded
     arrivals (``arrivals.replay_coverage``: both backends read the first
-    ``latency.num_requests``), naming the setting that replays all of it."""
+    ``latency.num_requests``), naming the setting that replays all of it, or
+    end inside a repeat of it (``arrivals.replay_repeat``), at a pace of its
+    own."""
     if app.latency.method == LatencyMethod.none:
         return []
     n = app.latency.num_requests
     notes = []
     for w, t in zip(workloads, tables):
-        part = replay_coverage(w, t, n)
+        part, repeat = replay_coverage(w, t, n), replay_repeat(w, t, n)
         if part is not None:
             rows = len(recorded_arrivals(w, t))
             notes.append(f"workload {w.name}: the p99s replay {part}, and its bursts "
                          f"outside them are not in them; latency.num_requests={rows} "
                          "replays all of it")
+        elif repeat is not None:
+            rows = len(recorded_arrivals(w, t))
+            notes.append(f"workload {w.name}: the p99s replay {repeat}; a "
+                         f"latency.num_requests that is a multiple of {rows} "
+                         "replays it at the target rate")
     return notes
 
 

@@ -162,6 +162,21 @@ def recorded_arrivals(workload: Workload, tables: WorkloadTables) -> np.ndarray 
     return tables.pair_arrival_s if exact else tables.trace_arrival_s
 
 
+def replay_repeat(workload: Workload, tables: WorkloadTables,
+                  num_requests: int) -> str | None:
+    """Where a stream of ``num_requests`` repeats a trace's recorded arrivals
+    and ends inside a copy, what it replays: "the trace's N arrivals, then
+    its first K again, at P x the target rate" (``stretch_pace``: the rows
+    repeated may be busier or quieter than the whole). None otherwise."""
+    t = recorded_arrivals(workload, tables)
+    if t is None or num_requests <= len(t) or num_requests % len(t) == 0:
+        return None
+    copies, extra = divmod(num_requests, len(t))
+    times = "" if copies == 1 else f" {copies} times"
+    return (f"the trace's {len(t):,} arrivals{times}, then its first {extra:,} "
+            f"again, at {stretch_pace(t, num_requests):.3f}x the target rate")
+
+
 def replay_coverage(workload: Workload, tables: WorkloadTables,
                     num_requests: int) -> str | None:
     """Where a stream of ``num_requests`` replays only part of a trace's

@@ -241,11 +241,14 @@ class SurrogatePoint:
         else:
             r, elasticity = figures(hardware)[1], {}
         r["rejected_fraction"] = rejected
-        ok = fits & is_continuous(batching)
+        continuous = is_continuous(batching)
+        ok = fits & continuous
         served_any = rejected < 1.0
         # a saturated point's p99 grows without bound: no elasticity
         steady = ok & served_any & (r["status"] == flags.OK)
-        out = _summary(r, slo, ok, r["status"])
+        # the closed forms describe continuous batching only
+        out = _summary(r, slo, ok, r["status"] | jnp.where(
+            continuous, flags.OK, flags.UNMODELLED))
         # every request beyond the context: no figure but the share rejected
         # (1), as the simulator gives
         out = {k: v if k == "rejected_fraction" or v.dtype.kind != "f"

@@ -264,6 +264,16 @@ def focus(best: xr.Dataset, args: argparse.Namespace) -> tuple[str, str]:
     return h, m
 
 
+def why_focus(best: xr.Dataset, args: argparse.Namespace) -> str:
+    """Why ``focus`` chose its pair, in words."""
+    if args.hardware and args.model:
+        return "as asked"
+    if not np.isfinite(best["cost_per_mtok_out_usd"].values).any():
+        return "the first pair: no point is feasible"
+    asked = ", as asked" if args.hardware or args.model else ""
+    return f"the cheapest feasible pair{asked}"
+
+
 def serving_line(ds: xr.Dataset, best: xr.Dataset, h: str, m: str) -> str:
     """vLLM flags of the best point of ``h`` x ``m`` (a markdown line)."""
     pt = best.sel(hardware=h, model=m)
@@ -379,8 +389,7 @@ def write_cube_report(ds: xr.Dataset, path: Path, out: Path,
            "1M output tokens) among those that fit; ties go to the first value",
            f"- feasible means: {criterion}"
            + (f" (p99 limits from {limits_from})" if limits else ""),
-           f"- single-panel charts show {h} x {m} (the cheapest feasible pair"
-           f"{', as asked' if args.hardware or args.model else ''})",
+           f"- single-panel charts show {h} x {m} ({why_focus(best, args)})",
            *(f"- {line}" for line in ds.attrs.get("trace_replay", "").splitlines()),
            "",
            "## Cheapest feasible configuration per hardware x model", "", table, "",

@@ -398,22 +398,28 @@ def prefill_interference(ds: xr.Dataset, hardware: str, model: str) -> Figure:
     for ax, name in zip(axes, ("long_prefill_s", "long_prefill_worst_itl_s")):
         ms = name.endswith("itl_s")
         ax.set_title(ds[name].attrs.get("long_name", name), fontsize=10)
+        lines = 0
         for k, n in enumerate(conc):
             color = cmap(k / max(1, len(conc) - 1))
             y = v[name].sel(concurrency=n).values * (1e3 if ms else 1)
             if not np.isfinite(y).any():
                 continue
+            lines += 1
             ax.plot(budgets, y, marker="o", ms=3, color=color, label=f"{n:g}")
             if ms:
                 ax.axhline(float(np.nanmax(v["step_s"].sel(concurrency=n))) * 1e3,
                            color=color, ls=":", lw=1)
+        if not lines:  # chunked prefill is continuous batching's
+            _empty(ax, "no point prefills in chunks (continuous batching)")
+            continue
         _log2_ticks(ax, budgets)
         _log(ax)
         ax.grid(True, which="both", alpha=0.3)
         ax.set_xlabel(label(ds["token_budget"]))
         ax.set_ylabel(label(ds[name], scale_ms=ms))
-    axes[0].legend(title=ds["concurrency"].attrs.get("long_name", "concurrency"),
-                   fontsize=7, title_fontsize=7)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(title=ds["concurrency"].attrs.get("long_name", "concurrency"),
+                       fontsize=7, title_fontsize=7)
     _title(fig, f"Chunked-prefill interference: a {format_value(prompt)}-token prompt "
            f"arrives while the others decode ({hardware}, {model})",
            "dotted: ITL without the long prompt; " + tp_note + _notes(ds))

@@ -27,7 +27,8 @@ and service; decode time: a request's ``(O - 1)`` gaps). It is raised by
 ``MIXED_SHARE_MARGIN``: p99 ITL jumps from a decode step to a chunk step where
 that share crosses 1 %, and there the estimate is not that exact (the
 simulator's share was 6-8 % above it in two probes, ``benchmarks/README.md``),
-so it errs towards the jump.
+so it errs towards the jump. With one slot no prompt is prefilled beside a
+decoding request: no gap is a mixed step.
 
 **E2E** per (prompt band, output band), with their joint probabilities: the
 band's TTFT law shifted by ``(O - 1)`` mean gaps of a decoding request
@@ -315,7 +316,12 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
             probs @ smooth_min(gaps, n_q, 0.01 * n_q + 1e-12), st.prefill_util * n),
             ahead)
     carried = 1.0 + (1.0 - queued) * ahead
-    mixed = jnp.minimum(
+    # another prompt is prefilled beside a decoding request only in a second
+    # slot: with one, every gap is a decode step (on the code trace's bursts
+    # at one slot the chunk steps read p99 ITL 40.5 ms where every step was
+    # one sequence's decode, 6.4 ms)
+    beside = jnp.clip(slots - 1.0, 0.0, 1.0)
+    mixed = beside * jnp.minimum(
         MIXED_SHARE_MARGIN * carried * st.prefill_steps_per_s / st.steps_per_s, 1.0)
     if handover is not None:
         # a request handed over by a prefill instance waits for the step in
@@ -387,7 +393,8 @@ def itl_law(hw, model, tp, wl, st: State, d_pre: Prefill, n, slots, spec_tokens,
             # hand-over, a uniform share of a step before its own
             late = first_gap(t[:, None], False, kernels)[0]
             first = handover * decoding * jnp.maximum(late - q_dec, 0.0)
-        return (1.0 - mixed) * q_dec, smooth_min(steps_over, 1.0, 0.05), first
+        return ((1.0 - mixed) * q_dec, beside * smooth_min(steps_over, 1.0, 0.05),
+                first)
 
     hi = jnp.maximum(jnp.max(dec + 40.0 * dec_scale),
                      jnp.max(ramps.f2 + 40.0 * ramp_scale))
