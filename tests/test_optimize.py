@@ -83,6 +83,15 @@ def test_run_writes_dataset_and_flags(optimize_run):
     assert "--num-prompts 200 " in bench and "--goodput ttft:1000 tpot:50 " in bench
     for key in ("sweep_version", "config_yaml", "created_utc", "seed", "log"):
         assert key in a
+    # max_num_seqs above the KV's requests of the mean context (1,500 + 360
+    # tokens) is said: by hand, TP x 0.9 x 80 GB less Qwen3-8B's bf16 weights
+    # over 36 layers x 8 KV heads x 128 x (K, V) at the KV dtype's bytes
+    kv_token = 36 * 8 * 128 * 2 * (1 if a["chosen_kv_dtype"] == "fp8" else 2)
+    held = int((a["chosen_tensor_parallel"] * 0.9 * 80e9 - 2 * 8.19e9)
+               / kv_token // 1860)
+    assert ("note: max_num_seqs" in proc.stdout) == (a["chosen_concurrency"] > held)
+    if a["chosen_concurrency"] > held:
+        assert f"the KV cache holds about {held:,} requests" in proc.stdout
     # cost by hand: replicas x TP x USD 4.29/h over 3 req/s x 360 tokens
     gpus = a["chosen_replicas"] * a["chosen_tensor_parallel"]
     assert a["chosen_cost_per_mtok_out_usd"] == pytest.approx(

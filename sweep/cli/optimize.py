@@ -169,6 +169,8 @@ def _optimize_app(cfg: DictConfig) -> None:
                           f"{optimize.serving_flags(job, chosen, name)}", markup=False)
             for note in optimize.serving_notes(job, chosen, name):
                 console.print(f"  note: {note}", markup=False, soft_wrap=True)
+        if note := optimize.kv_note(job, chosen):
+            console.print(f"note: {note}", markup=False, soft_wrap=True)
         console.print(f"check on one replica: {optimize.bench_command(job, chosen)}",
                       markup=False, soft_wrap=True)
     if split is not None:

@@ -1089,6 +1089,24 @@ def _draft_hf_id(cand: Candidate) -> str:
     return cand.model.draft.hf_id or cand.model.draft.name
 
 
+def kv_note(job: OptimizeJob, c: Config) -> str | None:
+    """A line where ``max_num_seqs`` is above the requests of the workload's
+    mean context (prompt + output) the KV cache holds: a grid point at that
+    concurrency does not fit (``kv_fits``: every sequence at its context at
+    once), an engine's ``max_num_seqs`` only caps admission. None otherwise."""
+    hw, model, tp = _stacked(job, [job.candidates[c.candidate]])
+    tokens = float(jax.vmap(roofline.kv_capacity_tokens)(hw, model, tp)[0])
+    context = job.tables.mean_prompt_tokens + job.tables.mean_output_tokens
+    held = int(tokens // context)
+    if c.concurrency <= held:
+        return None
+    return (f"max_num_seqs {c.concurrency} caps admission: the KV cache holds "
+            f"about {held:,} requests of the workload's mean context ({context:,.0f} "
+            "tokens), and the engine admits by free KV blocks, as the simulation "
+            "did (a sweep-grid point at this concurrency does not fit: kv_fits "
+            "counts every sequence at its context at once)")
+
+
 def bench_command(job: OptimizeJob, c: Config) -> str:
     """The ``vllm bench serve`` run that checks ``c`` on one real replica; with
     prefix caching its prompts share the cached prefix of the mean prompt at
