@@ -93,7 +93,8 @@ def test_report_on_p99_cubes(p99, tmp_path):
         if plots.applies(ds, chart):
             check_png(out / chart.file)
     md = (out / "report.md").read_text()
-    assert ("ttft_p99_s <= 1 s & itl_p99_s <= 0.05 s & rejected_fraction <= 0 (p99 "
+    assert ("ttft_p99_s <= 1 s & itl_p99_s <= 0.05 s & not saturated & "
+            "rejected_fraction <= 0 (p99 "
             "limits from the cube's config)") in md
     assert "Skipped charts" not in md
     # the simulated cube replays part of its trace, and the report says so

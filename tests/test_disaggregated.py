@@ -954,6 +954,29 @@ P99_RATE, P99_REQUESTS = 8.0, 200
 
 
 @pytest.mark.slow
+def test_a_saturated_pool_meets_no_slo(tmp_path):
+    """One decode instance of the seed at 20 req/s: it serves 64 sequences
+    per 359 decode steps of 9.1 ms (about 19.6 req/s), below the rate. The
+    surrogate flags the point saturated; its p99s read within the SLO, and
+    it was counted as meeting it (and offered as the cheapest feasible
+    point). A queue that grows without bound meets no p99 SLO."""
+    from sweep.cube import status
+
+    out = tmp_path / "sat.zarr"
+    proc = run_script("sweep-grid", [
+        "experiment=seed", "grid.disaggregated=[true]", "grid.prefill_instances=[1]",
+        "grid.decode_instances=[1]", f"grid.concurrency=[{N}]",
+        f"grid.token_budget=[{BUDGET}]", "grid.batching=[continuous]",
+        "grid.arrival_rate_per_s=[20]", "grid.traffic_tokens_per_day=[1e7]",
+        "latency=surrogate", f"out={out}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pt = sweep.open_cube(out).load().squeeze()
+    assert int(pt.latency_status) & status.SATURATED
+    assert not bool(pt.slo_met)
+    assert "none fits and meets the SLO" in proc.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["simulate", "surrogate"])
 def test_grid_p99_of_disaggregated_points(tmp_path, method):
     """``sweep-grid latency=…`` over ``grid.disaggregated=[false,true]`` in

@@ -118,10 +118,15 @@ def read_steps(path: str, hardware: str, max_tp: int) -> StepTable:
             row = int(np.flatnonzero(bad)[0])
             kind = "a number" if name == "seconds" else "an integer"
             raise _refuse(path, f"row {row + 2} {name}",
-                          f"{frame[name].iloc[row]!r}; allowed: {kind} in "
+                          f"{_plain(frame[name].iloc[row])!r}; allowed: {kind} in "
                           f"[{low:g}, {high:g}]")
         cols[name] = x
     return StepTable(str(path), **cols)
+
+
+def _plain(value):
+    """A cell as Python holds it: a NumPy scalar's repr names its type."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _percentiles(x: np.ndarray) -> tuple[float, float]:

@@ -49,6 +49,7 @@ import xarray as xr
 import yaml
 
 from sweep.cube import contract, engines, reduce
+from sweep.cube.status import SATURATED
 from sweep.model import batching
 from sweep.search import pareto
 
@@ -66,10 +67,10 @@ REJECTED_LIMIT = "max_rejected_fraction"
 what an SLO bounds besides its p99s."""
 REJECTED_DEFAULT = 0.0
 """That limit where an SLO does not set it (the config's default)."""
-MASK_VARIABLES = ("kv_fits", *SLO_FIELDS, "rejected_fraction", "step_s",
-                  "prefill_tokens_per_s", "mean_prompt_tokens")
+MASK_VARIABLES = ("kv_fits", *SLO_FIELDS, "rejected_fraction", "latency_status",
+                  "step_s", "prefill_tokens_per_s", "mean_prompt_tokens")
 """What ``feasible_mask`` reads: the KV check, the SLO metrics or their
-proxies, the rejected share."""
+proxies, the rejected share, the latency status."""
 
 
 def is_optimize(ds: xr.Dataset) -> bool:
@@ -262,6 +263,11 @@ class SweepAccessor:
             value, what = self._latency(name)
             mask = mask & (value <= limit)
             criteria.append(f"{what} <= {limit:g} s")
+        if limits and "latency_status" in ds:
+            # past its capacity a point's queue grows without bound: no p99
+            # limit holds in steady state, whatever its figures read
+            mask = mask & ((ds["latency_status"] & SATURATED) == 0)
+            criteria.append("not saturated")
         if rejected is not None and "rejected_fraction" in ds:
             mask = mask & (ds["rejected_fraction"] <= rejected)
             criteria.append(f"rejected_fraction <= {rejected:g}")

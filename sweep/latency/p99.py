@@ -95,8 +95,12 @@ DIMS = contract.dims(contract.P99)
 def _summary(r, slo, kv_ok, ok_status):
     """The cube's p99 variables from a latency model's outputs ``r`` (keys:
     ``Metric.key``); ``slo`` = (p99 TTFT, p99 ITL, rejected fraction)."""
+    # past the capacity a queue grows without bound: no p99 is met in steady
+    # state, whatever a pool's figures read (a decode pool at 1.02x its
+    # capacity read p99s within the SLO)
     met = ((r["ttft_p99_s"] <= slo[0]) & (r["itl_p99_s"] <= slo[1])
-           & (r["rejected_fraction"] <= slo[2]))
+           & (r["rejected_fraction"] <= slo[2])
+           & ((ok_status & flags.SATURATED) == 0))
     out = {m.name: jnp.where(kv_ok, r[m.key], jnp.nan)
            for m in contract.metrics(contract.P99) if m.dtype == "float32"}
     out["slo_met"] = met & kv_ok
