@@ -284,13 +284,14 @@ def replay_notes(app: GridApp, workloads: list, tables: list[WorkloadTables]
     notes = []
     for w, t in zip(workloads, tables):
         part, repeat = replay_coverage(w, t, n), replay_repeat(w, t, n)
+        if part is None and repeat is None:
+            continue
+        rows = len(recorded_arrivals(w, t))
         if part is not None:
-            rows = len(recorded_arrivals(w, t))
             notes.append(f"workload {w.name}: the p99s replay {part}, and its bursts "
                          f"outside them are not in them; latency.num_requests={rows} "
                          "replays all of it")
-        elif repeat is not None:
-            rows = len(recorded_arrivals(w, t))
+        else:
             notes.append(f"workload {w.name}: the p99s replay {repeat}; a "
                          f"latency.num_requests that is a multiple of {rows} "
                          "replays it at the target rate")

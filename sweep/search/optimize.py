@@ -127,6 +127,7 @@ class Candidate:
     # its EAGLE-3 head's there, else none
     spec_proposer: str = "ngram"
     spec_acceptance: float = 0.0  # the proposer's (search.spec_acceptance)
+    kv_tokens: float = 0.0  # KV tokens the memory holds beside the weights
 
     @property
     def label(self) -> str:
@@ -246,7 +247,8 @@ def prepare(app: OptimizeApp, hardware: list[Hardware],
                                                             float(tp)))
                     # each running request holds k more KV slots for its proposals
                     c = Candidate(calibration.hardware_for(h, choice), mk, int(tp),
-                                  int(k), proposer, s.acceptance.get(proposer, 0.0))
+                                  int(k), proposer, s.acceptance.get(proposer, 0.0),
+                                  cap)
                     if cap >= request_kv + k:
                         keep.append(c)
                     else:
@@ -1093,11 +1095,12 @@ def kv_note(job: OptimizeJob, c: Config) -> str | None:
     """A line where ``max_num_seqs`` is above the requests of the workload's
     mean context (prompt + output) the KV cache holds: a grid point at that
     concurrency does not fit (``kv_fits``: every sequence at its context at
-    once), an engine's ``max_num_seqs`` only caps admission. None otherwise."""
-    hw, model, tp = _stacked(job, [job.candidates[c.candidate]])
-    tokens = float(jax.vmap(roofline.kv_capacity_tokens)(hw, model, tp)[0])
+    once), an engine's ``max_num_seqs`` only caps admission; each request
+    holds its proposals' slots too, as ``prepare`` counts them. None
+    otherwise."""
+    cand = job.candidates[c.candidate]
     context = job.tables.mean_prompt_tokens + job.tables.mean_output_tokens
-    held = int(tokens // context)
+    held = int(cand.kv_tokens // (context + cand.spec_tokens))
     if c.concurrency <= held:
         return None
     return (f"max_num_seqs {c.concurrency} caps admission: the KV cache holds "
